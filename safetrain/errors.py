@@ -1,0 +1,44 @@
+"""The exceptions safetrain raises: one root, one subclass per kind of bad input or outcome."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "SafetrainError",
+    "ConfigError",
+    "BatchError",
+    "SnapshotError",
+    "TrainingAborted",
+]
+
+
+class SafetrainError(Exception):
+    """Root of every exception safetrain raises on purpose; catch this to catch them all."""
+
+
+class ConfigError(SafetrainError, ValueError):
+    """A configuration file, key or value is wrong; the message names the key, the value and what is allowed."""
+
+
+class BatchError(SafetrainError, ValueError):
+    """A batch holds non-finite values under ``sanitize.*: raise``, or has a shape the engine cannot use."""
+
+
+class SnapshotError(SafetrainError):
+    """A snapshot cannot be taken, written or loaded; the message names the file and what is wrong."""
+
+
+class TrainingAborted(SafetrainError):
+    """Training stopped under the recovery policy.
+
+    Args:
+        message: why the run stopped.
+        result: the ``FitResult`` as it stood when the run stopped (``None`` outside ``fit``).
+        event: the event that ended the run.
+    """
+
+    def __init__(self, message: str, result: Any = None, event: Any = None) -> None:
+        super().__init__(message)
+        self.result = result
+        self.event = event
