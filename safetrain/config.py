@@ -476,8 +476,10 @@ def _owner(cfg: Any, dotted: str) -> type:
 
 
 def _check_value(dotted: str, tp: Any, rules: Mapping[str, Any], value: Any) -> None:
+    described = _describe(tp)
+
     def fail() -> None:
-        raise _KeyedError(dotted, f"got {value!r}; expected {_describe(tp)}{_range_text(rules)}")
+        raise _KeyedError(dotted, f"got {value!r}; expected {described}{_range_text(rules)}")
 
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (Union, types.UnionType) and type(None) in args:
