@@ -1,0 +1,113 @@
+"""The recovery policy as tables: (sequence of step outcomes) -> (actions taken). No torch."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from safetrain import load_config
+from safetrain.policy import History, decide, observe_healthy
+
+
+def run(outcomes, overrides=()):
+    """Feed a sequence of outcomes ('ok' or an anomaly kind) and collect the actions taken."""
+    cfg = load_config(None, list(overrides))
+    history, actions = History(), []
+    for outcome in outcomes:
+        if outcome == "ok":
+            history, changed = observe_healthy(history, cfg.recovery)
+            actions.append("ok" if changed is None else f"lr->{changed:g}")
+        else:
+            decision, history = decide(outcome, history, cfg.recovery, cfg.sanitize)
+            actions.append(decision.action)
+    return actions, history
+
+
+LADDER = [
+    # (name, overrides, outcomes, expected actions)
+    ("first action per kind",
+     [], ["loss"], ["skip_batch"]),
+    ("gradient zeroes grads first",
+     [], ["gradient"], ["zero_grads"]),
+    ("weights restore first",
+     [], ["weights"], ["restore"]),
+    ("default ladder climbs skip->restore->scale_lr, then repeats scale_lr, then aborts",
+     ["recovery.max_retries=4"], ["loss"] * 6,
+     ["skip_batch", "restore", "scale_lr", "scale_lr", "scale_lr", "abort"]),
+    ("max_retries=0 aborts at the second anomaly",
+     ["recovery.max_retries=0"], ["loss", "loss"], ["skip_batch", "abort"]),
+    ("kinds share one ladder",
+     [], ["loss", "gradient", "spike"], ["skip_batch", "restore", "scale_lr"]),
+    ("a few healthy steps do not reset the ladder",
+     ["recovery.reset_after=3"], ["loss", "ok", "ok", "loss"], ["skip_batch", "ok", "ok", "restore"]),
+    ("reset_after healthy steps in a row reset it",
+     ["recovery.reset_after=3"], ["loss", "ok", "ok", "ok", "loss"], ["skip_batch", "ok", "ok", "ok", "skip_batch"]),
+    ("custom escalation",
+     ["recovery.escalate=[skip_batch,restore]", "recovery.max_retries=3"], ["spike"] * 5,
+     ["skip_batch", "skip_batch", "restore", "restore", "abort"]),
+    ("warn never climbs",
+     ["recovery.actions.grad_norm=warn", "recovery.max_retries=1"], ["grad_norm"] * 4, ["warn"] * 4),
+    ("bad input rows never climb the ladder",
+     ["recovery.max_retries=0"], ["input"] * 3, ["drop_rows"] * 3),
+    ("bad targets skip without climbing",
+     ["recovery.max_retries=0"], ["target", "target"], ["skip_batch", "skip_batch"]),
+    ("sanitize raise is an abort",
+     ["sanitize.inputs=raise"], ["input"], ["abort"]),
+    ("strict: abort at once",
+     ["recovery.actions.loss=abort"], ["loss"], ["abort"]),
+    ("skip fraction: 3 of 4 recent steps skipped is more than half",
+     ["recovery.skip_window=4", "recovery.max_skip_fraction=0.5", "sanitize.inputs=skip_batch"],
+     ["input", "ok", "input", "input"], ["skip_batch", "ok", "skip_batch", "abort"]),
+    ("skip fraction: exactly the fraction is allowed",
+     ["recovery.skip_window=4", "recovery.max_skip_fraction=0.5", "sanitize.inputs=skip_batch"],
+     ["input", "ok", "input", "ok", "ok"], ["skip_batch", "ok", "skip_batch", "ok", "ok"]),
+    ("trained actions do not count as skipped",
+     ["recovery.skip_window=2", "recovery.max_skip_fraction=0.5"], ["input", "input", "input"], ["drop_rows"] * 3),
+    ("lr climbs back after lr_restore_after healthy steps",
+     ["recovery.lr_restore_after=2", "recovery.escalate=[scale_lr]", "recovery.actions.loss=scale_lr"],
+     ["loss", "ok", "ok", "ok", "ok"], ["scale_lr", "ok", "lr->1", "ok", "ok"]),
+]
+
+
+@pytest.mark.parametrize("name,overrides,outcomes,expected", LADDER, ids=[row[0] for row in LADDER])
+def test_ladder(name, overrides, outcomes, expected):
+    actions, _ = run(outcomes, overrides)
+    assert actions == expected, name
+
+
+def test_lr_scale_compounds_and_is_in_the_decision():
+    cfg = load_config(None, ["recovery.escalate=[scale_lr]", "recovery.lr_factor=0.1", "recovery.max_retries=9"])
+    history, scales = History(), []
+    for _ in range(3):
+        decision, history = decide("loss", history, cfg.recovery, cfg.sanitize)
+        scales.append(decision.lr_scale)
+        assert decision.restore == (decision.action in ("restore", "scale_lr")), decision
+    assert scales == pytest.approx([1.0, 0.1, 0.01])
+    assert history.lr_scale == pytest.approx(0.01)
+
+
+def test_decision_says_why():
+    cfg = load_config(None, ["recovery.max_retries=1"])
+    history = History()
+    for _ in range(2):
+        _, history = decide("loss", history, cfg.recovery, cfg.sanitize)
+    decision, _ = decide("loss", history, cfg.recovery, cfg.sanitize)
+    assert decision.action == "abort" and decision.rung == 3
+    assert "3 anomalous steps in a row, more than recovery.max_retries=1" in decision.reason
+
+
+def test_history_round_trips_through_json_form():
+    _, history = run(["loss", "ok", "input", "loss"], ["recovery.escalate=[scale_lr]"])
+    assert History.from_dict(history.to_dict()) == history
+    assert history.lr_scale == 0.5 and history.consecutive == 2
+
+
+def test_policy_imports_no_torch():
+    import subprocess
+    from pathlib import Path
+
+    policy = Path(__file__).resolve().parents[2] / "safetrain" / "policy.py"
+    code = f"import runpy, sys; runpy.run_path({str(policy)!r}); sys.exit(int('torch' in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, f"policy.py imported torch: {proc.stderr}"
