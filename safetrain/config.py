@@ -134,6 +134,9 @@ class GuardConfig:
     scheduler_follows: Literal["optimizer", "batch"] = _f(
         "optimizer", "optimizer: the LR scheduler steps only when the optimizer did; batch: on every batch seen"
     )
+    scheduler_interval: Literal["step", "epoch"] = _f(
+        "step", "step the LR scheduler after every optimizer step, or once per epoch (ReduceLROnPlateau gets the mean loss)"
+    )
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,80 @@
+"""LR backoff under every common scheduler: after one backoff the LR is exactly factor x schedule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.optim import lr_scheduler as S
+
+from safetrain.lr import LRBackoff
+
+
+def make(kind):
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    opt.param_groups[0]["lr"] = 0.1
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.03})
+    sched = {
+        "StepLR": lambda: S.StepLR(opt, step_size=3, gamma=0.5),
+        "ExponentialLR": lambda: S.ExponentialLR(opt, gamma=0.9),
+        "CosineAnnealingLR": lambda: S.CosineAnnealingLR(opt, T_max=10, eta_min=0.001),
+        "LambdaLR": lambda: S.LambdaLR(opt, lambda s: 1.0 / (1 + s)),
+        "OneCycleLR": lambda: S.OneCycleLR(opt, max_lr=[0.5, 0.2], total_steps=40),
+        "SequentialLR": lambda: S.SequentialLR(
+            opt, [S.LinearLR(opt, start_factor=0.1, total_iters=5), S.CosineAnnealingLR(opt, T_max=20)], milestones=[5]
+        ),
+        "ReduceLROnPlateau": lambda: S.ReduceLROnPlateau(opt, factor=0.5, patience=1),
+    }[kind]()
+    return opt, sched
+
+
+def metric(i):
+    return 1.0  # never improves: plateau fires repeatedly
+
+
+KINDS = ["StepLR", "ExponentialLR", "CosineAnnealingLR", "LambdaLR", "OneCycleLR", "SequentialLR", "ReduceLROnPlateau"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_backoff_holds_under_scheduler(kind):
+    plain_opt, plain_sched = make(kind)
+    opt, sched = make(kind)
+    backoff = LRBackoff(opt)
+    factor = 0.25
+    for i in range(30):
+        if i == 4:
+            backoff.set_scale(factor)
+        args = (metric(i),) if kind == "ReduceLROnPlateau" else ()
+        plain_opt.step()
+        opt.step()
+        plain_sched.step(*args)
+        backoff.step(sched, *args)
+        expected = [g["lr"] * (factor if i >= 4 else 1.0) for g in plain_opt.param_groups]
+        assert backoff.lrs() == pytest.approx(expected, rel=1e-12), f"{kind} step {i}"
+
+
+def test_min_lr_is_a_floor_for_backoff_only():
+    opt, sched = make("ExponentialLR")
+    backoff = LRBackoff(opt, min_lr=0.02)
+    backoff.set_scale(0.01)
+    assert backoff.lrs() == pytest.approx([0.02, 0.02]), "backoff never goes below min_lr"
+    for _ in range(40):
+        opt.step()
+        backoff.step(sched)
+    # The schedule alone has gone below min_lr (0.1 * 0.9**40 = 0.0015): we do not raise it.
+    assert backoff.lrs() == pytest.approx([0.1 * 0.9**40, 0.03 * 0.9**40])
+
+
+def test_state_round_trip_keeps_current_scale():
+    opt, sched = make("StepLR")
+    backoff = LRBackoff(opt)
+    for _ in range(3):
+        opt.step()
+        backoff.step(sched)
+    saved = backoff.state_dict()
+    backoff.set_scale(0.5)
+    for _ in range(3):
+        opt.step()
+        backoff.step(sched)
+    backoff.load_state_dict({"unscaled": saved["unscaled"]})
+    assert backoff.scale == 0.5
+    assert backoff.lrs() == pytest.approx([x * 0.5 for x in saved["unscaled"]])
