@@ -1,0 +1,63 @@
+"""Loss-spike detection on robust statistics of recent healthy losses; pure Python, no torch.
+
+A spike is a finite loss more than ``zscore`` robust standard deviations above the median of the
+last ``window`` healthy losses (robust sigma = 1.4826 x median absolute deviation, floored at 1% of
+the median so that a flat loss curve does not make every wiggle a spike). Nothing is judged before
+``min_history`` healthy losses. The defaults (128, 20, 6) follow OLMo-core's loss z-score rule.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from typing import Any, Dict, Optional
+
+__all__ = ["SpikeDetector"]
+
+
+class SpikeDetector:
+    """Judge each loss against the window of recent healthy ones.
+
+    Args:
+        window: number of healthy losses kept.
+        min_history: no spike is called before this many.
+        zscore: threshold in robust standard deviations above the median.
+        enabled: ``False`` makes :meth:`check` always return ``None``.
+
+    Example::
+
+        >>> d = SpikeDetector(window=8, min_history=4, zscore=6)
+        >>> for x in (1.0, 1.1, 0.9, 1.0): d.add(x)
+        >>> d.check(50.0) is not None
+        True
+    """
+
+    def __init__(self, window: int = 128, min_history: int = 20, zscore: float = 6.0, enabled: bool = True) -> None:
+        self.window, self.min_history, self.zscore, self.enabled = window, min_history, zscore, enabled
+        self._losses: deque = deque(maxlen=window)
+
+    def check(self, loss: float) -> Optional[Dict[str, float]]:
+        """Return the evidence (median, sigma, z) when ``loss`` is a spike, else ``None``."""
+        if not self.enabled or len(self._losses) < self.min_history or not math.isfinite(loss):
+            return None
+        median = statistics.median(self._losses)
+        mad = statistics.median(abs(x - median) for x in self._losses)
+        sigma = max(1.4826 * mad, 0.01 * abs(median), 1e-12)
+        z = (loss - median) / sigma
+        if z > self.zscore:
+            return {"loss": loss, "median": median, "sigma": sigma, "z": z, "threshold": self.zscore}
+        return None
+
+    def add(self, loss: float) -> None:
+        """Record a healthy loss."""
+        if math.isfinite(loss):
+            self._losses.append(float(loss))
+
+    def state_dict(self) -> Dict[str, Any]:
+        """``{"losses": [...]}``, JSON-ready."""
+        return {"losses": list(self._losses)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Put back the window of healthy losses."""
+        self._losses = deque((float(x) for x in state["losses"]), maxlen=self.window)
