@@ -10,6 +10,22 @@ import logging
 
 from .config import TrainConfig, as_config, load_config
 from .errors import BatchError, ConfigError, SafetrainError, SnapshotError, TrainingAborted
+from .numerics import (
+    default_eps,
+    masked_softmax,
+    safe_acos,
+    safe_asin,
+    safe_div,
+    safe_exp,
+    safe_log,
+    safe_logsumexp,
+    safe_norm,
+    safe_pow,
+    safe_sqrt,
+    sanitize,
+    stable_log_softmax,
+    stable_softmax,
+)
 
 __version__ = "0.1.0"
 
@@ -22,6 +38,20 @@ __all__ = [
     "BatchError",
     "SnapshotError",
     "TrainingAborted",
+    "default_eps",
+    "safe_log",
+    "safe_div",
+    "safe_sqrt",
+    "safe_exp",
+    "safe_pow",
+    "safe_norm",
+    "safe_acos",
+    "safe_asin",
+    "stable_softmax",
+    "stable_log_softmax",
+    "masked_softmax",
+    "safe_logsumexp",
+    "sanitize",
 ]
 
 logging.getLogger("safetrain").addHandler(logging.NullHandler())
