@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-__all__ = ["History", "Decision", "decide", "observe_healthy", "NON_CLIMBING", "TRAINING_ACTIONS"]
+__all__ = ["History", "Decision", "decide", "observe_healthy", "record_skip", "NON_CLIMBING", "TRAINING_ACTIONS"]
 
 #: Actions after which the step's update is still applied.
 TRAINING_ACTIONS = frozenset({"warn", "drop_rows", "replace", "zero_grads"})
@@ -205,3 +205,11 @@ def observe_healthy(history: History, recovery: Any) -> Tuple[History, Optional[
         since_lr_change=since,
     )
     return new, changed
+
+
+def record_skip(history: History, recovery: Any) -> History:
+    """Record a step deliberately not trained outside the ladder (a batch skipped after a restore).
+
+    It counts toward ``recovery.max_skip_fraction`` but neither climbs nor resets the ladder.
+    """
+    return replace(history, recent=_push(history.recent, True, recovery.skip_window))

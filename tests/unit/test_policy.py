@@ -111,3 +111,15 @@ def test_policy_imports_no_torch():
     code = f"import runpy, sys; runpy.run_path({str(policy)!r}); sys.exit(int('torch' in sys.modules))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, f"policy.py imported torch: {proc.stderr}"
+
+
+def test_skips_after_restore_count_toward_the_skip_fraction_but_do_not_climb():
+    from safetrain.policy import record_skip
+
+    cfg = load_config(None, ["recovery.skip_window=4", "recovery.max_skip_fraction=0.5"])
+    history = History(consecutive=1)
+    for _ in range(2):
+        history = record_skip(history, cfg.recovery)
+    assert history.consecutive == 1 and history.recent == (1, 1)
+    decision, _ = decide("loss", history, cfg.recovery, cfg.sanitize)
+    assert decision.action == "abort" and "3 of the last 4 steps were not trained" in decision.reason
