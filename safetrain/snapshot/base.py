@@ -1,0 +1,221 @@
+"""What every snapshot store shares: ``SnapshotInfo``, the store lifecycle, save and restore loops.
+
+A store's life is ``OPEN`` -> ``CLOSED``; using a closed store raises. ``save`` captures the
+state, refuses it when a parameter or optimizer tensor is non-finite (one device-side pass,
+one host read), and hands the capture to the concrete store. ``restore`` walks the snapshots
+from newest to oldest and applies the first one that verifies and fits the live state.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Mapping, Optional
+
+import torch
+
+from ..errors import SnapshotError
+from .codec import decode
+from .tensors import nonfinite
+
+__all__ = ["SnapshotInfo", "SnapshotStore", "StoreState", "CorruptSnapshotError", "make_info"]
+
+log = logging.getLogger("safetrain")
+
+
+class CorruptSnapshotError(SnapshotError):
+    """A snapshot's bytes are damaged or not a snapshot at all (empty, truncated, checksum, format)."""
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """What a snapshot is: its counters, the caller's extra state, and where it lives.
+
+    Attributes:
+        step: ``counters["step"]``.
+        epoch: ``counters.get("epoch", 0)``.
+        batch: ``counters.get("batch", 0)``, the batch index within the epoch.
+        counters: every counter saved.
+        extra: the caller's JSON state, as saved (tuples and non-finite floats intact).
+        extra_tensors: the caller's tensors, as fresh copies on the device they were saved from.
+        path: the file, or ``None`` for a memory snapshot.
+        created: ``time.time()`` when the snapshot was taken.
+    """
+
+    step: int
+    epoch: int
+    batch: int
+    counters: Dict[str, int] = field(default_factory=dict)
+    extra: Dict[str, Any] = field(default_factory=dict)
+    extra_tensors: Dict[str, torch.Tensor] = field(default_factory=dict, compare=False)
+    path: Optional[str] = None
+    created: float = 0.0
+
+
+def make_info(
+    meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], path: Optional[str], where: str, copy: Any = None
+) -> SnapshotInfo:
+    """Build a :class:`SnapshotInfo` from a snapshot's JSON part and tensors.
+
+    ``copy(name, tensor)`` makes the returned ``extra_tensors`` independent of a store's buffers.
+    """
+    counters = dict(meta.get("counters", {}))
+    extra_tensors = {}
+    for name in meta.get("extra_tensors", []):
+        t = tensors[f"extra/{name}"]
+        extra_tensors[name] = copy(f"extra/{name}", t) if copy is not None else t
+    return SnapshotInfo(
+        step=int(counters.get("step", 0)),
+        epoch=int(counters.get("epoch", 0)),
+        batch=int(counters.get("batch", 0)),
+        counters=counters,
+        extra=decode(meta.get("extra", {}), {}, where),
+        extra_tensors=extra_tensors,
+        path=path,
+        created=float(meta.get("created", 0.0)),
+    )
+
+
+class StoreState(enum.Enum):
+    """A store's lifecycle: open until :meth:`SnapshotStore.close`, then every use raises."""
+
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class SnapshotStore(abc.ABC):
+    """Base of :class:`MemoryStore` and :class:`SafetensorsStore`: save, restore with fallback, close.
+
+    Args:
+        keep: how many snapshots are kept; the oldest is dropped when a new one is taken.
+    """
+
+    def __init__(self, keep: int) -> None:
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise SnapshotError(f"snapshot.keep: got {keep!r}; expected an integer >= 1")
+        self.keep = keep
+        self.state = StoreState.OPEN
+
+    def _require_open(self, what: str) -> None:
+        if self.state is not StoreState.OPEN:
+            raise SnapshotError(f"{type(self).__name__}.{what}(): the store is closed")
+
+    def save(
+        self,
+        state: Any,
+        counters: Mapping[str, int],
+        extra: Optional[Mapping[str, Any]] = None,
+        extra_tensors: Optional[Mapping[str, torch.Tensor]] = None,
+    ) -> Optional[SnapshotInfo]:
+        """Take a snapshot of ``state`` unless a parameter or optimizer tensor is non-finite.
+
+        Args:
+            state: the :class:`TrainState` to capture.
+            counters: integer counters; ``step`` is required, ``epoch`` and ``batch`` expected.
+            extra: JSON-able state of the caller (tuples and inf allowed; no arbitrary objects).
+            extra_tensors: the caller's own tensors (an epoch's RNG state, say).
+
+        Returns:
+            The new snapshot's :class:`SnapshotInfo`, or ``None`` when it was refused because a
+            tensor is non-finite (a warning names the tensors; older snapshots are untouched).
+
+        Raises:
+            SnapshotError: the store is closed, some state cannot be stored without pickle, or
+                the write failed (the message names the file).
+        """
+        self._require_open("save")
+        captured = state.capture(counters, extra, extra_tensors)
+        bad = nonfinite((n, captured.tensors[n]) for n in captured.checked)
+        if bad:
+            more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+            log.warning(
+                "snapshot refused at step %d: non-finite values in %s%s; keeping the previous snapshot",
+                captured.meta["counters"]["step"], ", ".join(bad[:5]), more,
+            )
+            return None
+        return self._save(captured)
+
+    def restore(self, state: Any, older: int = 0) -> SnapshotInfo:
+        """Put the newest usable snapshot back into ``state`` (model, optimizer, scheduler, scaler, RNGs).
+
+        Snapshots are tried newest first; one that is damaged or does not fit the live state is
+        logged and skipped (a damaged file is set aside as ``*.corrupt``), and the next older one
+        is used.
+
+        Args:
+            state: the :class:`TrainState` to write into.
+            older: skip this many of the newest snapshots first (0: start from the newest).
+
+        Returns:
+            The :class:`SnapshotInfo` of the snapshot restored: counters, extra state and tensors.
+
+        Raises:
+            SnapshotError: no snapshot is usable; the message lists why each one was not.
+        """
+        self._require_open("restore")
+        failures: List[str] = []
+        candidates = list(self._candidates())[older:]
+        for candidate in candidates:
+            try:
+                return self._restore(candidate, state)
+            except CorruptSnapshotError as exc:
+                failures.append(str(exc))
+                log.warning("snapshot unusable, trying an older one: %s", exc)
+                self._set_aside(candidate)
+            except SnapshotError as exc:
+                failures.append(str(exc))
+                log.warning("snapshot unusable, trying an older one: %s", exc)
+        if not failures:
+            raise SnapshotError(f"{self._where()}: no snapshot to restore (none taken yet)")
+        raise SnapshotError(f"{self._where()}: no usable snapshot; " + "; ".join(failures))
+
+    def latest(self) -> Optional[SnapshotInfo]:
+        """The newest snapshot's :class:`SnapshotInfo` (without restoring it), or ``None``."""
+        self._require_open("latest")
+        for candidate in self._candidates():
+            try:
+                return self._info(candidate)
+            except SnapshotError as exc:
+                log.warning("snapshot unreadable: %s", exc)
+        return None
+
+    def close(self) -> None:
+        """Release buffers and threads; the store cannot be used afterwards. Idempotent."""
+        if self.state is StoreState.OPEN:
+            self._close()
+        self.state = StoreState.CLOSED
+
+    def __enter__(self) -> "SnapshotStore":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __len__(self) -> int:
+        return 0 if self.state is StoreState.CLOSED else len(list(self._candidates()))
+
+    # -- what a concrete store provides --------------------------------------------------------
+
+    @abc.abstractmethod
+    def _save(self, captured: Any) -> SnapshotInfo: ...
+
+    @abc.abstractmethod
+    def _candidates(self) -> Iterable[Any]:
+        """Snapshots, newest first."""
+
+    @abc.abstractmethod
+    def _restore(self, candidate: Any, state: Any) -> SnapshotInfo: ...
+
+    @abc.abstractmethod
+    def _info(self, candidate: Any) -> SnapshotInfo: ...
+
+    @abc.abstractmethod
+    def _where(self) -> str: ...
+
+    def _set_aside(self, candidate: Any) -> None:
+        """Keep a damaged snapshot from being tried again (files are renamed, slots dropped)."""
+
+    def _close(self) -> None:
+        """Free the store's resources."""

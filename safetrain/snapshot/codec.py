@@ -1,0 +1,125 @@
+"""JSON encoding of non-tensor training state, exact and without pickle.
+
+Scheduler, scaler, optimizer hyperparameters, RNG tuples and the engine's own state are plain
+Python values that JSON almost covers. The gaps are filled with small tagged objects so that a
+round trip is exact: tuples stay tuples (Adam's ``betas``), non-finite floats survive
+(``ReduceLROnPlateau.mode_worse`` is ``inf``), dicts may have non-string keys, numpy scalars keep
+their dtype, and tensors found inside such state are moved to the snapshot's tensor table and
+replaced by a reference to their name. Anything else (functions, arbitrary objects) is refused
+with :class:`~safetrain.errors.SnapshotError`, because storing it would need pickle.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, Mapping
+
+import numpy as np
+import torch
+
+from ..errors import SnapshotError
+
+__all__ = ["encode", "decode"]
+
+# Tags are single-key objects whose key starts with "$"; plain dicts with such keys are tagged too.
+_TUPLE, _FLOAT, _DICT, _TENSOR, _NUMPY = "$tuple", "$float", "$dict", "$tensor", "$numpy"
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def encode(obj: Any, path: str, sink: Callable[[str, torch.Tensor], None]) -> Any:
+    """Turn ``obj`` into a JSON-ready value; tensors go to ``sink(name, tensor)`` as references.
+
+    Args:
+        obj: the value to encode: None, bool, int, float, str, list, tuple, dict, numpy scalar
+            or ``torch.Tensor``, nested freely.
+        path: where ``obj`` lives, ``/``-separated (``"sched/_last_lr"``); used for tensor names
+            and for error messages.
+        sink: called with ``(path, tensor)`` for every tensor met; the tensor is stored under
+            that name and the JSON holds ``{"$tensor": path}``.
+
+    Returns:
+        A value made of dicts with string keys, lists, strings, ints, finite floats, bools and None.
+
+    Raises:
+        SnapshotError: ``obj`` holds a value that cannot be stored without pickle; the message
+            gives its path and type.
+    """
+    if isinstance(obj, (np.number, np.bool_)):  # before float: np.float64 subclasses float
+        return {_NUMPY: [obj.dtype.str, encode(obj.item(), path, sink)]}
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, int):
+        return int(obj)
+    if isinstance(obj, float):
+        if math.isfinite(obj):
+            return obj
+        return {_FLOAT: "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")}
+    if isinstance(obj, torch.Tensor):
+        sink(path, obj)
+        return {_TENSOR: path}
+    if isinstance(obj, tuple):
+        return {_TUPLE: [encode(v, f"{path}/{i}", sink) for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [encode(v, f"{path}/{i}", sink) for i, v in enumerate(obj)]
+    if isinstance(obj, Mapping):
+        if all(isinstance(k, str) and not k.startswith("$") for k in obj):
+            return {k: encode(v, f"{path}/{k}", sink) for k, v in obj.items()}
+        return {_DICT: [[encode(k, f"{path}/key", sink), encode(v, f"{path}/{k}", sink)] for k, v in obj.items()]}
+    what = "a function" if callable(obj) else f"a {type(obj).__module__}.{type(obj).__qualname__}"
+    raise SnapshotError(
+        f"{path}: is {what}, which a snapshot cannot hold without pickle; snapshots store tensors, "
+        "numbers, strings, lists, tuples and dicts (make the object's state_dict() return those)"
+    )
+
+
+def decode(obj: Any, tensors: Mapping[str, torch.Tensor], where: str = "snapshot") -> Any:
+    """Invert :func:`encode`: rebuild tuples, non-finite floats, keyed dicts and tensor references.
+
+    Args:
+        obj: a value produced by :func:`encode` (after a JSON round trip).
+        tensors: the snapshot's tensors by name, for ``{"$tensor": name}`` references.
+        where: the file or store named in error messages.
+
+    Raises:
+        SnapshotError: a reference names a missing tensor, or a tag is malformed.
+    """
+    if isinstance(obj, list):
+        return [decode(v, tensors, where) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if len(obj) == 1:
+        (tag, value), = obj.items()
+        if tag == _TUPLE:
+            return tuple(decode(v, tensors, where) for v in value)
+        if tag == _FLOAT:
+            if value not in _NONFINITE:
+                raise SnapshotError(f"{where}: bad float tag {value!r} in metadata (corrupted?)")
+            return _NONFINITE[value]
+        if tag == _TENSOR:
+            if value not in tensors:
+                raise SnapshotError(f"{where}: metadata refers to tensor {value!r}, which the snapshot lacks")
+            return tensors[value]
+        if tag == _NUMPY:
+            return np.dtype(value[0]).type(decode(value[1], tensors, where))
+        if tag == _DICT:
+            return {decode(k, tensors, where): decode(v, tensors, where) for k, v in value}
+    return {k: decode(v, tensors, where) for k, v in obj.items()}
+
+
+def tensor_refs(obj: Any) -> Dict[str, None]:
+    """The tensor names an encoded value refers to, in order (a dict used as an ordered set)."""
+    found: Dict[str, None] = {}
+
+    def walk(o: Any) -> None:
+        if isinstance(o, list):
+            for v in o:
+                walk(v)
+        elif isinstance(o, dict):
+            if len(o) == 1 and _TENSOR in o:
+                found[o[_TENSOR]] = None
+            else:
+                for v in o.values():
+                    walk(v)
+
+    walk(obj)
+    return found

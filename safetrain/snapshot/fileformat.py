@@ -1,0 +1,283 @@
+"""Reading and writing snapshot files: safetensors layout, CRC32 per tensor, no memory map.
+
+A snapshot file is a plain safetensors file (``safetensors.safe_open`` reads it): an 8-byte
+little-endian header length, a JSON header describing each tensor, then the tensor bytes.
+Its ``__metadata__`` holds two strings: ``safetrain.state`` (the JSON part of the training state)
+and ``safetrain.checksum`` (CRC32 of that string and of every tensor's bytes).
+
+This module writes and reads the layout itself rather than through ``safetensors.torch`` for
+speed: checksums are computed by worker threads while the main thread writes or reads (zlib
+and file I/O both release the GIL), tensors are read with ``pread`` straight into fresh
+tensors, and nothing is memory-mapped, so no tensor keeps an old file alive. The header is
+written first with placeholder checksums of fixed width and rewritten in place at the end.
+Parsing never evaluates anything: the header is JSON, every offset is checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
+
+import torch
+
+from ..errors import SnapshotError
+from .base import CorruptSnapshotError
+from .tensors import byte_view
+
+__all__ = ["Entry", "Header", "write_file", "read_header", "read_tensors", "DTYPES"]
+
+DTYPES: Dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.complex64: "C64",
+}
+for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16"),
+                     ("uint32", "U32"), ("uint64", "U64")):
+    if hasattr(torch, _name):
+        DTYPES[getattr(torch, _name)] = _code
+_CODES = {code: dtype for dtype, code in DTYPES.items()}
+
+STATE_KEY = "safetrain.state"
+CHECKSUM_KEY = "safetrain.checksum"
+_HEADER_LIMIT = 100 * 2**20  # the safetensors library's own limit
+_CHUNK = 256 * 2**20  # bytes per read or write call (Linux caps one call just under 2 GiB)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor in a file: name, dtype, shape and byte range in the data section."""
+
+    name: str
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Header:
+    """A parsed, validated file header: entries in file order, metadata, where data starts."""
+
+    path: str
+    entries: Tuple[Entry, ...]
+    metadata: Dict[str, str]
+    data_start: int
+    size: int
+
+    def specs(self) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+        """``name -> (shape, dtype)`` for every tensor."""
+        return {e.name: (e.shape, e.dtype) for e in self.entries}
+
+    def state(self) -> Dict[str, Any]:
+        """The JSON part of the training state (``safetrain.state``), parsed."""
+        return json.loads(self.metadata[STATE_KEY])
+
+
+def _crc(t: torch.Tensor) -> str:
+    return f"{zlib.crc32(byte_view(t)):08x}"
+
+
+def _header_bytes(entries: List[Entry], metadata: Mapping[str, str]) -> bytes:
+    header: Dict[str, Any] = {"__metadata__": dict(metadata)}
+    for e in entries:
+        header[e.name] = {"dtype": DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    return raw + b" " * (-len(raw) % 8)  # pad so tensor data starts 8-byte aligned
+
+
+def write_file(path: str, tensors: Mapping[str, torch.Tensor], state_json: str, pool: Optional[Executor]) -> None:
+    """Write ``tensors`` (contiguous, on the CPU) and ``state_json`` to ``path`` and fsync it.
+
+    The caller writes to a temporary name and renames; this function only guarantees that when
+    it returns the bytes are on disk. CRCs run on ``pool`` while the main thread writes.
+    """
+    for name, t in tensors.items():
+        if t.dtype not in DTYPES:
+            raise SnapshotError(f"{path}: tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
+    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))  # largest items first: aligned
+    entries, offset = [], 0
+    for name in order:
+        t = tensors[name]
+        nbytes = t.numel() * t.element_size()
+        entries.append(Entry(name, t.dtype, tuple(t.shape), offset, offset + nbytes))
+        offset += nbytes
+    state_crc = f"{zlib.crc32(state_json.encode('utf-8')):08x}"
+
+    def checksum_json(crcs: Mapping[str, str]) -> str:
+        return json.dumps({"algorithm": "crc32", "state": state_crc, "tensors": {n: crcs[n] for n in sorted(crcs)}})
+
+    placeholder = _header_bytes(entries, {STATE_KEY: state_json, CHECKSUM_KEY: checksum_json({n: "0" * 8 for n in order})})
+    jobs = {n: pool.submit(_crc, tensors[n]) for n in order} if pool is not None else None
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _write_all(fd, memoryview(len(placeholder).to_bytes(8, "little") + placeholder))
+        for name in order:
+            _write_all(fd, byte_view(tensors[name]))
+        crcs = {n: (jobs[n].result() if jobs is not None else _crc(tensors[n])) for n in order}
+        final = _header_bytes(entries, {STATE_KEY: state_json, CHECKSUM_KEY: checksum_json(crcs)})
+        if len(final) != len(placeholder):  # cannot happen: every checksum is 8 hex digits
+            raise SnapshotError(f"{path}: internal error: header changed length while writing")
+        os.pwrite(fd, final, 8)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        done += os.write(fd, view[done : done + _CHUNK])
+
+
+def read_header(path: str) -> Header:
+    """Parse and validate a snapshot file's header without reading tensor data.
+
+    Raises:
+        SnapshotError: the file is missing, empty, truncated, not safetensors, not a safetrain
+            snapshot, or its metadata fails its checksum; the message names the file.
+    """
+    try:
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                raise CorruptSnapshotError(f"{path}: file is empty (0 bytes); not a snapshot")
+            if size < 8:
+                raise CorruptSnapshotError(f"{path}: file is {size} bytes, too short for a safetensors header")
+            n = int.from_bytes(f.read(8), "little")
+            if n > size - 8 or n > _HEADER_LIMIT:
+                raise CorruptSnapshotError(
+                    f"{path}: header length {n} does not fit a {size}-byte file: not a safetensors file "
+                    "(a pickle or torch.save file?) or truncated"
+                )
+            raw = f.read(n)
+    except OSError as exc:
+        raise SnapshotError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptSnapshotError(f"{path}: header is not valid JSON ({exc}): not a safetensors file, or corrupted") from None
+    if not isinstance(header, dict):
+        raise CorruptSnapshotError(f"{path}: header is a JSON {type(header).__name__}, not an object: not a safetensors file")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CorruptSnapshotError(f"{path}: __metadata__ is not a map of strings: corrupted")
+    entries = _entries(path, header)
+    data_start, data_size = 8 + n, size - 8 - n
+    end = entries[-1].end if entries else 0
+    if end > data_size:
+        raise CorruptSnapshotError(f"{path}: truncated: header describes {end} bytes of tensor data, the file holds {data_size}")
+    if end < data_size:
+        raise CorruptSnapshotError(f"{path}: {data_size - end} unexpected bytes after the tensor data: corrupted")
+    if STATE_KEY not in metadata or CHECKSUM_KEY not in metadata:
+        raise CorruptSnapshotError(
+            f"{path}: a safetensors file without safetrain metadata ({STATE_KEY!r}): not a safetrain snapshot"
+        )
+    out = Header(path, tuple(entries), metadata, data_start, size)
+    checksums = _checksums(out)
+    if f"{zlib.crc32(metadata[STATE_KEY].encode('utf-8')):08x}" != checksums["state"]:
+        raise CorruptSnapshotError(f"{path}: the training-state metadata fails its checksum: corrupted")
+    if set(checksums["tensors"]) != {e.name for e in entries}:
+        raise CorruptSnapshotError(f"{path}: the checksum table does not list the file's tensors: corrupted")
+    try:
+        state = out.state()
+    except json.JSONDecodeError as exc:
+        raise CorruptSnapshotError(f"{path}: {STATE_KEY} metadata is not valid JSON ({exc}): corrupted") from None
+    if not isinstance(state, dict):
+        raise CorruptSnapshotError(f"{path}: {STATE_KEY} metadata is not a JSON object: corrupted")
+    return out
+
+
+def _entries(path: str, header: Mapping[str, Any]) -> List[Entry]:
+    entries = []
+    for name, spec in header.items():
+        try:
+            dtype = _CODES[spec["dtype"]]
+            shape = tuple(_nonneg_int(d) for d in spec["shape"])
+            begin, end = (_nonneg_int(x) for x in spec["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CorruptSnapshotError(f"{path}: tensor {name!r} has a malformed header entry {spec!r}") from None
+        numel = 1
+        for d in shape:
+            numel *= d
+        if end - begin != numel * dtype.itemsize:
+            raise CorruptSnapshotError(f"{path}: tensor {name!r}: shape {list(shape)} {dtype} does not match byte range {begin}..{end}")
+        entries.append(Entry(name, dtype, shape, begin, end))
+    entries.sort(key=lambda e: (e.begin, e.end))
+    cursor = 0
+    for e in entries:
+        if e.begin != cursor:
+            raise CorruptSnapshotError(f"{path}: tensor {e.name!r} starts at byte {e.begin}, expected {cursor} (overlap or gap)")
+        cursor = e.end
+    return entries
+
+
+def _nonneg_int(x: Any) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+        raise ValueError(x)
+    return x
+
+
+def _checksums(header: Header) -> Dict[str, Any]:
+    try:
+        data = json.loads(header.metadata[CHECKSUM_KEY])
+        if data.get("algorithm") != "crc32" or not isinstance(data.get("tensors"), dict):
+            raise ValueError(data.get("algorithm"))
+        return data
+    except (ValueError, AttributeError):
+        raise CorruptSnapshotError(f"{header.path}: the checksum metadata is malformed: corrupted") from None
+
+
+def read_tensors(
+    header: Header, pool: Optional[Executor], *, verify: bool = True, only: Optional[Set[str]] = None
+) -> Tuple[Dict[str, torch.Tensor], List[str]]:
+    """Read every tensor into fresh CPU memory (``pread``, no mmap) and check its CRC32.
+
+    Args:
+        header: from :func:`read_header`.
+        pool: runs the CRCs while the main thread reads; ``None`` computes them inline.
+        verify: raise on the first tensor whose bytes fail their checksum.
+        only: read just these tensors (default: all).
+
+    Returns:
+        ``(tensors, bad)``: tensors by name, and the names failing their checksum (empty when
+        ``verify`` is true, since that raises instead).
+
+    Raises:
+        SnapshotError: the file changed size, cannot be read, or (with ``verify``) a tensor's
+            bytes do not match its checksum.
+    """
+    expected = _checksums(header)["tensors"]
+    tensors: Dict[str, torch.Tensor] = {}
+    jobs = {}
+    try:
+        fd = os.open(header.path, os.O_RDONLY)
+    except OSError as exc:
+        raise SnapshotError(f"{header.path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        for e in header.entries:
+            if only is not None and e.name not in only:
+                continue
+            t = torch.empty(e.shape, dtype=e.dtype)
+            view, pos, done = byte_view(t), header.data_start + e.begin, 0
+            while done < len(view):
+                got = os.preadv(fd, [view[done : done + _CHUNK]], pos + done)
+                if got == 0:
+                    raise CorruptSnapshotError(f"{header.path}: truncated while reading tensor {e.name!r} (file changed?)")
+                done += got
+            tensors[e.name] = t
+            jobs[e.name] = pool.submit(_crc, t) if pool is not None else None
+    except OSError as exc:
+        raise SnapshotError(f"{header.path}: cannot read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    bad = [n for n, job in jobs.items() if (job.result() if job is not None else _crc(tensors[n])) != expected[n]]
+    if bad and verify:
+        more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+        raise CorruptSnapshotError(
+            f"{header.path}: tensor data fails its checksum: {', '.join(map(repr, bad[:3]))}{more}: corrupted"
+        )
+    return tensors, bad

@@ -1,0 +1,104 @@
+"""``safetrain inspect PATH``: what a snapshot file holds and whether it is sound."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, Union
+
+from .codec import decode
+from .fileformat import read_header, read_tensors
+from .tensors import nonfinite
+
+__all__ = ["inspect_snapshot", "format_inspection"]
+
+
+def inspect_snapshot(path: Union[str, os.PathLike]) -> Dict[str, Any]:
+    """Read a snapshot file fully and describe it; never modifies anything, never runs code.
+
+    Args:
+        path: a ``snapshot-*.safetensors`` file.
+
+    Returns:
+        A JSON-ready dict: ``path``, ``step``, ``epoch``, ``batch``, ``counters``, ``created``
+        (ISO time), ``size_bytes``, ``data_bytes``, ``n_tensors``, ``n_model_tensors``,
+        ``checksum_ok`` and ``bad_checksums`` (tensor names), ``all_finite`` and ``nonfinite``
+        (model and optimizer tensors holding NaN/Inf), ``optimizer``, ``scheduler``, ``scaler``
+        (``{"enabled": ..., "scale": ...}`` or ``None``), ``rng`` (bool) and ``extra`` (the
+        caller's JSON state) and ``extra_tensors`` (names).
+
+    Raises:
+        SnapshotError: the file is missing, empty, truncated, not safetensors or not a
+            safetrain snapshot (the message names the file and what is wrong).
+
+    Example::
+
+        >>> print(format_inspection(inspect_snapshot("runs/a/snapshots/snapshot-0000000100.safetensors")))  # doctest: +SKIP
+    """
+    path = os.fspath(path)
+    header = read_header(path)
+    meta = header.state()
+    with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
+        tensors, bad = read_tensors(header, pool, verify=False)
+    checked = [(n, t) for n, t in tensors.items() if n.startswith(("model/", "optim/state/"))]
+    bad_values = nonfinite(checked)
+    counters = meta.get("counters", {})
+    scaler = meta.get("scaler")
+    scaler_state = decode(scaler["state"], tensors, path) if scaler else None
+    created = meta.get("created")
+    return {
+        "path": path,
+        "step": counters.get("step"),
+        "epoch": counters.get("epoch"),
+        "batch": counters.get("batch"),
+        "counters": counters,
+        "created": datetime.datetime.fromtimestamp(created).isoformat(timespec="seconds") if created else None,
+        "size_bytes": header.size,
+        "data_bytes": sum(e.end - e.begin for e in header.entries),
+        "n_tensors": len(header.entries),
+        "n_model_tensors": sum(1 for e in header.entries if e.name.startswith("model/")),
+        "checksum_ok": not bad,
+        "bad_checksums": bad,
+        "all_finite": not bad_values,
+        "nonfinite": bad_values,
+        "optimizer": (meta.get("optimizer") or {}).get("type"),
+        "scheduler": (meta.get("scheduler") or {}).get("type"),
+        "scaler": None if scaler is None else {"enabled": scaler["enabled"], "scale": (scaler_state or {}).get("scale")},
+        "rng": meta.get("rng") is not None,
+        "extra": decode(meta.get("extra", {}), {}, path),
+        "extra_tensors": list(meta.get("extra_tensors", [])),
+    }
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def format_inspection(info: Dict[str, Any]) -> str:
+    """Render :func:`inspect_snapshot`'s dict as the lines ``safetrain inspect`` prints."""
+    ok = lambda flag: "ok" if flag else "FAILED"  # noqa: E731
+    lines = [
+        f"snapshot   {info['path']}",
+        f"step       {info['step']}  (epoch {info['epoch']}, batch {info['batch']})",
+        f"created    {info['created']}",
+        f"size       {_size(info['size_bytes'])}  ({info['n_tensors']} tensors, {info['n_model_tensors']} in the model)",
+        f"checksum   {ok(info['checksum_ok'])}"
+        + ("" if info["checksum_ok"] else f"  ({', '.join(info['bad_checksums'][:5])})"),
+        f"finite     {ok(info['all_finite'])}" + ("" if info["all_finite"] else f"  ({', '.join(info['nonfinite'][:5])})"),
+        f"optimizer  {info['optimizer']}",
+        f"scheduler  {info['scheduler'] or '-'}",
+        f"scaler     {'-' if info['scaler'] is None else info['scaler']}",
+    ]
+    if info["extra"]:
+        lines.append(f"extra      {', '.join(sorted(info['extra']))}")
+    if info["extra_tensors"]:
+        lines.append(f"tensors    {', '.join(info['extra_tensors'])}")
+    others = {k: v for k, v in info["counters"].items() if k not in ("step", "epoch", "batch")}
+    if others:
+        lines.append(f"counters   {others}")
+    return "\n".join(lines)

@@ -1,0 +1,141 @@
+"""``MemoryStore``: a ring of ``keep`` snapshots held in preallocated tensors.
+
+Each slot allocates its buffers on its first use and reuses them afterwards: a snapshot is one
+grouped ``_foreach_copy_`` per device pair, no allocation, and from CUDA into pinned host memory
+it is asynchronous (``non_blocking``; stream order keeps the next optimizer step behind it). A
+buffer is reallocated only when the tensor it mirrors changed shape, dtype or device, or appeared
+(Adam creates its state on the first step). The JSON part is kept as JSON text, so a memory
+snapshot holds exactly what a file would and shares nothing with the live objects.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Literal, Optional
+
+import torch
+
+from ..errors import SnapshotError
+from .base import SnapshotInfo, SnapshotStore, make_info
+from .state import Captured, TrainState
+from .tensors import alloc_like, copy_all_, layout_of
+
+__all__ = ["MemoryStore"]
+
+log = logging.getLogger("safetrain")
+
+
+@dataclass
+class _Slot:
+    """One snapshot's buffers; ``meta is None`` while empty or being overwritten."""
+
+    index: int
+    buffers: Dict[str, torch.Tensor] = field(default_factory=dict)
+    homes: Dict[str, torch.device] = field(default_factory=dict)  # device each tensor was captured on
+    meta_json: Optional[str] = None
+    seq: int = -1
+
+    def meta(self) -> Dict[str, Any]:
+        return json.loads(self.meta_json or "{}")
+
+
+def _fits(buf: torch.Tensor, t: torch.Tensor, target: torch.device) -> bool:
+    """Whether ``buf`` can hold ``t`` as :func:`alloc_like` would have laid it out."""
+    if buf.shape != t.shape or buf.dtype != t.dtype or buf.device != target:
+        return False
+    return tuple(buf.stride()) == layout_of(t)
+
+
+class MemoryStore(SnapshotStore):
+    """Snapshots in memory: fast, lost with the process, ``keep`` of them in a ring.
+
+    Args:
+        keep: number of snapshots kept (each one a full copy of the state).
+        device: ``"cpu"`` keeps copies in host memory (pinned when the model is on CUDA, so
+            copies are asynchronous); ``"model"`` keeps them on each tensor's own device (fastest
+            restore, costs accelerator memory).
+
+    Example::
+
+        >>> model = torch.nn.Linear(4, 2)
+        >>> state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> store = MemoryStore(keep=2)
+        >>> store.save(state, {"step": 0, "epoch": 0, "batch": 0}).step
+        0
+        >>> store.restore(state).step
+        0
+    """
+
+    def __init__(self, keep: int = 2, device: Literal["cpu", "model"] = "cpu") -> None:
+        super().__init__(keep)
+        if device not in ("cpu", "model"):
+            raise SnapshotError(f"snapshot.device: got {device!r}; expected 'cpu' or 'model'")
+        self.device = device
+        self._slots: List[_Slot] = [_Slot(i) for i in range(keep)]
+        self._seq = 0
+
+    def _target(self, t: torch.Tensor) -> torch.device:
+        return torch.device("cpu") if self.device == "cpu" else t.device
+
+    def _save(self, captured: Captured) -> SnapshotInfo:
+        slot = min(self._slots, key=lambda s: s.seq)  # the empty or oldest slot
+        meta_json = json.dumps(captured.meta, separators=(",", ":"), allow_nan=False)
+        slot.meta_json = None  # not restorable while its buffers are overwritten
+        dst, src = [], []
+        for name, t in captured.tensors.items():
+            target = self._target(t)
+            buf = slot.buffers.get(name)
+            if buf is None or not _fits(buf, t, target):
+                buf = slot.buffers[name] = alloc_like(t, target)
+            slot.homes[name] = t.device
+            dst.append(buf)
+            src.append(t)
+        for name in set(slot.buffers) - set(captured.tensors):
+            del slot.buffers[name], slot.homes[name]
+        copy_all_(dst, src)
+        slot.meta_json, slot.seq = meta_json, self._seq
+        self._seq += 1
+        log.debug("memory snapshot at step %d in slot %d", captured.meta["counters"]["step"], slot.index)
+        return self._info(slot)
+
+    def _candidates(self) -> Iterable[_Slot]:
+        return sorted((s for s in self._slots if s.meta_json is not None), key=lambda s: -s.seq)
+
+    def _slot_name(self, slot: _Slot) -> str:
+        step = json.loads(slot.meta_json or "{}").get("counters", {}).get("step", "?")
+        return f"memory snapshot at step {step} (slot {slot.index})"
+
+    def _restore(self, slot: _Slot, state: TrainState) -> SnapshotInfo:
+        meta, where = slot.meta(), self._slot_name(slot)
+        specs = {n: (tuple(b.shape), b.dtype) for n, b in slot.buffers.items()}
+        state.check_compatible(specs, meta, where)
+        state.apply(slot.buffers, meta, owned=False, where=where, homes=slot.homes)
+        log.debug("restored %s", where)
+        return self._info(slot)
+
+    def _info(self, slot: _Slot) -> SnapshotInfo:
+        homes = slot.homes
+
+        def fresh(name: str, t: torch.Tensor) -> torch.Tensor:
+            # Back to the device it came from; from pinned memory this stays stream-ordered.
+            return t.to(device=homes.get(name, t.device), copy=True, non_blocking=True)
+
+        return make_info(slot.meta(), slot.buffers, None, self._slot_name(slot), copy=fresh)
+
+    def _where(self) -> str:
+        return "MemoryStore"
+
+    def _set_aside(self, slot: _Slot) -> None:
+        slot.meta_json, slot.seq = None, -1
+
+    def _close(self) -> None:
+        for slot in self._slots:
+            slot.buffers.clear()
+            slot.homes.clear()
+            slot.meta_json = None
+
+    def nbytes(self) -> int:
+        """Bytes held in buffers across all slots."""
+        return sum(b.numel() * b.element_size() for s in self._slots for b in s.buffers.values())

@@ -1,0 +1,293 @@
+"""``TrainState``: what a snapshot captures and puts back, as named tensors plus JSON.
+
+A capture is a flat table of *live* tensors (no copies: the stores decide where the bytes go)
+and a JSON-ready dict of everything else. Tensor names:
+
+* ``model/{name}``: every entry of ``model.state_dict()`` (parameters and persistent buffers);
+  a tensor shared under two names (tied weights) is stored once, the other name is an alias;
+* ``optim/state/{i}/{key}``: per-parameter optimizer state (``exp_avg``, ``step``...), ``i`` being
+  the parameter's index in ``optimizer.state_dict()``; ``optim/groups/{g}/{key}`` for tensor
+  hyperparameters;
+* ``sched/...``, ``scaler/...``: tensors found in the scheduler's or scaler's state (rare);
+* ``rng/torch``, ``rng/cuda/{i}``, ``rng/numpy``: generator states;
+* ``extra/{name}``: the caller's own tensors (an epoch's shuffling seed, say).
+
+The JSON part holds the counters, the caller's ``extra`` state, param-group hyperparameters,
+the scheduler and scaler state and the non-tensor RNG state, encoded by :mod:`.codec`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import torch
+
+from ..errors import SnapshotError
+from .codec import decode, encode, tensor_refs
+from .optim import capture_optimizer, check_optimizer, restore_optimizer
+from .rng import capture_rng, restore_rng
+from .tensors import copy_all_
+
+__all__ = ["TrainState", "Captured", "FORMAT", "VERSION"]
+
+FORMAT = "safetrain.snapshot"
+VERSION = 1
+
+Spec = Tuple[Tuple[int, ...], torch.dtype]
+
+
+@dataclass
+class Captured:
+    """One capture: live tensors by name, the JSON part, and the names whose finiteness gates it."""
+
+    tensors: Dict[str, torch.Tensor]
+    meta: Dict[str, Any]
+    checked: List[str]
+
+
+def _type_name(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+class TrainState:
+    """The whole training state a snapshot holds: model, optimizer, scheduler, scaler and RNGs.
+
+    Holds references only; :meth:`capture` reads the live objects and :meth:`apply` writes them
+    back in place, so a restore leaves every outside reference (the optimizer's parameters, a
+    DDP wrapper, hooks) valid.
+
+    Args:
+        model: the module whose ``state_dict()`` (parameters and persistent buffers) is saved.
+        optimizer: any ``torch.optim.Optimizer``; its full state and every param-group value.
+        scheduler: an ``LRScheduler`` or ``ReduceLROnPlateau``, or ``None``.
+        scaler: a ``torch.amp.GradScaler`` (enabled or not), or ``None``.
+        rng: also capture and restore the global torch, CUDA, numpy and Python generators.
+
+    Example::
+
+        >>> model = torch.nn.Linear(4, 2)
+        >>> state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> sorted(state.capture({"step": 0}).tensors)[:2]
+        ['model/bias', 'model/weight']
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        scaler: Optional[torch.amp.GradScaler] = None,
+        *,
+        rng: bool = True,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.scaler = scaler
+        self.rng = rng
+
+    # -- capture ---------------------------------------------------------------------------
+
+    def capture(
+        self,
+        counters: Mapping[str, int],
+        extra: Optional[Mapping[str, Any]] = None,
+        extra_tensors: Optional[Mapping[str, torch.Tensor]] = None,
+    ) -> Captured:
+        """Read the live state into named tensors (not copied) and a JSON-ready dict.
+
+        Args:
+            counters: integer counters, ``step`` required (``epoch`` and ``batch`` by convention).
+            extra: the caller's JSON-able state (the engine's LR scale, policy counters).
+            extra_tensors: the caller's own tensors, returned as they were on restore.
+
+        Raises:
+            SnapshotError: a counter is not an int, or some state cannot be stored without pickle.
+        """
+        tensors: Dict[str, torch.Tensor] = {}
+
+        def sink(name: str, t: torch.Tensor) -> None:
+            if name in tensors:
+                raise SnapshotError(f"{name}: two tensors would be stored under this name")
+            tensors[name] = t.detach()
+
+        counters = _check_counters(counters)
+        aliases = self._capture_model(sink)
+        checked = list(tensors)
+        optim = capture_optimizer(self.optimizer, sink)
+        checked += [n for n in tensors if n.startswith("optim/state/")]
+        meta: Dict[str, Any] = {
+            "format": FORMAT,
+            "version": VERSION,
+            "created": time.time(),
+            "counters": counters,
+            "model": {"aliases": aliases},
+            "optimizer": optim,
+            "scheduler": None,
+            "scaler": None,
+            "rng": capture_rng(sink) if self.rng else None,
+        }
+        if self.scheduler is not None:
+            meta["scheduler"] = {
+                "type": _type_name(self.scheduler),
+                "state": encode(self.scheduler.state_dict(), "sched", sink),
+            }
+        if self.scaler is not None:
+            # host sync: GradScaler.state_dict() reads the scale with .item() (once per snapshot).
+            meta["scaler"] = {
+                "enabled": self.scaler.is_enabled(),
+                "state": encode(self.scaler.state_dict(), "scaler", sink),
+            }
+        meta["extra"] = encode(dict(extra or {}), "extra_json", sink)
+        meta["extra_tensors"] = []
+        for name, t in (extra_tensors or {}).items():
+            if not isinstance(t, torch.Tensor):
+                raise SnapshotError(f"extra_tensors[{name!r}]: got {type(t).__name__}; expected a tensor")
+            sink(f"extra/{name}", t)
+            meta["extra_tensors"].append(name)
+        return Captured(tensors, meta, checked)
+
+    def _capture_model(self, sink: Any) -> Dict[str, str]:
+        aliases: Dict[str, str] = {}
+        seen: Dict[tuple, str] = {}
+        for name, t in self.model.state_dict().items():
+            if not isinstance(t, torch.Tensor):
+                raise SnapshotError(
+                    f"model.state_dict()[{name!r}]: is a {type(t).__name__}, not a tensor; "
+                    "snapshots hold tensors only (extra module state cannot be stored without pickle)"
+                )
+            key = (t.device, t.dtype, t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+            if t.numel() and key in seen:  # tied weights: store once
+                aliases[name] = seen[key]
+                continue
+            seen[key] = name
+            sink(f"model/{name}", t)
+        return aliases
+
+    # -- compatibility -------------------------------------------------------------------------
+
+    def check_compatible(self, specs: Mapping[str, Spec], meta: Mapping[str, Any], where: str) -> None:
+        """Refuse a snapshot that does not fit this state, before anything is written.
+
+        Args:
+            specs: the snapshot's tensors as ``name -> (shape, dtype)``.
+            meta: the snapshot's JSON part.
+            where: the file (or store slot) named in errors.
+
+        Raises:
+            SnapshotError: naming the first mismatch: format, a missing or extra model tensor, a
+                shape or dtype, the optimizer's type or parameter layout, the scheduler's type,
+                the scaler's enabled state.
+        """
+        if meta.get("format") != FORMAT:
+            raise SnapshotError(f"{where}: not a safetrain snapshot (format {meta.get('format')!r})")
+        if meta.get("version") != VERSION:
+            raise SnapshotError(f"{where}: snapshot format version {meta.get('version')!r}; this safetrain reads {VERSION}")
+        for name in _referenced(meta):
+            if name not in specs:
+                raise SnapshotError(f"{where}: metadata refers to tensor {name!r}, which the file lacks (corrupted?)")
+        live = self.model.state_dict()
+        aliases = meta["model"]["aliases"]
+        saved = {n[len("model/"):] for n in specs if n.startswith("model/")} | set(aliases)
+        missing, unexpected = sorted(set(live) - saved), sorted(saved - set(live))
+        if missing or unexpected:
+            raise SnapshotError(
+                f"{where}: snapshot does not match the model (from another model?): "
+                f"missing {_few(missing)}, unexpected {_few(unexpected)}"
+            )
+        for name, t in live.items():
+            shape, dtype = specs[f"model/{aliases.get(name, name)}"]
+            if tuple(shape) != tuple(t.shape) or dtype != t.dtype:
+                raise SnapshotError(
+                    f"{where}: model tensor {name!r} is {list(shape)} {dtype} in the snapshot, "
+                    f"{list(t.shape)} {t.dtype} in the live model"
+                )
+        check_optimizer(self.optimizer, specs, meta["optimizer"], where)
+        _check_same_kind(where, "scheduler", meta.get("scheduler"), self.scheduler)
+        _check_same_kind(where, "scaler", meta.get("scaler"), self.scaler)
+        if self.scaler is not None and meta["scaler"]["enabled"] != self.scaler.is_enabled():
+            raise SnapshotError(
+                f"{where}: GradScaler enabled={meta['scaler']['enabled']} in the snapshot, "
+                f"enabled={self.scaler.is_enabled()} in the live state"
+            )
+        if self.rng and meta.get("rng") is None:
+            raise SnapshotError(f"{where}: snapshot has no RNG state; build TrainState(..., rng=False) to load it")
+
+    # -- restore -------------------------------------------------------------------------------
+
+    def apply(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        meta: Mapping[str, Any],
+        *,
+        owned: bool,
+        where: str,
+        homes: Optional[Mapping[str, torch.device]] = None,
+    ) -> None:
+        """Put a snapshot back into the live objects; call :meth:`check_compatible` first.
+
+        Model tensors are copied in place (``non_blocking``: asynchronous from pinned memory), so
+        every reference to a parameter stays valid; see :func:`.optim.restore_optimizer` for the
+        optimizer. Then the scheduler, the scaler and the generators are loaded.
+
+        Args:
+            tensors: the snapshot's tensors by name.
+            meta: the snapshot's JSON part.
+            owned: the tensors are fresh (read from a file) and may be adopted by the optimizer
+                instead of copied; ``False`` for a store's reusable buffers.
+            where: named in errors.
+            homes: the device each tensor was captured on, for copies the optimizer must own.
+        """
+        aliases = meta["model"]["aliases"]
+        live = self.model.state_dict()
+        copy_all_(list(live.values()), [tensors[f"model/{aliases.get(n, n)}"] for n in live])
+        restore_optimizer(self.optimizer, tensors, meta["optimizer"], owned=owned, where=where, homes=homes)
+        try:
+            if self.scheduler is not None:
+                self.scheduler.load_state_dict(decode(meta["scheduler"]["state"], tensors, where))
+            if self.scaler is not None:
+                self.scaler.load_state_dict(decode(meta["scaler"]["state"], tensors, where))
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise SnapshotError(f"{where}: cannot restore the scheduler or scaler state: {exc}") from None
+        if self.rng:
+            restore_rng(meta["rng"], tensors, where)
+
+
+def _check_counters(counters: Mapping[str, int]) -> Dict[str, int]:
+    out: Dict[str, int] = {}
+    for key, value in counters.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SnapshotError(f"counters[{key!r}]: got {value!r}; expected an int")
+        out[str(key)] = int(value)
+    if "step" not in out:
+        raise SnapshotError(f"counters: 'step' is required (got keys {sorted(out)})")
+    return out
+
+
+def _check_same_kind(where: str, what: str, saved: Optional[Mapping[str, Any]], live: Any) -> None:
+    if saved is None and live is None:
+        return
+    if saved is None:
+        raise SnapshotError(f"{where}: snapshot has no {what} state but the live state has a {type(live).__name__}")
+    if live is None:
+        raise SnapshotError(f"{where}: snapshot has {what} state ({saved.get('type', what)}) but the live state has none")
+    if "type" in saved and saved["type"] != _type_name(live):
+        raise SnapshotError(f"{where}: {what} is {saved['type']} in the snapshot, {_type_name(live)} in the live state")
+
+
+def _referenced(meta: Mapping[str, Any]) -> List[str]:
+    names = list(tensor_refs([meta.get(k) for k in ("optimizer", "scheduler", "scaler", "extra")]))
+    names += [f"extra/{n}" for n in meta.get("extra_tensors", [])]
+    rng = meta.get("rng")
+    if rng is not None:
+        names += ["rng/torch", "rng/numpy"] + [f"rng/cuda/{i}" for i in range(int(rng.get("cuda", 0)))]
+    return names
+
+
+def _few(names: List[str], n: int = 4) -> str:
+    if not names:
+        return "none"
+    more = f" and {len(names) - n} more" if len(names) > n else ""
+    return ", ".join(repr(x) for x in names[:n]) + more

@@ -1,0 +1,270 @@
+"""``SafetensorsStore``: one safetensors file per snapshot, written atomically, verified on load.
+
+Files are ``snapshot-{step:010d}.safetensors`` so that names sort by step. A save writes
+``.tmp-snapshot-...`` in the same directory, fsyncs it, renames it over the final name and
+fsyncs the directory: a crash at any moment leaves either the previous set of snapshots or
+the new one, never a half-written file under a snapshot's name. Temporary files are never
+listed and are removed when a store opens the directory. After a save, snapshots newer than
+it (left over from a trajectory that was rolled back) and all but the newest ``keep`` are
+deleted. Loading reads into fresh memory (no mmap), so deleted files really free their space.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, Iterable, List, Optional, Union
+
+import torch
+
+from ..errors import ConfigError, SnapshotError
+from .base import CorruptSnapshotError, SnapshotInfo, SnapshotStore, make_info
+from .fileformat import read_header, read_tensors, write_file
+from .memory import MemoryStore
+from .state import Captured, TrainState
+
+__all__ = ["SafetensorsStore", "SnapshotConfigError", "load_snapshot", "make_store", "list_snapshots"]
+
+log = logging.getLogger("safetrain")
+
+_NAME = re.compile(r"^snapshot-(\d{10,})\.safetensors$")
+_TMP_PREFIX = ".tmp-snapshot-"
+
+
+class SnapshotConfigError(SnapshotError, ConfigError):
+    """The snapshot configuration cannot be used (no directory for the safetensors store, say)."""
+
+
+def _workers() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def list_snapshots(directory: Union[str, os.PathLike]) -> List[str]:
+    """Snapshot files in ``directory``, oldest step first; temporary and set-aside files excluded."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    found = [(int(m.group(1)), n) for n in names if (m := _NAME.match(n))]
+    return [os.path.join(os.fspath(directory), n) for _, n in sorted(found)]
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _load_file(path: str, state: TrainState, pool: Optional[ThreadPoolExecutor]) -> SnapshotInfo:
+    header = read_header(path)
+    meta = header.state()
+    state.check_compatible(header.specs(), meta, path)  # before reading any tensor data
+    tensors, _ = read_tensors(header, pool)
+    state.apply(tensors, meta, owned=True, where=path)
+    log.debug("restored snapshot %s", path)
+    return make_info(meta, tensors, path, path)
+
+
+class SafetensorsStore(SnapshotStore):
+    """Snapshots as safetensors files in a directory: survive the process, verified on load.
+
+    Args:
+        directory: where the files go (created if needed). Leftover temporary files from a
+            crashed writer are removed.
+        keep: number of snapshot files kept.
+        workers: threads computing checksums alongside file I/O (default: up to 4).
+
+    Example::
+
+        >>> import tempfile
+        >>> model = torch.nn.Linear(4, 2)
+        >>> state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> with SafetensorsStore(tempfile.mkdtemp(), keep=2) as store:
+        ...     info = store.save(state, {"step": 3, "epoch": 0, "batch": 3})
+        ...     os.path.basename(store.restore(state).path)
+        'snapshot-0000000003.safetensors'
+    """
+
+    def __init__(self, directory: Union[str, os.PathLike], keep: int = 2, *, workers: Optional[int] = None) -> None:
+        super().__init__(keep)
+        self.directory = os.fspath(directory)
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+        except OSError as exc:
+            raise SnapshotError(f"{self.directory}: cannot create the snapshot directory: {exc.strerror or exc}") from None
+        for name in os.listdir(self.directory):
+            if name.startswith(_TMP_PREFIX):
+                log.info("removing %s, left by an interrupted snapshot write", name)
+                try:
+                    os.remove(os.path.join(self.directory, name))
+                except FileNotFoundError:
+                    pass
+        self._pool = ThreadPoolExecutor(workers or _workers(), thread_name_prefix="safetrain-snapshot")
+        self._staging: Dict[str, torch.Tensor] = {}
+
+    def paths(self) -> List[str]:
+        """The snapshot files, oldest step first."""
+        return list_snapshots(self.directory)
+
+    # -- save ----------------------------------------------------------------------------------
+
+    def _to_host(self, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Contiguous CPU tensors to write; CUDA tensors go through reused pinned buffers."""
+        out: Dict[str, torch.Tensor] = {}
+        devices = set()
+        for name, t in tensors.items():
+            if t.device.type == "cpu":
+                out[name] = t.contiguous()
+            elif t.device.type == "cuda":
+                buf = self._staging.get(name)
+                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                    buf = self._staging[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                buf.copy_(t, non_blocking=True)
+                devices.add(t.device)
+                out[name] = buf
+            else:
+                out[name] = t.to("cpu").contiguous()
+        for name in set(self._staging) - set(tensors):
+            del self._staging[name]
+        for device in devices:
+            # host sync: the bytes must be in host memory before they are written.
+            torch.cuda.current_stream(device).synchronize()
+        return out
+
+    def _save(self, captured: Captured) -> SnapshotInfo:
+        step = captured.meta["counters"]["step"]
+        if step < 0:
+            raise SnapshotError(f"counters['step']: got {step}; expected >= 0")
+        final = os.path.join(self.directory, f"snapshot-{step:010d}.safetensors")
+        tmp = os.path.join(self.directory, f"{_TMP_PREFIX}{step:010d}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        state_json = json.dumps(captured.meta, separators=(",", ":"), allow_nan=False)
+        try:
+            write_file(tmp, self._to_host(captured.tensors), state_json, self._pool)
+            os.replace(tmp, final)
+            _fsync_dir(self.directory)
+        except OSError as exc:
+            raise SnapshotError(f"{final}: cannot write the snapshot: {exc.strerror or exc}") from None
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        self._rotate(step)
+        log.debug("snapshot at step %d written to %s", step, final)
+        return make_info(captured.meta, captured.tensors, final, final, copy=lambda n, t: t.clone())
+
+    def _rotate(self, step: int) -> None:
+        paths = self.paths()
+        for path in paths:
+            if int(_NAME.match(os.path.basename(path)).group(1)) > step:
+                log.warning("removing %s: newer than step %d, from a run that was rolled back", path, step)
+                self._remove(path)
+        paths = [p for p in paths if os.path.exists(p)]
+        for path in paths[: max(0, len(paths) - self.keep)]:
+            log.debug("removing old snapshot %s", path)
+            self._remove(path)
+
+    @staticmethod
+    def _remove(path: str) -> None:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+
+    # -- restore -------------------------------------------------------------------------------
+
+    def _candidates(self) -> Iterable[str]:
+        return list(reversed(self.paths()))
+
+    def _restore(self, path: str, state: TrainState) -> SnapshotInfo:
+        return _load_file(path, state, self._pool)
+
+    def _info(self, path: str) -> SnapshotInfo:
+        header = read_header(path)
+        meta = header.state()
+        wanted = {f"extra/{n}" for n in meta.get("extra_tensors", [])}
+        tensors, _ = read_tensors(header, self._pool, only=wanted)
+        return make_info(meta, tensors, path, path)
+
+    def _set_aside(self, path: str) -> None:
+        try:
+            os.replace(path, path + ".corrupt")
+            log.warning("set aside damaged snapshot as %s.corrupt", path)
+        except OSError:
+            pass
+
+    def _where(self) -> str:
+        return self.directory
+
+    def _close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._staging.clear()
+
+
+def load_snapshot(path: Union[str, os.PathLike], state: TrainState) -> SnapshotInfo:
+    """Load a snapshot file into ``state``, or the newest valid one of a directory (for resume).
+
+    The file is checked before the live state is touched: format, checksums, and names, shapes
+    and dtypes against the live model and optimizer. Nothing in the file can run code.
+
+    Args:
+        path: a ``.safetensors`` snapshot, or a directory of them (damaged ones are skipped,
+            with a warning, and left in place).
+        state: the :class:`TrainState` to write into.
+
+    Returns:
+        The :class:`SnapshotInfo` loaded: counters to resume from, extra state and tensors.
+
+    Raises:
+        SnapshotError: the file (or every file of the directory) is unusable; the message
+            names each file and what is wrong.
+
+    Example::
+
+        >>> info = load_snapshot("runs/a/snapshots", state)   # doctest: +SKIP
+        >>> start_step = info.step
+    """
+    path = os.fspath(path)
+    with ThreadPoolExecutor(_workers(), thread_name_prefix="safetrain-snapshot") as pool:
+        if not os.path.isdir(path):
+            if not os.path.exists(path):
+                raise SnapshotError(f"{path}: no such snapshot file or directory")
+            return _load_file(path, state, pool)
+        failures = []
+        for candidate in reversed(list_snapshots(path)):
+            try:
+                return _load_file(candidate, state, pool)
+            except SnapshotError as exc:
+                log.warning("snapshot unusable, trying an older one: %s", exc)
+                failures.append(str(exc))
+        if not failures:
+            raise SnapshotError(f"{path}: no snapshot files (snapshot-*.safetensors) in this directory")
+        raise SnapshotError(f"{path}: no usable snapshot; " + "; ".join(failures))
+
+
+def make_store(cfg: Any, run_dir: Optional[Union[str, os.PathLike]] = None) -> SnapshotStore:
+    """Build the store ``cfg`` (a :class:`safetrain.config.SnapshotConfig`) describes.
+
+    Args:
+        cfg: ``store`` (memory | safetensors), ``keep``, ``device`` (memory), ``dir`` (safetensors).
+        run_dir: the run directory; safetensors snapshots go to ``cfg.dir`` or ``<run_dir>/snapshots``.
+
+    Raises:
+        SnapshotConfigError: (a ``SnapshotError`` and a ``ConfigError``) the safetensors store has
+            no directory, or ``cfg.store`` is unknown.
+    """
+    if cfg.store == "memory":
+        return MemoryStore(keep=cfg.keep, device=cfg.device)
+    if cfg.store == "safetensors":
+        directory = cfg.dir or (os.path.join(os.fspath(run_dir), "snapshots") if run_dir is not None else None)
+        if directory is None:
+            raise SnapshotConfigError(
+                "snapshot.dir: store is 'safetensors' but neither snapshot.dir nor a run directory (log.dir) "
+                "is set; set snapshot.dir=PATH or log.dir=PATH"
+            )
+        return SafetensorsStore(directory, keep=cfg.keep)
+    raise SnapshotConfigError(f"snapshot.store: got {cfg.store!r}; expected 'memory' or 'safetensors'")
