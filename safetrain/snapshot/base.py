@@ -126,7 +126,11 @@ class SnapshotStore(abc.ABC):
                 the write failed (the message names the file).
         """
         self._require_open("save")
-        captured = state.capture(counters, extra, extra_tensors)
+        return self._save(state.capture(counters, extra, extra_tensors))
+
+    @staticmethod
+    def _refused(captured: Any) -> bool:
+        """Run the finiteness check (one device-side pass, one host read); log and say if it failed."""
         bad = nonfinite((n, captured.tensors[n]) for n in captured.checked)
         if bad:
             more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
@@ -134,8 +138,7 @@ class SnapshotStore(abc.ABC):
                 "snapshot refused at step %d: non-finite values in %s%s; keeping the previous snapshot",
                 captured.meta["counters"]["step"], ", ".join(bad[:5]), more,
             )
-            return None
-        return self._save(captured)
+        return bool(bad)
 
     def restore(self, state: Any, older: int = 0) -> SnapshotInfo:
         """Put the newest usable snapshot back into ``state`` (model, optimizer, scheduler, scaler, RNGs).
@@ -199,7 +202,8 @@ class SnapshotStore(abc.ABC):
     # -- what a concrete store provides --------------------------------------------------------
 
     @abc.abstractmethod
-    def _save(self, captured: Any) -> SnapshotInfo: ...
+    def _save(self, captured: Any) -> Optional[SnapshotInfo]:
+        """Check (``_refused``) and store a capture; ``None`` when refused."""
 
     @abc.abstractmethod
     def _candidates(self) -> Iterable[Any]:

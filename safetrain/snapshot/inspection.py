@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, Union
 
 from .codec import decode
@@ -39,8 +38,7 @@ def inspect_snapshot(path: Union[str, os.PathLike]) -> Dict[str, Any]:
     path = os.fspath(path)
     header = read_header(path)
     meta = header.state()
-    with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
-        tensors, bad = read_tensors(header, pool, verify=False)
+    tensors, bad = read_tensors(header, verify=False)
     checked = [(n, t) for n, t in tensors.items() if n.startswith(("model/", "optim/state/"))]
     bad_values = nonfinite(checked)
     counters = meta.get("counters", {})

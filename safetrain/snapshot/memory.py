@@ -79,7 +79,9 @@ class MemoryStore(SnapshotStore):
     def _target(self, t: torch.Tensor) -> torch.device:
         return torch.device("cpu") if self.device == "cpu" else t.device
 
-    def _save(self, captured: Captured) -> SnapshotInfo:
+    def _save(self, captured: Captured) -> Optional[SnapshotInfo]:
+        if self._refused(captured):  # before any buffer is touched: older snapshots stay intact
+            return None
         slot = min(self._slots, key=lambda s: s.seq)  # the empty or oldest slot
         meta_json = json.dumps(captured.meta, separators=(",", ":"), allow_nan=False)
         slot.meta_json = None  # not restorable while its buffers are overwritten

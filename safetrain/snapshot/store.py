@@ -6,7 +6,8 @@ fsyncs the directory: a crash at any moment leaves either the previous set of sn
 the new one, never a half-written file under a snapshot's name. Temporary files are never
 listed and are removed when a store opens the directory. After a save, snapshots newer than
 it (left over from a trajectory that was rolled back) and all but the newest ``keep`` are
-deleted. Loading reads into fresh memory (no mmap), so deleted files really free their space.
+renamed out of the listing at once and unlinked by a worker thread (``close()`` waits for it).
+Loading reads into fresh memory (no mmap), so deleted files really free their space.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ import logging
 import os
 import re
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, Iterable, List, Optional, Union
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 import torch
 
 from ..errors import ConfigError, SnapshotError
 from .base import CorruptSnapshotError, SnapshotInfo, SnapshotStore, make_info
-from .fileformat import read_header, read_tensors, write_file
+from .fileformat import FileWriter, checksum, read_header, read_tensors
 from .memory import MemoryStore
 from .state import Captured, TrainState
 
@@ -37,10 +38,6 @@ _TMP_PREFIX = ".tmp-snapshot-"
 
 class SnapshotConfigError(SnapshotError, ConfigError):
     """The snapshot configuration cannot be used (no directory for the safetensors store, say)."""
-
-
-def _workers() -> int:
-    return max(1, min(4, os.cpu_count() or 1))
 
 
 def list_snapshots(directory: Union[str, os.PathLike]) -> List[str]:
@@ -61,11 +58,11 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def _load_file(path: str, state: TrainState, pool: Optional[ThreadPoolExecutor]) -> SnapshotInfo:
+def _load_file(path: str, state: TrainState) -> SnapshotInfo:
     header = read_header(path)
     meta = header.state()
     state.check_compatible(header.specs(), meta, path)  # before reading any tensor data
-    tensors, _ = read_tensors(header, pool)
+    tensors, _ = read_tensors(header)
     state.apply(tensors, meta, owned=True, where=path)
     log.debug("restored snapshot %s", path)
     return make_info(meta, tensors, path, path)
@@ -78,7 +75,6 @@ class SafetensorsStore(SnapshotStore):
         directory: where the files go (created if needed). Leftover temporary files from a
             crashed writer are removed.
         keep: number of snapshot files kept.
-        workers: threads computing checksums alongside file I/O (default: up to 4).
 
     Example::
 
@@ -91,7 +87,7 @@ class SafetensorsStore(SnapshotStore):
         'snapshot-0000000003.safetensors'
     """
 
-    def __init__(self, directory: Union[str, os.PathLike], keep: int = 2, *, workers: Optional[int] = None) -> None:
+    def __init__(self, directory: Union[str, os.PathLike], keep: int = 2) -> None:
         super().__init__(keep)
         self.directory = os.fspath(directory)
         try:
@@ -105,8 +101,10 @@ class SafetensorsStore(SnapshotStore):
                     os.remove(os.path.join(self.directory, name))
                 except FileNotFoundError:
                     pass
-        self._pool = ThreadPoolExecutor(workers or _workers(), thread_name_prefix="safetrain-snapshot")
+        # One thread unlinks rotated files in the background (see _rotate).
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="safetrain-snapshot")
         self._staging: Dict[str, torch.Tensor] = {}
+        self._removals: List[Future] = []
 
     def paths(self) -> List[str]:
         """The snapshot files, oldest step first."""
@@ -114,10 +112,13 @@ class SafetensorsStore(SnapshotStore):
 
     # -- save ----------------------------------------------------------------------------------
 
-    def _to_host(self, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """Contiguous CPU tensors to write; CUDA tensors go through reused pinned buffers."""
+    def _to_host(self, tensors: Dict[str, torch.Tensor]) -> Tuple[Dict[str, torch.Tensor], Set[torch.device]]:
+        """Contiguous CPU tensors to write, and the CUDA devices whose copies are still in flight.
+
+        CUDA tensors are copied asynchronously into pinned buffers reused across saves.
+        """
         out: Dict[str, torch.Tensor] = {}
-        devices = set()
+        devices: Set[torch.device] = set()
         for name, t in tensors.items():
             if t.device.type == "cpu":
                 out[name] = t.contiguous()
@@ -132,25 +133,41 @@ class SafetensorsStore(SnapshotStore):
                 out[name] = t.to("cpu").contiguous()
         for name in set(self._staging) - set(tensors):
             del self._staging[name]
-        for device in devices:
-            # host sync: the bytes must be in host memory before they are written.
-            torch.cuda.current_stream(device).synchronize()
-        return out
+        return out, devices
 
-    def _save(self, captured: Captured) -> SnapshotInfo:
+    def _save(self, captured: Captured) -> Optional[SnapshotInfo]:
         step = captured.meta["counters"]["step"]
         if step < 0:
             raise SnapshotError(f"counters['step']: got {step}; expected >= 0")
         final = os.path.join(self.directory, f"snapshot-{step:010d}.safetensors")
         tmp = os.path.join(self.directory, f"{_TMP_PREFIX}{step:010d}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         state_json = json.dumps(captured.meta, separators=(",", ":"), allow_nan=False)
+        host, devices = self._to_host(captured.tensors)
+        writer = None
         try:
-            write_file(tmp, self._to_host(captured.tensors), state_json, self._pool)
+            if devices:
+                # The check runs on the device; its host read comes after the staging copies.
+                if self._refused(captured):
+                    return None
+                for device in devices:
+                    # host sync: the staged bytes must be in host memory before they are written.
+                    torch.cuda.current_stream(device).synchronize()
+                writer = FileWriter(tmp, host, state_json)
+            else:
+                # CPU: the data goes to disk while the check and the checksums run.
+                writer = FileWriter(tmp, host, state_json)
+                if self._refused(captured):
+                    return None  # the writer is aborted below
+            sums = {name: checksum(t) for name, t in host.items()}
+            writer.finish(sums)
+            writer = None
             os.replace(tmp, final)
             _fsync_dir(self.directory)
         except OSError as exc:
             raise SnapshotError(f"{final}: cannot write the snapshot: {exc.strerror or exc}") from None
         finally:
+            if writer is not None:
+                writer.abort()
             if os.path.exists(tmp):
                 os.remove(tmp)
         self._rotate(step)
@@ -159,14 +176,30 @@ class SafetensorsStore(SnapshotStore):
 
     def _rotate(self, step: int) -> None:
         paths = self.paths()
+        doomed = []
         for path in paths:
             if int(_NAME.match(os.path.basename(path)).group(1)) > step:
                 log.warning("removing %s: newer than step %d, from a run that was rolled back", path, step)
-                self._remove(path)
-        paths = [p for p in paths if os.path.exists(p)]
-        for path in paths[: max(0, len(paths) - self.keep)]:
+                doomed.append(path)
+        kept = [p for p in paths if p not in doomed]
+        doomed += kept[: max(0, len(kept) - self.keep)]
+        for path in doomed:
+            # Rename now (instant: the listing is right at once), unlink in the background: on a
+            # filesystem mounted with `discard`, freeing gigabytes takes a noticeable time.
+            hidden = os.path.join(self.directory, f"{_TMP_PREFIX}removed-{os.path.basename(path)}")
+            try:
+                os.replace(path, hidden)
+            except FileNotFoundError:
+                continue
             log.debug("removing old snapshot %s", path)
-            self._remove(path)
+            self._removals.append(self._pool.submit(self._remove, hidden))
+        self._removals = [f for f in self._removals if not f.done()]
+
+    def drain(self) -> None:
+        """Wait until rotated snapshot files are deleted (``close()`` does this too)."""
+        for future in self._removals:
+            future.result()
+        self._removals = []
 
     @staticmethod
     def _remove(path: str) -> None:
@@ -181,13 +214,13 @@ class SafetensorsStore(SnapshotStore):
         return list(reversed(self.paths()))
 
     def _restore(self, path: str, state: TrainState) -> SnapshotInfo:
-        return _load_file(path, state, self._pool)
+        return _load_file(path, state)
 
     def _info(self, path: str) -> SnapshotInfo:
         header = read_header(path)
         meta = header.state()
         wanted = {f"extra/{n}" for n in meta.get("extra_tensors", [])}
-        tensors, _ = read_tensors(header, self._pool, only=wanted)
+        tensors, _ = read_tensors(header, only=wanted)
         return make_info(meta, tensors, path, path)
 
     def _set_aside(self, path: str) -> None:
@@ -201,7 +234,7 @@ class SafetensorsStore(SnapshotStore):
         return self.directory
 
     def _close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)  # finishes pending removals of rotated files
         self._staging.clear()
 
 
@@ -229,21 +262,20 @@ def load_snapshot(path: Union[str, os.PathLike], state: TrainState) -> SnapshotI
         >>> start_step = info.step
     """
     path = os.fspath(path)
-    with ThreadPoolExecutor(_workers(), thread_name_prefix="safetrain-snapshot") as pool:
-        if not os.path.isdir(path):
-            if not os.path.exists(path):
-                raise SnapshotError(f"{path}: no such snapshot file or directory")
-            return _load_file(path, state, pool)
-        failures = []
-        for candidate in reversed(list_snapshots(path)):
-            try:
-                return _load_file(candidate, state, pool)
-            except SnapshotError as exc:
-                log.warning("snapshot unusable, trying an older one: %s", exc)
-                failures.append(str(exc))
-        if not failures:
-            raise SnapshotError(f"{path}: no snapshot files (snapshot-*.safetensors) in this directory")
-        raise SnapshotError(f"{path}: no usable snapshot; " + "; ".join(failures))
+    if not os.path.isdir(path):
+        if not os.path.exists(path):
+            raise SnapshotError(f"{path}: no such snapshot file or directory")
+        return _load_file(path, state)
+    failures = []
+    for candidate in reversed(list_snapshots(path)):
+        try:
+            return _load_file(candidate, state)
+        except SnapshotError as exc:
+            log.warning("snapshot unusable, trying an older one: %s", exc)
+            failures.append(str(exc))
+    if not failures:
+        raise SnapshotError(f"{path}: no snapshot files (snapshot-*.safetensors) in this directory")
+    raise SnapshotError(f"{path}: no usable snapshot; " + "; ".join(failures))
 
 
 def make_store(cfg: Any, run_dir: Optional[Union[str, os.PathLike]] = None) -> SnapshotStore:

@@ -92,7 +92,7 @@ def test_sigkill_at_random_moments_leaves_a_loadable_snapshot(tmp_path):
             os.kill(pid, signal.SIGKILL)
             assert child.stdout.readline().strip() == "reaped", "the trainer is gone"
             names = os.listdir(directory) if directory.exists() else []
-            mid_write += any(n.startswith(".tmp-") for n in names)
+            mid_write += any(n.startswith(".tmp-") and "removed-" not in n for n in names)
             paths = list_snapshots(directory)
             assert paths, f"kill {kill}: a snapshot exists"
             assert all(os.path.basename(p).startswith("snapshot-") for p in paths)

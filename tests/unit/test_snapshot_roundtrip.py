@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import random
 
 import numpy as np
@@ -198,6 +199,8 @@ def test_nonfinite_state_is_refused(what, poison, name, store_kind, tmp_path, ca
             assert store.save(state, {"step": 2}) is None, f"{what}: snapshot refused"
         assert name in caplog.text and "refused" in caplog.text, f"{what}: the warning names {name}: {caplog.text}"
         assert len(store) == 1 and store.latest().step == 1, f"{what}: the previous snapshot is kept"
+        if store_kind == "safetensors":
+            assert os.listdir(tmp_path / "snaps") == ["snapshot-0000000001.safetensors"], f"{what}: nothing left over"
         assert store.restore(state).step == 1
     assert_state_equal(state, rec, what)
 
