@@ -331,6 +331,7 @@ def _build(base: DictConfig, layers: List[tuple], path: Any) -> TrainConfig:
     merged = base
     for data, source in layers:
         _check_keys(data, TrainConfig, "", source)
+        _yaml_off(data, TrainConfig)
         try:
             merged = OmegaConf.merge(merged, OmegaConf.create(dict(data)))
         except ValidationError as exc:
@@ -391,6 +392,19 @@ def _check_keys(data: Any, cls: type, prefix: str, source: str, root: Any = None
             )
         if dataclasses.is_dataclass(hints[key]):
             _check_keys(value, hints[key], dotted + ".", source, root)
+
+
+def _yaml_off(data: Any, cls: type) -> None:
+    """YAML 1.1 reads a bare ``off`` as ``false``: give choice fields that allow 'off' their string back."""
+    if not isinstance(data, dict):
+        return
+    hints = typing.get_type_hints(cls)
+    for key, value in data.items():
+        tp = hints.get(key)
+        if dataclasses.is_dataclass(tp):
+            _yaml_off(value, tp)
+        elif value is False and typing.get_origin(tp) is Literal and "off" in typing.get_args(tp):
+            data[key] = "off"
 
 
 def _lookup(data: Any, dotted: str) -> Any:

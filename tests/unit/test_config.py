@@ -184,3 +184,13 @@ def test_yaml_that_is_not_a_mapping(tmp_path):
 
 def test_empty_file_means_defaults(tmp_path):
     assert load_config(write(tmp_path, "# nothing\n")) == load_config()
+
+
+def test_bare_off_in_yaml_means_the_choice_off(tmp_path):
+    """YAML 1.1 turns `off` into false; for choice fields that allow 'off' it means 'off'."""
+    path = write(tmp_path, "detect:\n  mode: off\nsanitize:\n  inputs: off\n")
+    cfg = load_config(path, ["sanitize.targets=off"])
+    assert (cfg.detect.mode, cfg.sanitize.inputs, cfg.sanitize.targets) == ("off", "off", "off")
+    assert load_config(None, ["log.progress=off"]).log.progress is False, "a boolean field keeps YAML's meaning"
+    with pytest.raises(ConfigError, match=r"log\.level: got False; expected one of 'DEBUG'"):
+        load_config(None, ["log.level=off"])
