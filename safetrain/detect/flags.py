@@ -1,0 +1,233 @@
+"""The step's single host read: every device flag, the loss and the total norm in one tensor.
+
+The guard puts each device-side value of the step here (the sanitizer's sums, the activation
+monitor's per-call sums, the loss, the gradients' total norm, the weight check) and calls
+:meth:`StepFlags.read` once: one ``stack`` of every 0-dim value (a ``cat`` only if a vector was
+put) and one ``tolist()``, the step's only host sync. Each value is judged on the host, with no
+device op spent on it: a **bool** value trips when ``True``, a **floating** value trips when it
+is NaN or Inf. What comes back is a small frozen :class:`StepRead` of plain Python numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+__all__ = ["StepFlags", "StepRead", "FLAG_KINDS"]
+
+#: The kinds :class:`StepRead` knows by name, in the order a step meets them.
+FLAG_KINDS = ("input", "target", "forward", "loss", "gradient", "weights")
+_NUMBERS = ("loss", "total_norm")
+_VECTORS = ("forward", "grad_norms")
+_ROWS = ("input_rows", "target_rows")
+_BOOL = torch.bool
+_FLOATS = (torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class StepRead:
+    """One step's flags and numbers, on the host.
+
+    Attributes:
+        loss: the loss value (``None`` when not put).
+        total_norm: the gradients' total L2 norm (``None`` when not put).
+        input: some input value is NaN/Inf.
+        target: some target value is NaN/Inf.
+        gradient: some gradient is NaN/Inf (set when ``total_norm`` is non-finite).
+        weights: the weight check tripped.
+        forward: the activation monitor's per-call values, aligned with its ``calls`` (empty in lazy mode).
+        grad_norms: per-parameter gradient norms, aligned with ``GradCheck.names``, when put.
+        input_rows: the per-row input mask, when it was put (else empty).
+        target_rows: the per-row target mask, likewise.
+        extra: raw values of any other name that was put.
+        extra_tripped: the names in ``extra`` that tripped.
+    """
+
+    loss: Optional[float] = None
+    total_norm: Optional[float] = None
+    input: bool = False
+    target: bool = False
+    gradient: bool = False
+    weights: bool = False
+    forward: Tuple[float, ...] = ()
+    grad_norms: Tuple[float, ...] = ()
+    input_rows: Tuple[bool, ...] = ()
+    target_rows: Tuple[bool, ...] = ()
+    extra: Mapping[str, Tuple[float, ...]] = field(default_factory=dict)
+    extra_tripped: Tuple[str, ...] = ()
+
+    @property
+    def forward_tripped(self) -> bool:
+        """Some monitored module's value is NaN/Inf."""
+        return bool(self.forward) and not math.isfinite(sum(self.forward))
+
+    @property
+    def loss_tripped(self) -> bool:
+        """The loss is NaN or Inf."""
+        return self.loss is not None and not math.isfinite(self.loss)
+
+    def tripped(self) -> Tuple[str, ...]:
+        """The kinds that tripped, in step order (input, target, forward, loss, gradient, weights),
+        then the extra names that tripped.
+
+        Returns:
+            A tuple of kinds; empty on a healthy step.
+        """
+        kinds = [k for k in ("input", "target") if getattr(self, k)]
+        if self.forward_tripped:
+            kinds.append("forward")
+        if self.loss_tripped:
+            kinds.append("loss")
+        kinds += [k for k in ("gradient", "weights") if getattr(self, k)]
+        return tuple(kinds) + self.extra_tripped
+
+    @property
+    def healthy(self) -> bool:
+        """Nothing tripped."""
+        return not self.tripped()
+
+    def rows(self, which: str = "input") -> Tuple[int, ...]:
+        """Indices of the bad rows, from a per-row mask that was put (``"input"`` or ``"target"``)."""
+        mask = self.input_rows if which == "input" else self.target_rows
+        return tuple(i for i, b in enumerate(mask) if b)
+
+
+Value = Union[None, Tensor, Sequence[Tensor]]
+
+
+class StepFlags:
+    """Collects the step's device values and reads them all with ONE host sync.
+
+    Names: ``loss`` and ``total_norm`` are numbers (a non-finite ``total_norm`` sets
+    ``gradient``); ``grad_norms`` is :attr:`GradNorms.norm_list` (the read then gives every norm
+    and ``total_norm = math.hypot(*norms)``, computed on the host); ``input``, ``target``,
+    ``forward``, ``gradient``, ``weights`` are checks;
+    ``input_rows`` / ``target_rows`` are optional per-row bool masks; any other name lands in
+    ``StepRead.extra``. A value is a 0-dim tensor, a 1-D tensor, or a list of 0-dim tensors (the
+    sanitizer's ``values``, the monitor's ``records``: they join the single ``stack`` as they
+    are). Bool values trip when ``True``, floating ones when NaN/Inf. ``None`` is ignored, so a
+    disabled detector needs no ``if`` in the caller. Reusable: ``read()`` clears it.
+
+    Example::
+
+        >>> flags = StepFlags()
+        >>> flags.put("input", scan.values)
+        >>> flags.put("forward", monitor.records)
+        >>> flags.put("loss", loss)
+        >>> flags.put("grad_norms", grads.norm_list)
+        >>> read = flags.read()          # one host sync
+        >>> read.healthy, read.loss
+    """
+
+    def __init__(self) -> None:
+        self._scalars: List[Tensor] = []
+        self._vectors: List[Tensor] = []
+        self._layout: List[Tuple[str, int, bool, bool]] = []  # (name, count, is_bool, is_vector)
+
+    def put(self, name: str, value: Value) -> None:
+        """Add a device value; ``None`` (and an empty list) is ignored.
+
+        Args:
+            name: what it is (see the class docstring).
+            value: a 0-dim or 1-D tensor, or a list of 0-dim tensors; never read here.
+        """
+        if value is None:
+            return
+        if isinstance(value, Tensor):
+            if value.requires_grad:
+                value = value.detach()
+            if value.dim() == 0:
+                self._scalars.append(value)
+                self._layout.append((name, 1, value.dtype is _BOOL, False))
+            else:
+                value = value.reshape(-1)
+                self._vectors.append(value)
+                self._layout.append((name, value.shape[0], value.dtype is _BOOL, True))
+            return
+        n = len(value)
+        if n:
+            self._scalars.extend(value)
+            self._layout.append((name, n, value[0].dtype is _BOOL, False))
+
+    def clear(self) -> None:
+        """Drop everything put so far (``read()`` does it too)."""
+        self._scalars.clear()
+        self._vectors.clear()
+        self._layout.clear()
+
+    def read(self) -> StepRead:
+        """Pack every value into one tensor and bring it to the host: the step's single sync.
+
+        Returns:
+            A :class:`StepRead`; the flags are cleared for the next step.
+        """
+        scalars, vectors = self._scalars, self._vectors
+        if not scalars and not vectors:
+            self.clear()
+            return StepRead()
+        try:
+            packed = torch.stack(scalars) if scalars else None
+            if vectors:
+                packed = torch.cat(([packed] if packed is not None else []) + vectors)
+        except RuntimeError:  # values on several devices: gather on the first, device to device
+            device = (scalars or vectors)[0].device
+            moved = [t.to(device, non_blocking=True) for t in scalars]
+            packed = torch.stack(moved) if moved else None
+            if vectors:
+                parts = [v.to(device, non_blocking=True) for v in vectors]
+                packed = torch.cat(([packed] if packed is not None else []) + parts)
+        if packed.dtype not in _FLOATS:  # type: ignore[union-attr]
+            packed = packed.float()  # type: ignore[union-attr]
+        host = packed.tolist()  # type: ignore[union-attr]  # host sync: the step's one read
+        read = _parse(host, self._layout)
+        self.clear()
+        return read
+
+
+def _parse(host: List[float], layout: List[Tuple[str, int, bool, bool]]) -> StepRead:
+    """Slice the packed host values back into named fields (scalars first, then vectors)."""
+    out: Dict[str, Any] = {}
+    extra: Dict[str, Tuple[float, ...]] = {}
+    extra_tripped: List[str] = []
+    pos = 0
+    order = layout if not any(v for _, _, _, v in layout) else (
+        [e for e in layout if not e[3]] + [e for e in layout if e[3]]
+    )
+    for name, n, is_bool, _ in order:
+        if n == 1:
+            vals: Tuple[float, ...] = (host[pos],)
+        else:
+            vals = tuple(host[pos : pos + n])
+        pos += n
+        if name in _NUMBERS:
+            out[name] = vals[0] if n == 1 else sum(vals)
+        elif name in _VECTORS:
+            if is_bool:
+                vals = tuple(math.nan if v else 0.0 for v in vals)
+            out[name] = out.get(name, ()) + vals
+        elif name in _ROWS:
+            out[name] = tuple(bool(v) for v in vals)
+        else:
+            bad = any(vals) if is_bool else not math.isfinite(sum(vals))
+            if name in FLAG_KINDS:
+                out[name] = out.get(name, False) or bad
+            else:
+                extra[name] = vals
+                if bad:
+                    extra_tripped.append(name)
+    if "grad_norms" in out and "total_norm" not in out:
+        out["total_norm"] = math.hypot(*out["grad_norms"])
+    total = out.get("total_norm")
+    if total is not None and not math.isfinite(total):
+        out["gradient"] = True
+    if any(out.get("input_rows", ())):
+        out["input"] = True
+    if any(out.get("target_rows", ())):
+        out["target"] = True
+    if extra:
+        return StepRead(**out, extra=extra, extra_tripped=tuple(extra_tripped))
+    return StepRead(**out)

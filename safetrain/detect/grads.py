@@ -1,0 +1,332 @@
+"""Gradient and weight checks: one fused pass over many tensors, device-side flags, no sync.
+
+:class:`GradCheck` computes every gradient's L2 norm with ``torch._foreach_norm`` (one
+multi-tensor kernel per device and dtype), stacks them, and takes the total norm from that
+vector: the same number :func:`torch.nn.utils.clip_grad_norm_` would compute, so clipping
+reuses it through :func:`torch.nn.utils.clip_grads_with_norm_` instead of a second pass. The
+total norm is non-finite exactly when some gradient holds NaN/Inf (or the norms overflow float32,
+which the slow path tells apart). :class:`WeightCheck` does the same over the parameters every
+``detect.check_weights_every`` steps. Names of the guilty parameters are worked out on the
+host, from the kept norm vector, only after the step's single read shows a problem.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from .findings import GradFinding, WeightFinding
+
+__all__ = ["GradNorms", "GradCheck", "WeightCheck", "fused_norms"]
+
+_LOW = (torch.float16, torch.bfloat16)
+NamedParams = Union[nn.Module, Iterable[Tuple[str, Tensor]]]
+
+
+def _named(params: NamedParams) -> List[Tuple[str, Tensor]]:
+    items = params.named_parameters() if isinstance(params, nn.Module) else params
+    return [(name, p) for name, p in items]
+
+
+def fused_norms(tensors: Sequence[Tensor], ord: float = 2.0) -> List[Tensor]:
+    """Every tensor's norm in one fused pass per (device, dtype) group, as 0-dim tensors.
+
+    Args:
+        tensors: dense or sparse tensors, any devices and dtypes (low precision is reduced in
+            float32 so a finite norm cannot overflow the half range).
+        ord: the norm's order (``2.0`` for gradients).
+
+    Returns:
+        ``len(tensors)`` 0-dim tensors, in order, each on its tensor's device. No host sync.
+    """
+    first = tensors[0]
+    if all(t.device == first.device and t.dtype == first.dtype and not t.is_sparse for t in tensors):
+        return list(torch._foreach_norm(list(tensors), ord, dtype=torch.float32 if first.dtype in _LOW else None))
+    groups: Dict[Tuple[torch.device, torch.dtype], List[int]] = {}
+    for i, t in enumerate(tensors):
+        if not t.is_sparse:
+            groups.setdefault((t.device, t.dtype), []).append(i)
+    out: List[Optional[Tensor]] = [None] * len(tensors)
+    for (_, dtype), idx in groups.items():
+        norms = torch._foreach_norm([tensors[i] for i in idx], ord, dtype=torch.float32 if dtype in _LOW else None)
+        for i, n in zip(idx, norms):
+            out[i] = n
+    for i, t in enumerate(tensors):
+        if t.is_sparse:
+            out[i] = torch.linalg.vector_norm(t.coalesce().values(), ord)
+    return out  # type: ignore[return-value]
+
+
+def _stack(norms: List[Tensor]) -> Tensor:
+    try:
+        return torch.stack(norms).float()
+    except RuntimeError:  # norms on several devices: gather on the first
+        device = norms[0].device
+        return torch.stack([n.to(device, torch.float32, non_blocking=True) for n in norms])
+
+
+class GradNorms:
+    """The device-side result of :meth:`GradCheck.run` (nothing read on the host).
+
+    Unpacks as ``norms, total_norm, nonfinite = check.run()``. Only ``norm_list`` is computed
+    eagerly: put it on :class:`~safetrain.detect.flags.StepFlags` as ``grad_norms`` and the
+    read gives every parameter's norm and the total norm (``math.hypot`` on the host) with no
+    further device op; the other attributes are computed on first access (no sync).
+
+    Attributes:
+        norm_list: one 0-dim norm per parameter that has a gradient (see ``GradCheck.names``).
+    """
+
+    __slots__ = ("norm_list", "_norms", "_total", "_nonfinite")
+
+    def __init__(self, norm_list: List[Tensor]) -> None:
+        self.norm_list = norm_list
+        self._norms: Optional[Tensor] = None
+        self._total: Optional[Tensor] = None
+        self._nonfinite: Optional[Tensor] = None
+
+    @property
+    def norms(self) -> Tensor:
+        """float32 ``[P]``: the per-parameter L2 norms as one vector."""
+        if self._norms is None:
+            self._norms = _stack(self.norm_list)
+        return self._norms
+
+    @property
+    def total_norm(self) -> Tensor:
+        """0-dim float32: the L2 norm of all gradients together (what clipping uses); NaN/Inf
+        exactly when some gradient is (or the squares overflow float32)."""
+        if self._total is None:
+            self._total = torch.linalg.vector_norm(self.norms, 2.0)
+        return self._total
+
+    @property
+    def nonfinite(self) -> Tensor:
+        """0-dim bool: ``total_norm`` is NaN or Inf."""
+        if self._nonfinite is None:
+            self._nonfinite = ~torch.isfinite(self.total_norm)
+        return self._nonfinite
+
+    def __iter__(self) -> Iterator[Tensor]:
+        return iter((self.norms, self.total_norm, self.nonfinite))
+
+
+class GradCheck:
+    """One fused pass over all gradients: per-parameter norms, total norm, finiteness.
+
+    Args:
+        params: a module (its ``named_parameters()``) or ``(name, parameter)`` pairs; parameters
+            without ``requires_grad`` are left out.
+        enabled: ``False`` makes :meth:`run` return ``None``.
+
+    Example::
+
+        >>> model = nn.Linear(4, 2)
+        >>> check = GradCheck(model)
+        >>> model(torch.randn(3, 4)).sum().backward()
+        >>> norms, total, bad = check.run()        # no sync (``bad`` is computed on unpacking)
+        >>> check.clip_(1.0, total)                 # clipping reuses the total norm
+    """
+
+    def __init__(self, params: NamedParams, *, enabled: bool = True) -> None:
+        named = [(n, p) for n, p in _named(params) if p.requires_grad]
+        self.enabled = enabled
+        self._all_names = tuple(n for n, _ in named)
+        self._params = [p for _, p in named]
+        #: Names aligned with the last ``run()``'s ``norms`` (parameters with a gradient).
+        self.names: Tuple[str, ...] = self._all_names
+        self._with_grad: List[Tensor] = self._params
+        # Decided once: one device and one dtype means one plain _foreach_norm per step.
+        first = self._params[0] if self._params else None
+        self._uniform = first is not None and all(
+            p.device == first.device and p.dtype == first.dtype for p in self._params
+        )
+        self._acc = torch.float32 if first is not None and first.dtype in _LOW else None
+
+    def run(self) -> Optional[GradNorms]:
+        """Compute the norms of this step's gradients, device-side, with no host sync.
+
+        Returns:
+            :class:`GradNorms`, or ``None`` when disabled or no parameter has a gradient.
+        """
+        if not self.enabled:
+            return None
+        params = self._params
+        grads = [p.grad for p in params]
+        if any(g is None for g in grads):
+            keep = [i for i, g in enumerate(grads) if g is not None]
+            self.names = tuple(self._all_names[i] for i in keep)
+            self._with_grad = [params[i] for i in keep]
+            grads = [grads[i] for i in keep]
+        else:
+            self.names, self._with_grad = self._all_names, params
+        if not grads:
+            return None
+        try:
+            norms = torch._foreach_norm(grads, 2.0, dtype=self._acc) if self._uniform else fused_norms(grads)
+        except RuntimeError:  # sparse gradients or a gradient on another device than its parameter
+            norms = fused_norms(grads)
+        return GradNorms(list(norms))
+
+    def clip_(self, max_norm: float, total_norm: Union[float, Tensor]) -> None:
+        """Scale the gradients so their total norm is at most ``max_norm``, reusing ``total_norm``.
+
+        No second norm pass and no sync. With the host float from the step's read
+        (``StepRead.total_norm``) the coefficient is worked out on the host and nothing runs when
+        it is 1; with a device tensor it is :func:`torch.nn.utils.clip_grads_with_norm_`. Call it
+        only on a healthy step (a non-finite norm would poison the gradients).
+
+        Args:
+            max_norm: ``guard.clip_grad_norm``.
+            total_norm: this step's total norm, as a host float or a 0-dim device tensor.
+        """
+        grads = [p.grad for p in self._with_grad if p.grad is not None]
+        if not grads:
+            return
+        if isinstance(total_norm, Tensor):
+            torch.nn.utils.clip_grads_with_norm_(self._with_grad, max_norm, total_norm)
+            return
+        coef = max_norm / (total_norm + 1e-6)  # the same coefficient as clip_grad_norm_
+        if coef < 1.0:
+            torch._foreach_mul_(grads, coef)
+
+    def finding(
+        self,
+        result: Union[GradNorms, Sequence[float]],
+        threshold: Optional[float] = None,
+        *,
+        step: Optional[int] = None,
+        epoch: Optional[int] = None,
+        batch_index: Optional[int] = None,
+    ) -> GradFinding:
+        """Name the parameters with non-finite gradients and those whose norm is above ``threshold``.
+
+        Slow path only (reads the norm vector on the host). ``kind`` is ``gradient`` when a
+        gradient is non-finite, else ``grad_norm``.
+
+        Args:
+            result: this step's :meth:`run` result, or the norms already on the host
+                (``StepRead.grad_norms``: then nothing more is read unless a norm is non-finite).
+            threshold: ``guard.grad_norm_threshold`` (``None``: no threshold).
+            step: the optimizer step, for the finding.
+            epoch: the epoch, for the finding.
+            batch_index: the batch index, for the finding.
+
+        Returns:
+            A :class:`GradFinding`.
+        """
+        if isinstance(result, GradNorms):
+            norms = result.norms.tolist()  # host sync: slow path only
+        else:
+            norms = [float(n) for n in result]
+        total = math.hypot(*norms)
+        if any(not math.isfinite(n) for n in norms):
+            # A norm that is inf only because the squares overflowed is not a non-finite gradient.
+            exact = [not bool(torch.isfinite(p.grad).all()) if not math.isfinite(n) else False  # host sync: slow path
+                     for p, n in zip(self._with_grad, norms)]
+        else:
+            exact = [False] * len(norms)
+        nonfinite = tuple(name for name, bad in zip(self.names, exact) if bad)
+        above = ()
+        if threshold is not None:
+            above = tuple(n for n, v in zip(self.names, norms) if math.isfinite(v) and v > threshold)
+        listed = set(nonfinite) | set(above)
+        pairs = sorted(((n, v) for n, v in zip(self.names, norms) if n in listed), key=lambda nv: -_sort_key(nv[1]))
+        return GradFinding(
+            kind="gradient" if nonfinite else "grad_norm",
+            step=step,
+            epoch=epoch,
+            batch_index=batch_index,
+            total_norm=total,
+            threshold=threshold,
+            nonfinite=nonfinite,
+            above_threshold=above,
+            norms=tuple(pairs),
+        )
+
+
+def _sort_key(v: float) -> float:
+    return math.inf if math.isnan(v) else v
+
+
+class WeightCheck:
+    """Check every parameter for NaN/Inf every ``every`` steps, in one fused pass.
+
+    Args:
+        params: a module or ``(name, parameter)`` pairs.
+        every: ``detect.check_weights_every`` (0: never).
+        enabled: ``False`` makes every call a no-op.
+
+    Example::
+
+        >>> check = WeightCheck(nn.Linear(4, 2), every=100)
+        >>> value = check.maybe_run(step=200)   # 0-dim device value (NaN/Inf: poisoned), or None
+    """
+
+    def __init__(self, params: NamedParams, every: int = 100, *, enabled: bool = True) -> None:
+        named = _named(params)
+        self.names = tuple(n for n, _ in named)
+        self._params = [p for _, p in named]
+        self.every = every
+        self.enabled = enabled and every > 0 and bool(self._params)
+
+    def due(self, step: int) -> bool:
+        """``True`` when ``step`` is a multiple of ``every`` (host arithmetic, no sync)."""
+        return self.enabled and step % self.every == 0
+
+    def run(self) -> Optional[Tensor]:
+        """Check now: one fused L2 norm per parameter, summed.
+
+        Returns:
+            A 0-dim float32 device value, NaN/Inf when some parameter is (or, rarely, when
+            the norms overflow: :meth:`finding` tells them apart); ``None`` when disabled. Put it
+            on :class:`~safetrain.detect.flags.StepFlags` as ``weights``.
+        """
+        if not self.enabled:
+            return None
+        with torch.no_grad():
+            return _stack(fused_norms([p.detach() for p in self._params])).sum()
+
+    def maybe_run(self, step: int) -> Optional[Tensor]:
+        """:meth:`run` when :meth:`due`, else ``None``.
+
+        Args:
+            step: the optimizer step.
+
+        Returns:
+            The device value, or ``None``.
+        """
+        return self.run() if self.due(step) else None
+
+    def finding(
+        self, *, step: Optional[int] = None, epoch: Optional[int] = None, batch_index: Optional[int] = None
+    ) -> Optional[WeightFinding]:
+        """Name the poisoned parameters with their NaN/Inf counts (slow path, host syncs).
+
+        Args:
+            step: the optimizer step, for the finding.
+            epoch: the epoch, for the finding.
+            batch_index: the batch index, for the finding.
+
+        Returns:
+            A :class:`WeightFinding`, or ``None`` when every parameter is finite.
+        """
+        counts = []
+        with torch.no_grad():
+            for name, p in zip(self.names, self._params):
+                nan, inf = torch.stack([torch.isnan(p).sum(), torch.isinf(p).sum()]).tolist()  # host sync: slow path
+                if nan or inf:
+                    counts.append((name, int(nan), int(inf)))
+        if not counts:
+            return None
+        return WeightFinding(
+            kind="weights",
+            step=step,
+            epoch=epoch,
+            batch_index=batch_index,
+            nonfinite=tuple(n for n, _, _ in counts),
+            counts=tuple(counts),
+        )

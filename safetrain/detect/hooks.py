@@ -1,0 +1,145 @@
+"""The hot forward hook and its handle: what runs for every module call in eager mode.
+
+Per call the hook does two list appends and one reduction (``out.detach().sum()``; fp16 is
+summed in float32), binding everything it needs as closure cells at attach time: on small models
+the per-hook Python cost, not the arithmetic, is the overhead. Tuple, list, dict and named-tuple
+outputs are reduced tensor by tensor and added; non-floating outputs record nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, List, Mapping, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["HookHandle", "floating_tensors", "make_hook", "MAX_RECORDS"]
+
+logger = logging.getLogger("safetrain")
+
+#: A forward that records more calls than this without a ``reset()`` drops its records (and
+#: warns), so a monitor left attached through a long evaluation cannot grow without bound.
+MAX_RECORDS = 1_000_000
+
+
+class HookHandle:
+    """One handle for a group of hooks: ``remove()`` removes them all, idempotently.
+
+    Also a context manager (``with monitor.attach(): ...`` removes the hooks on exit, exception
+    included). Each hook is held by its own :class:`torch.utils.hooks.RemovableHandle`.
+
+    Args:
+        handles: the hooks' handles.
+        on_remove: called once, after the hooks are gone.
+    """
+
+    def __init__(self, handles: Sequence[RemovableHandle] = (), on_remove: Any = None) -> None:
+        self._handles: List[RemovableHandle] = list(handles)
+        self._on_remove = on_remove
+
+    @property
+    def active(self) -> bool:
+        """``True`` until :meth:`remove` has run."""
+        return bool(self._handles) or self._on_remove is not None
+
+    def remove(self) -> None:
+        """Remove every hook; calling it again does nothing."""
+        handles, self._handles = self._handles, []
+        for h in handles:
+            h.remove()
+        callback, self._on_remove = self._on_remove, None
+        if callback is not None:
+            callback()
+
+    def __enter__(self) -> "HookHandle":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+
+def floating_tensors(obj: Any) -> List[Tensor]:
+    """The floating tensors inside an output: a tensor, tuple, list, named tuple or dict of them.
+
+    Args:
+        obj: a module's output (or inputs).
+
+    Returns:
+        The floating tensors, depth first; non-floating tensors and other objects are skipped.
+    """
+    if isinstance(obj, Tensor):
+        return [obj] if obj.is_floating_point() else []
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in floating_tensors(o)]
+    if isinstance(obj, Mapping):
+        return [t for o in obj.values() for t in floating_tensors(o)]
+    return []
+
+
+_F16 = torch.float16
+_F32 = torch.float32
+
+
+def _reduce(t: Tensor, nan_only: bool) -> Tensor:
+    d = t.detach()
+    if nan_only:
+        if d.numel() == 0:
+            return d.sum(dtype=_F32)
+        return torch.clamp(d.amax().float(), -1.0, 1.0)
+    return d.sum(dtype=_F32) if d.dtype is _F16 else d.sum()
+
+
+def _reduce_nested(out: Any, nan_only: bool) -> Optional[Tensor]:
+    value = None
+    for t in floating_tensors(out):
+        r = _reduce(t, nan_only)
+        value = r if value is None else value + r
+    return value
+
+
+def make_hook(index: int, ids: List[int], vals: List[Tensor], nan_only: bool, guard_growth: bool) -> Any:
+    """Build one module's hot hook with everything it needs bound as closure cells.
+
+    Args:
+        index: the module's index in the monitor, appended to ``ids`` per call.
+        ids: the monitor's per-step list of module indices.
+        vals: the monitor's per-step list of 0-dim values, aligned with ``ids``.
+        nan_only: record ``clamp(amax, -1, 1)``: NaN trips, infinities do not.
+        guard_growth: also cap the lists at :data:`MAX_RECORDS` (given to the root's hook).
+
+    Returns:
+        A forward hook ``(module, args, output) -> None``.
+    """
+    ids_append, vals_append = ids.append, vals.append
+    tensor_cls = Tensor
+    if nan_only or guard_growth:
+
+        def careful_hook(module: nn.Module, args: Any, out: Any) -> None:
+            value = _reduce_nested(out, nan_only)
+            if value is not None:
+                vals_append(value)
+                ids_append(index)
+            if guard_growth and len(ids) > MAX_RECORDS:
+                logger.warning(
+                    "ActivationMonitor: %d records without reset(); dropping them (call reset() once per step)", len(ids)
+                )
+                ids.clear()
+                vals.clear()
+
+        return careful_hook
+
+    def hook(module: nn.Module, args: Any, out: Any) -> None:
+        if out.__class__ is tensor_cls:
+            if out.is_floating_point():
+                d = out.detach()
+                vals_append(d.sum(dtype=_F32) if d.dtype is _F16 else d.sum())
+                ids_append(index)
+        else:
+            value = _reduce_nested(out, False)
+            if value is not None:
+                vals_append(value)
+                ids_append(index)
+
+    return hook
