@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import threading
 import zlib
 from dataclasses import dataclass
@@ -300,6 +301,9 @@ def read_tensors(
 ) -> Tuple[Dict[str, torch.Tensor], List[str]]:
     """Read tensors into fresh CPU memory (``pread``, no mmap) and check their checksums.
 
+    A thread reads tensor after tensor while the calling thread checksums the ones already in
+    memory, so the check hides behind the disk (or the page-cache copy on another core).
+
     Args:
         header: from :func:`read_header`.
         verify: raise if a tensor's bytes fail their checksum.
@@ -314,31 +318,56 @@ def read_tensors(
             bytes do not match its checksum.
     """
     expected = _checksums(header)["tensors"]
-    tensors: Dict[str, torch.Tensor] = {}
+    entries = [e for e in header.entries if only is None or e.name in only]
     try:
         fd = os.open(header.path, os.O_RDONLY)
     except OSError as exc:
         raise SnapshotError(f"{header.path}: cannot read: {exc.strerror or exc}") from None
+    done_q: "queue.Queue[Any]" = queue.Queue()
+    stop = threading.Event()
+
+    def reader() -> None:
+        try:
+            for e in entries:
+                if stop.is_set():
+                    return
+                done_q.put((e.name, _pread_tensor(fd, header, e)))
+        except BaseException as exc:  # handed to the caller
+            done_q.put(exc)
+
+    thread = threading.Thread(target=reader, name="safetrain-snapshot-reader", daemon=True)
+    thread.start()
+    tensors: Dict[str, torch.Tensor] = {}
+    bad: List[str] = []
     try:
-        for e in header.entries:
-            if only is not None and e.name not in only:
-                continue
-            t = torch.empty(e.shape, dtype=e.dtype)
-            view, pos, done = byte_view(t), header.data_start + e.begin, 0
-            while done < len(view):
-                got = os.preadv(fd, [view[done : done + _CHUNK]], pos + done)
-                if got == 0:
-                    raise CorruptSnapshotError(f"{header.path}: truncated while reading tensor {e.name!r} (file changed?)")
-                done += got
-            tensors[e.name] = t
+        for _ in entries:
+            item = done_q.get()
+            if isinstance(item, BaseException):
+                raise item
+            name, t = item
+            tensors[name] = t
+            if checksum(t) != expected[name]:
+                bad.append(name)
     except OSError as exc:
         raise SnapshotError(f"{header.path}: cannot read: {exc.strerror or exc}") from None
     finally:
+        stop.set()
+        thread.join()
         os.close(fd)
-    bad = [n for n, t in tensors.items() if checksum(t) != expected[n]]
     if bad and verify:
         more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
         raise CorruptSnapshotError(
             f"{header.path}: tensor data fails its checksum: {', '.join(map(repr, bad[:3]))}{more}: corrupted"
         )
     return tensors, bad
+
+
+def _pread_tensor(fd: int, header: Header, e: Entry) -> torch.Tensor:
+    t = torch.empty(e.shape, dtype=e.dtype)
+    view, pos, done = byte_view(t), header.data_start + e.begin, 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done : done + _CHUNK]], pos + done)
+        if got == 0:
+            raise CorruptSnapshotError(f"{header.path}: truncated while reading tensor {e.name!r} (file changed?)")
+        done += got
+    return t

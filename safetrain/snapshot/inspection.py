@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Any, Dict, Union
+from typing import Any, Dict, List, Union
 
+from .base import CorruptSnapshotError
 from .codec import decode
 from .fileformat import read_header, read_tensors
+from .state import validate_meta
 from .tensors import nonfinite
 
 __all__ = ["inspect_snapshot", "format_inspection"]
@@ -37,8 +39,16 @@ def inspect_snapshot(path: Union[str, os.PathLike]) -> Dict[str, Any]:
     """
     path = os.fspath(path)
     header = read_header(path)
-    meta = header.state()
     tensors, bad = read_tensors(header, verify=False)
+    try:
+        return _describe(path, header, tensors, bad)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, OSError) as exc:
+        raise CorruptSnapshotError(f"{path}: malformed snapshot metadata ({type(exc).__name__}: {exc})") from None
+
+
+def _describe(path: str, header: Any, tensors: Dict[str, Any], bad: List[str]) -> Dict[str, Any]:
+    meta = header.state()
+    validate_meta(meta, path)
     checked = [(n, t) for n, t in tensors.items() if n.startswith(("model/", "optim/state/"))]
     bad_values = nonfinite(checked)
     counters = meta.get("counters", {})

@@ -25,12 +25,13 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from ..errors import SnapshotError
+from .base import CorruptSnapshotError
 from .codec import decode, encode, tensor_refs
 from .optim import capture_optimizer, check_optimizer, restore_optimizer
 from .rng import capture_rng, restore_rng
 from .tensors import copy_all_
 
-__all__ = ["TrainState", "Captured", "FORMAT", "VERSION"]
+__all__ = ["TrainState", "Captured", "FORMAT", "VERSION", "validate_meta"]
 
 FORMAT = "safetrain.snapshot"
 VERSION = 1
@@ -179,12 +180,15 @@ class TrainState:
         Raises:
             SnapshotError: naming the first mismatch: format, a missing or extra model tensor, a
                 shape or dtype, the optimizer's type or parameter layout, the scheduler's type,
-                the scaler's enabled state.
+                the scaler's enabled state. ``CorruptSnapshotError`` when the metadata is malformed.
         """
-        if meta.get("format") != FORMAT:
-            raise SnapshotError(f"{where}: not a safetrain snapshot (format {meta.get('format')!r})")
-        if meta.get("version") != VERSION:
-            raise SnapshotError(f"{where}: snapshot format version {meta.get('version')!r}; this safetrain reads {VERSION}")
+        try:
+            self._check_compatible(specs, meta, where)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            raise CorruptSnapshotError(f"{where}: malformed snapshot metadata ({type(exc).__name__}: {exc})") from None
+
+    def _check_compatible(self, specs: Mapping[str, Spec], meta: Mapping[str, Any], where: str) -> None:
+        validate_meta(meta, where)
         for name in _referenced(meta):
             if name not in specs:
                 raise SnapshotError(f"{where}: metadata refers to tensor {name!r}, which the file lacks (corrupted?)")
@@ -240,19 +244,49 @@ class TrainState:
             where: named in errors.
             homes: the device each tensor was captured on, for copies the optimizer must own.
         """
-        aliases = meta["model"]["aliases"]
-        live = self.model.state_dict()
-        copy_all_(list(live.values()), [tensors[f"model/{aliases.get(n, n)}"] for n in live])
-        restore_optimizer(self.optimizer, tensors, meta["optimizer"], owned=owned, where=where, homes=homes)
+        try:
+            aliases = meta["model"]["aliases"]
+            live = self.model.state_dict()
+            copy_all_(list(live.values()), [tensors[f"model/{aliases.get(n, n)}"] for n in live])
+            restore_optimizer(self.optimizer, tensors, meta["optimizer"], owned=owned, where=where, homes=homes)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            raise CorruptSnapshotError(f"{where}: malformed snapshot metadata ({type(exc).__name__}: {exc})") from None
         try:
             if self.scheduler is not None:
                 self.scheduler.load_state_dict(decode(meta["scheduler"]["state"], tensors, where))
             if self.scaler is not None:
                 self.scaler.load_state_dict(decode(meta["scaler"]["state"], tensors, where))
-        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
             raise SnapshotError(f"{where}: cannot restore the scheduler or scaler state: {exc}") from None
         if self.rng:
             restore_rng(meta["rng"], tensors, where)
+
+
+_SECTIONS = {
+    "counters": dict, "model": dict, "optimizer": dict, "scheduler": (dict, type(None)),
+    "scaler": (dict, type(None)), "rng": (dict, type(None)), "extra_tensors": list,
+}
+
+
+def validate_meta(meta: Any, where: str) -> None:
+    """Check the JSON part's format, version and sections (types only; contents are checked on use).
+
+    Raises:
+        CorruptSnapshotError: naming ``where`` and the first problem.
+    """
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CorruptSnapshotError(f"{where}: not a safetrain snapshot (format {got!r})")
+    if meta.get("version") != VERSION:
+        raise CorruptSnapshotError(
+            f"{where}: snapshot format version {meta.get('version')!r}; this safetrain reads version {VERSION}"
+        )
+    for key, kind in _SECTIONS.items():
+        if not isinstance(meta.get(key), kind):
+            raise CorruptSnapshotError(f"{where}: malformed snapshot metadata: {key!r} is {type(meta.get(key)).__name__}")
+    counters = meta["counters"]
+    if "step" not in counters or not all(isinstance(v, int) and not isinstance(v, bool) for v in counters.values()):
+        raise CorruptSnapshotError(f"{where}: malformed snapshot metadata: counters {counters!r}")
 
 
 def _check_counters(counters: Mapping[str, int]) -> Dict[str, int]:

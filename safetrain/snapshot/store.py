@@ -26,7 +26,7 @@ from ..errors import ConfigError, SnapshotError
 from .base import CorruptSnapshotError, SnapshotInfo, SnapshotStore, make_info
 from .fileformat import FileWriter, checksum, read_header, read_tensors
 from .memory import MemoryStore
-from .state import Captured, TrainState
+from .state import Captured, TrainState, validate_meta
 
 __all__ = ["SafetensorsStore", "SnapshotConfigError", "load_snapshot", "make_store", "list_snapshots"]
 
@@ -219,6 +219,7 @@ class SafetensorsStore(SnapshotStore):
     def _info(self, path: str) -> SnapshotInfo:
         header = read_header(path)
         meta = header.state()
+        validate_meta(meta, path)
         wanted = {f"extra/{n}" for n in meta.get("extra_tensors", [])}
         tensors, _ = read_tensors(header, only=wanted)
         return make_info(meta, tensors, path, path)

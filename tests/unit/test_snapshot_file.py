@@ -334,3 +334,23 @@ def test_checksum_is_layout_and_thread_independent():
         torch.set_num_threads(threads)
     assert one == checksum(misaligned.clone()) == _numpy_blocksum64(misaligned.clone())
     assert checksum(torch.empty(0)) == "0" * 40
+
+
+@pytest.mark.parametrize(
+    "state_json",
+    ['{"format": "safetrain.snapshot", "version": 1}', '{"format": "safetrain.snapshot", "version": 1, '
+     '"counters": {"step": 1}, "model": {"aliases": 3}, "optimizer": [], "extra": {"$numpy": 5}}', '[]'],
+    ids=["missing sections", "wrong types", "not an object"],
+)
+def test_metadata_with_a_valid_checksum_but_nonsense_is_a_clear_error(state_json, tmp_path):
+    """A crafted file passes the checksums; its metadata still cannot crash the loader."""
+    from safetrain.snapshot.fileformat import FileWriter, checksum
+
+    path = str(tmp_path / "snapshot-0000000001.safetensors")
+    tensors = {"model/0.weight": torch.ones(8, 4)}
+    writer = FileWriter(path, tensors, state_json)
+    writer.finish({n: checksum(t) for n, t in tensors.items()})
+    for action in (lambda: load_snapshot(path, _state()), lambda: inspect_snapshot(path)):
+        with pytest.raises(SnapshotError, match="snapshot-0000000001.safetensors") as err:
+            action()
+        assert "Traceback" not in str(err.value)
