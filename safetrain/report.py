@@ -152,6 +152,8 @@ def _read_metrics(path: Path) -> Optional[Dict[str, List[Any]]]:
         if not header:
             return None
         columns = {name: [] for name in header}
+        key = header.index("step") if "step" in header else None
+        rows: Dict[Any, List[Any]] = {}
         for row in reader:
             if len(row) != len(header):
                 continue  # a header repeated by a resume, or a row cut by a crash
@@ -159,8 +161,10 @@ def _read_metrics(path: Path) -> Optional[Dict[str, List[Any]]]:
                 values = [value if name == "action" else float(value) for name, value in zip(header, row)]
             except ValueError:
                 continue
-            for name, value in zip(header, values):
-                columns[name].append(value)
+            rows[values[key] if key is not None else len(rows)] = values  # keyed by step: a resumed run's rows replace the ones it re-runs
+    for values in (rows[k] for k in sorted(rows)):
+        for name, value in zip(header, values):
+            columns[name].append(value)
     return columns
 
 
@@ -274,36 +278,6 @@ def format_report(run: RunLog) -> str:
     return "\n".join(out)
 
 
-# --------------------------------------------------------------------------------------- plot
-_MARKERS = {  # action -> (marker, colour); the order is the legend's
-    "drop_rows": ("v", "#1f77b4"),
-    "replace": ("D", "#17becf"),
-    "skip_batch": ("X", "#d62728"),
-    "zero_grads": ("o", "#ff7f0e"),
-    "warn": ("P", "#bcbd22"),
-    "restore": ("^", "#2ca02c"),
-    "scale_lr": ("s", "#9467bd"),
-    "abort": ("*", "#000000"),
-}
-
-
-def _marks(run: RunLog) -> List[Tuple[int, str, str]]:
-    """(step, action, kind) of every anomaly and recovery worth a marker."""
-    marks = []
-    for e in run.events:
-        if e["event"] in ("anomaly", "restored", "lr_changed", "aborted", "quarantine") and e.get("action"):
-            action = str(e["action"])
-            if e["event"] == "restored" and action not in ("restore", "scale_lr", "abort"):
-                continue  # a data skip after a restore: the restore itself is already marked
-            marks.append((int(e.get("step", 0)), action, str(e.get("kind", ""))))
-    return marks
-
-
-def _positive(values: List[float]) -> bool:
-    finite = [v for v in values if math.isfinite(v)]
-    return bool(finite) and min(finite) > 0 and max(finite) / min(finite) > 20
-
-
 def plot_run(run: RunLog, path: Union[None, str, os.PathLike] = None) -> Path:
     """Draw loss and gradient norm over steps with a marker per recovery action, and the LR scale below.
 
@@ -319,113 +293,14 @@ def plot_run(run: RunLog, path: Union[None, str, os.PathLike] = None) -> Path:
         ReportError: the run has no ``metrics.csv`` rows to plot.
     """
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.lines import Line2D
+        import matplotlib  # noqa: F401
     except ImportError:
         raise PlotUnavailable("matplotlib is not installed, so no report.png; "
                               "install it with: pip install 'safetrain[plot]'") from None
-    m = run.metrics
-    if not m or not m.get("step"):
+    if not run.metrics or not run.metrics.get("step"):
         raise ReportError(f"{run.run_dir / 'metrics.csv'}: no per-step metrics to plot")
+    from ._plot import draw
+
     out = Path(path) if path is not None else run.run_dir / "report.png"
-    steps, loss, gnorm, lr = m["step"], m["loss"], m["grad_norm"], m["lr_scale"]
-    by_step = {int(s): i for i, s in enumerate(steps)}
-    fig, (ax_loss, ax_grad, ax_lr) = plt.subplots(
-        3, 1, sharex=True, figsize=(11, 7.5), dpi=110, gridspec_kw={"height_ratios": [3, 2, 1.1], "hspace": 0.08})
-    trained = m.get("trained") or [1.0] * len(steps)
-    _series(ax_loss, steps, loss, trained, "loss", "#4c72b0")
-    _series(ax_grad, steps, gnorm, trained, "gradient norm", "#55a868")
-    marks = _marks(run)
-    for ax, values in ((ax_loss, loss), (ax_grad, gnorm)):
-        _markers(ax, marks, values, by_step, annotate=ax is ax_loss and len(marks) <= 30)
-    ax_lr.step(steps, lr, where="post", color="#8172b2", lw=1.6)
-    ax_lr.set_ylabel("LR scale")
-    finite_lr = [v for v in lr if math.isfinite(v)] or [1.0]
-    ax_lr.set_ylim(0, max(1.05, max(finite_lr) * 1.1))
-    ax_lr.set_xlabel("step")
-    for ax in (ax_loss, ax_grad, ax_lr):
-        ax.grid(True, which="major", alpha=0.25)
-        for step, action, _ in marks:
-            if action in ("restore", "scale_lr", "abort"):
-                ax.axvline(step, color=_MARKERS[action][1], lw=0.8, ls="--", alpha=0.5, zorder=0)
-    _epochs(ax_loss, m)
-    seen = [a for a in _MARKERS if any(a == mark[1] for mark in marks)]
-    seen += sorted({a for _, a, _ in marks if a not in _MARKERS})
-    handles = [Line2D([], [], ls="", marker=_MARKERS.get(a, ("o", "gray"))[0], color=_MARKERS.get(a, ("o", "gray"))[1],
-                      markersize=8, label=a) for a in seen]
-    if handles:
-        ax_loss.legend(handles=handles, title="action", loc="upper right", fontsize=8, title_fontsize=8, framealpha=0.9)
-    s = run.summary or {}
-    title = f"{run.run_dir.name}: {len(steps)} steps"
-    if s:
-        title += (f", {s.get('healthy_steps', '?')} healthy, {s.get('skipped_batches', '?')} skipped, "
-                  f"{s.get('dropped_rows', '?')} rows dropped, {s.get('restores', '?')} restores"
-                  + (" - ABORTED" if s.get("aborted") else ""))
-    elif run.cut_at is not None or not s:
-        title += " (run did not close)"
-    ax_loss.set_title(title, fontsize=10, loc="left")
-    fig.align_ylabels()
-    fig.savefig(out, bbox_inches="tight")
-    plt.close(fig)
+    draw(run, out)
     return out
-
-
-def _series(ax: Any, steps: List[float], values: List[float], trained: List[float], label: str, colour: str) -> None:
-    """The raw per-step values, thin, and an EMA over trained steps only (skipped steps don't drag it)."""
-    finite = [v if math.isfinite(v) else math.nan for v in values]
-    ax.plot(steps, finite, color=colour, lw=0.7, alpha=0.45)
-    ema, xs, smooth = math.nan, [], []
-    for x, v, t in zip(steps, finite, trained):
-        if t and not math.isnan(v):
-            ema = v if math.isnan(ema) else 0.9 * ema + 0.1 * v
-            xs.append(x)
-            smooth.append(ema)
-    ax.plot(xs, smooth, color=colour, lw=1.6)
-    if _positive(values):
-        ax.set_yscale("log")
-    ax.set_ylabel(label + (" (log)" if ax.get_yscale() == "log" else ""))
-
-
-def _markers(ax: Any, marks: List[Tuple[int, str, str]], values: List[float], by_step: Dict[int, int],
-             annotate: bool) -> None:
-    """One marker per action at the step's value; non-finite values go on the top edge, labelled NaN/Inf.
-
-    Several actions at (nearly) the same step are stacked upwards so that none hides another.
-    """
-    from matplotlib.transforms import offset_copy
-
-    top = ax.get_xaxis_transform()  # x in data, y in axes fraction
-    span = max((s for s, _, _ in marks), default=1) - min((s for s, _, _ in marks), default=0) or 1
-    any_top, last_step, stacked = False, None, 0
-    for step, action, kind in sorted(marks, key=lambda m: m[0]):
-        near = last_step is not None and step - last_step <= span / 150
-        stacked = stacked + 1 if near else 0
-        last_step = step if not near else last_step
-        marker, colour = _MARKERS.get(action, ("o", "gray"))
-        i = by_step.get(step)
-        y = values[i] if i is not None else math.nan
-        base, xy = (ax.transData, (step, y)) if math.isfinite(y) else (top, (step, 0.93))
-        any_top |= not math.isfinite(y)
-        where = offset_copy(base, fig=ax.figure, x=0, y=-11 * stacked, units="points")
-        ax.scatter([xy[0]], [xy[1]], transform=where, marker=marker, color=colour, s=60, edgecolors="black",
-                   linewidths=0.5, zorder=5, clip_on=False)
-        if annotate:
-            ax.annotate(kind, xy, xycoords=where, xytext=(6, 2), textcoords="offset points", fontsize=7,
-                        color=colour, bbox=dict(boxstyle="round,pad=0.1", fc="white", ec="none", alpha=0.75))
-    if any_top:
-        ax.text(0.005, 0.93, "NaN/Inf", transform=ax.transAxes, fontsize=7, va="center", color="#444444")
-
-
-def _epochs(ax: Any, m: Dict[str, List[Any]]) -> None:
-    epochs, steps = m.get("epoch"), m["step"]
-    if not epochs:
-        return
-    starts = [(steps[i], int(e)) for i, e in enumerate(epochs) if i > 0 and e != epochs[i - 1]]
-    if len(starts) > 30:
-        return
-    for step, epoch in starts:
-        ax.axvline(step, color="gray", lw=0.6, alpha=0.35, zorder=0)
-        ax.text(step, 0.02, f" epoch {epoch}", transform=ax.get_xaxis_transform(), fontsize=7, color="gray")

@@ -173,3 +173,12 @@ def test_report_never_needs_torch_objects(tmp_path):
                                                        "action": "skip_batch"}) + "\n")
     rows = event_table(read_run(tmp_path))
     assert [(r.kind, r.action, r.first_step, r.first_epoch) for r in rows] == [("loss", "skip_batch", 5, -1)]
+
+
+def test_resumed_metrics_replace_the_rows_they_rerun(tmp_path):
+    write_run(tmp_path)
+    with open(tmp_path / "metrics.csv", "a") as f:  # resumed from a snapshot of step 8: steps 9-10 again, then 11
+        f.write("9,0,8,0.11,0.5,1,1,\n10,0,9,0.10,0.5,1,1,\n11,0,10,0.09,0.5,1,1,\n")
+    m = read_run(tmp_path).metrics
+    assert m["step"] == [float(s) for s in range(1, 12)]
+    assert m["loss"][8:] == [0.11, 0.10, 0.09] and m["action"][8] == ""
