@@ -30,6 +30,10 @@ from .numerics import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "SafeTrainer",
+    "FitResult",
+    "Guard",
+    "StepResult",
     "TrainConfig",
     "load_config",
     "as_config",
@@ -55,3 +59,14 @@ __all__ = [
 ]
 
 logging.getLogger("safetrain").addHandler(logging.NullHandler())
+
+# The engine is imported on first use, so that `import safetrain` (configs, numerics) stays light.
+_LAZY = {"SafeTrainer": ".trainer", "FitResult": ".trainer", "Guard": ".guard", "StepResult": ".guard"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'safetrain' has no attribute {name!r}")

@@ -1,0 +1,629 @@
+"""One training step's protocol, usable from any loop.
+
+sanitize -> forward (autocast) -> loss -> backward (scaled) -> unscale -> gradient check ->
+ONE host sync -> decide -> clip and step, or carry out the policy's action.
+
+Bad input rows are zero-filled on the device before the forward pass so that the optimistic
+step stays finite; only when the single read shows them does the guard go back (now allowed
+more syncs) to describe, drop, skip or raise. Everything rich is paid for only when a flag trips.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+import torch
+
+from .config import TrainConfig, as_config
+from .errors import BatchError, ConfigError, TrainingAborted
+from .events import AnomalyFound, Event, EventBus, LRChanged, Restored, SnapshotTaken
+from .lr import LRBackoff, step_scheduler
+from .policy import Decision, History, decide, observe_healthy, record_skip
+from .spike import SpikeDetector
+from . import detect, snapshot
+from .batches import TARGET_KEYS, compute_loss, split_batch
+
+__all__ = ["Guard", "StepResult", "Phase"]
+
+logger = logging.getLogger("safetrain")
+
+
+class Phase(enum.Enum):
+    """Where the guard is between calls; illegal moves raise."""
+
+    READY = "ready"  # no micro-batch pending
+    ACCUMULATING = "accumulating"  # gradients of some micro-batches are summed, the step is not taken yet
+    CLOSED = "closed"  # hooks removed; no more steps
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step came to.
+
+    Attributes:
+        step: the guard's step counter after this step (attempts, monotonic).
+        trained: whether the optimizer applied an update.
+        loss: the step's loss (mean over micro-batches), ``nan`` if it was not finite.
+        grad_norm: total gradient norm before clipping, ``nan`` when not computed.
+        action: ``""`` for a healthy step, else the action taken (``skip_batch``, ``restore``...).
+        events: the events this step emitted.
+    """
+
+    step: int
+    trained: bool
+    loss: float
+    grad_norm: float
+    action: str = ""
+    events: Tuple[Event, ...] = ()
+
+
+@dataclass
+class Counters:
+    """The guard's counters; ``FitResult``, the progress bar and the journal all read these.
+
+    Attributes:
+        steps: step attempts (one per ``accumulate_steps`` micro-batches), monotonic.
+        optimizer_steps: updates the optimizer applied, monotonic (rolled-back ones included).
+        healthy_steps: steps with no anomaly at all.
+        skipped_batches: steps whose update was not applied (skip, restore, abort, scaler overflow).
+        dropped_rows: input or target rows dropped by ``drop_rows``.
+        replaced_rows: rows whose non-finite values were replaced.
+        zeroed_grads: parameters whose non-finite gradient was zeroed.
+        restores: restores of a snapshot.
+        scaler_skips: fp16 steps skipped by the GradScaler for overflow (normal, not failures).
+        epoch: the current epoch.
+        batch: batches of the current epoch consumed so far.
+    """
+
+    steps: int = 0
+    optimizer_steps: int = 0
+    healthy_steps: int = 0
+    skipped_batches: int = 0
+    dropped_rows: int = 0
+    replaced_rows: int = 0
+    zeroed_grads: int = 0
+    restores: int = 0
+    scaler_skips: int = 0
+    epoch: int = 0
+    batch: int = 0
+
+
+@dataclass
+class _Pending:
+    """Device-side values of the step being accumulated; read in the single sync."""
+
+    micro: List[Any] = field(default_factory=list)
+    loss: Optional[torch.Tensor] = None
+    input_values: List[torch.Tensor] = field(default_factory=list)
+    target_values: List[torch.Tensor] = field(default_factory=list)
+
+
+class Guard:
+    """The per-step protocol: detect, decide and recover, around a user's model and optimizer.
+
+    Args:
+        model: the module to train.
+        optimizer: its optimizer.
+        cfg: anything :func:`safetrain.as_config` accepts (path, dict, DictConfig, TrainConfig, None).
+        loss_fn: ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches.
+        step_fn: ``step_fn(model, batch) -> loss`` for any other batch.
+        scheduler: an LR scheduler, stepped as ``guard.scheduler_interval`` says.
+        scaler: a ``torch.amp.GradScaler``; made from ``amp.*`` when ``amp.dtype`` is float16 and none is given.
+        bus: where events go; a new :class:`EventBus` (logging only) when omitted.
+        run_dir: directory for safetensors snapshots when ``snapshot.dir`` is not set.
+
+    Example::
+
+        guard = Guard(model, optimizer, "configs/default.yaml", loss_fn=F.cross_entropy)
+        with guard:
+            for batch in loader:
+                result = guard.step(batch)
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        cfg: Any = None,
+        *,
+        loss_fn: Optional[Callable[..., torch.Tensor]] = None,
+        step_fn: Optional[Callable[[torch.nn.Module, Any], torch.Tensor]] = None,
+        scheduler: Any = None,
+        scaler: Optional[torch.amp.GradScaler] = None,
+        bus: Optional[EventBus] = None,
+        run_dir: Optional[str] = None,
+    ) -> None:
+        self.cfg: TrainConfig = as_config(cfg)
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.loss_fn, self.step_fn = loss_fn, step_fn
+        self.bus = bus if bus is not None else EventBus()
+        self.counters = Counters()
+        self.history = History()
+        c = self.cfg
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.amp_dtype = {None: None, "float16": torch.float16, "bfloat16": torch.bfloat16}[c.amp.dtype]
+        if scaler is None and self.amp_dtype is torch.float16:
+            scaler = torch.amp.GradScaler(self.device.type, init_scale=c.amp.init_scale)
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        self.backoff = LRBackoff(optimizer, c.recovery.min_lr)
+        self.spike = SpikeDetector(c.guard.spike.window, c.guard.spike.min_history, c.guard.spike.zscore,
+                                   c.guard.spike.enabled)
+        self.state = snapshot.TrainState(model, optimizer, scheduler=scheduler, scaler=self.scaler)
+        self.store = snapshot.make_store(c.snapshot, run_dir=run_dir)
+        self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._by_name = dict(self._params)
+        # Gradients are always checked (clipping and the scaler need the norm anyway); the
+        # activation and weight checks follow detect.mode. Disabled parts are no-ops, not ifs.
+        self.grads = detect.GradCheck(self._params)
+        self.weights = detect.WeightCheck(self._params, c.detect.check_weights_every, enabled=c.detect.mode != "off")
+        self.monitor = detect.ActivationMonitor.from_config(model, c.detect)
+        self._hooks = self.monitor.attach()
+        self._flags = detect.StepFlags()
+        self.phase = Phase.READY
+        self._pending = _Pending()
+        self._overflows = 0  # fp16 overflows in a row
+        self._skip_after_restore = 0
+        self._since_snapshot = 0
+        # A snapshot taken right after an update is finite but may hold a bad update (an LR
+        # blow-up). It counts as good only once the next step's read is healthy; if that read
+        # trips, the newest snapshot is passed over on restore.
+        self._unverified = False
+        self._skip_newest = 0
+        self._weight_flag: Optional[torch.Tensor] = None
+        self.epoch_rng: Optional[torch.Tensor] = None  # torch RNG at the start of the current epoch
+        self.last_loss = math.nan
+        self.last_grad_norm = math.nan
+
+    # ----------------------------------------------------------------- lifecycle
+    def __enter__(self) -> "Guard":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove every hook and release the snapshot store; idempotent."""
+        self.monitor.detach()
+        if self.phase is not Phase.CLOSED:
+            self.store.close()
+        self.phase = Phase.CLOSED
+
+    def begin_epoch(self, epoch: int) -> None:
+        """Mark the start of an epoch: counters move, and the RNG state that shuffles it is kept for resume."""
+        self.counters.epoch, self.counters.batch = epoch, 0
+        self.epoch_rng = torch.get_rng_state()
+
+    # ----------------------------------------------------------------- the step
+    def step(self, batch: Any) -> Optional[StepResult]:
+        """Feed one (micro-)batch; returns the :class:`StepResult` when an optimizer step was decided.
+
+        With ``guard.accumulate_steps`` = k, the first k - 1 calls only accumulate gradients and
+        return ``None``; the k-th makes the single host sync and decides.
+
+        Raises:
+            TrainingAborted: the policy aborted; the model and optimizer are at the last good snapshot.
+            BatchError: the batch fits no convention, or ``sanitize.*: raise`` met a bad row.
+        """
+        if self.phase is Phase.CLOSED:
+            raise RuntimeError("Guard.step() after close(); make a new Guard")
+        if self.counters.steps == 0 and self.phase is Phase.READY and len(self.store) == 0:
+            self.snapshot(force=True)
+        self.counters.batch += 1
+        if self._skip_after_restore > 0 and self.phase is Phase.READY:
+            self._skip_after_restore -= 1
+            return self._skip_data(batch)
+        if self.phase is Phase.READY:
+            self._start_step()
+        self._pending.micro.append(batch)
+        self._forward_backward(batch)
+        if len(self._pending.micro) < self.cfg.guard.accumulate_steps:
+            self.phase = Phase.ACCUMULATING
+            return None
+        return self._finish()
+
+    def _start_step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self._pending = _Pending()
+        self.monitor.reset()
+        steps = self.counters.optimizer_steps
+        self._weight_flag = self.weights.maybe_run(steps) if steps > 0 else None
+
+    def _autocast(self) -> Any:
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
+
+    def _forward_backward(self, batch: Any) -> None:
+        p = self._pending
+        clean = self._scan(batch)
+        with self._autocast():
+            loss = compute_loss(self.model, clean, self.loss_fn, self.step_fn)
+        k = self.cfg.guard.accumulate_steps
+        scaled = loss / k if k > 1 else loss
+        if self.scaler is not None:
+            scaled = self.scaler.scale(scaled)
+        scaled.backward()
+        p.loss = loss.detach().float() if p.loss is None else p.loss + loss.detach().float()
+
+    def _scan(self, batch: Any) -> Any:
+        """Zero-fill (or replace) non-finite values on the device and keep the flags for the read."""
+        s, p = self.cfg.sanitize, self._pending
+        parts = split_batch(batch)
+        if parts.style == "pair":
+            inputs, targets = parts.inputs, parts.targets
+            if s.inputs != "off":
+                scan = detect.scan_batch(inputs, replace=self._replace(s.inputs))
+                inputs = scan.batch
+                p.input_values += scan.values
+            if s.targets != "off":
+                scan = detect.scan_batch(targets, replace=self._replace(s.targets))
+                targets = scan.batch
+                p.target_values += scan.values
+            return parts.join(inputs, targets)
+        if s.inputs == "off" and s.targets == "off":
+            return batch
+        scan = detect.scan_batch(batch, replace=self._replace(s.inputs), target_keys=TARGET_KEYS,
+                                 target_replace=self._replace(s.targets))
+        if s.inputs != "off":
+            p.input_values += scan.values
+        if s.targets != "off":
+            p.target_values += scan.target_values
+        return scan.batch
+
+    def _replace(self, action: str) -> Optional[Tuple[float, float, float]]:
+        s = self.cfg.sanitize
+        return (s.nan, s.posinf, s.neginf) if action == "replace" else None
+
+    def _finish(self) -> StepResult:
+        p, flags = self._pending, self._flags
+        self.counters.steps += 1
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+            # GradScaler keeps found_inf and the scale as device tensors; reading them inside our
+            # one sync avoids the extra .item() that scaler.step() and get_scale() would make.
+            per_device = self.scaler._per_optimizer_states[id(self.optimizer)]["found_inf_per_device"]
+            flags.put("found_inf", sum(per_device.values()) if per_device else None)
+            flags.put("scale", self.scaler._scale)
+        grads = self.grads.run()
+        flags.put("loss", p.loss / len(p.micro))
+        flags.put("grad_norms", grads.norm_list if grads is not None else None)
+        flags.put("input", p.input_values)
+        flags.put("target", p.target_values)
+        flags.put("forward", self.monitor.records)
+        flags.put("weights", self._weight_flag)
+        read = flags.read()  # host sync: the one per step (flags, loss and norms together)
+        self.last_loss = read.loss if read.loss is not None else math.nan
+        self.last_grad_norm = read.total_norm if read.total_norm is not None else math.nan
+        self._read = read
+        return self._decide(read)
+
+    def _decide(self, read: detect.StepRead) -> StepResult:
+        kind, evidence = self._judge(read)
+        if kind is None:
+            return self._healthy(read)
+        return self._anomaly(kind, evidence, read)
+
+    def _where(self) -> Dict[str, int]:
+        c = self.counters
+        return {"step": c.steps, "epoch": c.epoch, "batch_index": c.batch - 1}
+
+    def _judge(self, read: detect.StepRead) -> Tuple[Optional[str], Dict[str, Any]]:
+        """Name the anomaly of this step from the host-side read (the most upstream cause first)."""
+        c = self.cfg
+        if read.weights:
+            finding = self.weights.finding(**self._where())
+            if finding is not None:
+                return "weights", {"finding": finding}
+        if read.input:
+            return "input", {}
+        if read.target:
+            return "target", {}
+        if read.forward_tripped:
+            # The hooks fold a cheap sum; with a finite loss, confirm by an exact re-run (RNG and
+            # buffers kept as they were) before calling it, since a finite sum can overflow.
+            rerun = None if read.loss_tripped else self._rerun
+            finding = self.monitor.locate(read.forward, rerun=rerun, **self._where())
+            if finding is not None:
+                return "forward", {"finding": finding}
+        if read.loss_tripped:
+            return "loss", {"finding": detect.LossFinding(kind="loss", value=read.loss, **self._where())}
+        found_inf = read.extra.get("found_inf", (0.0,))[0]
+        if self.scaler is not None and found_inf:
+            self._overflows += 1
+            scale = read.extra["scale"][0]
+            new_scale = scale * self.scaler.get_backoff_factor()
+            if new_scale < c.amp.min_scale or self._overflows >= c.amp.max_overflows:
+                return "scaler", {"scale": new_scale, "overflows_in_a_row": self._overflows}
+            return "overflow", {"scale": scale, "new_scale": new_scale}
+        self._overflows = 0
+        threshold = c.guard.grad_norm_threshold
+        if read.gradient:
+            return "gradient", {"finding": self.grads.finding(read.grad_norms, threshold, **self._where())}
+        if threshold is not None and read.total_norm is not None and read.total_norm > threshold:
+            return "grad_norm", {"finding": self.grads.finding(read.grad_norms, threshold, **self._where())}
+        evidence = self.spike.check(self.last_loss)
+        if evidence is not None:
+            return "spike", evidence
+        return None, {}
+
+    def _rerun(self) -> None:
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            for batch in self._pending.micro:
+                with self._autocast():
+                    compute_loss(self.model, self._scan_quiet(batch), self.loss_fn, self.step_fn)
+
+    def _scan_quiet(self, batch: Any) -> Any:
+        pending = self._pending
+        self._pending = _Pending()
+        try:
+            return self._scan(batch)
+        finally:
+            self._pending = pending
+
+    # ----------------------------------------------------------------- outcomes
+    def _apply_update(self, total: Optional[float]) -> None:
+        """Clip with the norm already read, step the optimizer (and scaler), then the scheduler."""
+        clip = self.cfg.guard.clip_grad_norm
+        if clip is not None and total is not None:
+            self.grads.clip_(clip, total)
+        self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.update()
+        self.counters.optimizer_steps += 1
+        if self.scheduler is not None and self.cfg.guard.scheduler_interval == "step":
+            self.backoff.step(self.scheduler, self.last_loss)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _not_applied(self) -> None:
+        """Drop this step's gradients; the scaler is told so it starts clean (its scale is kept)."""
+        if self.scaler is not None:
+            self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.counters.skipped_batches += 1
+        follows_batches = self.cfg.guard.scheduler_follows == "batch"
+        if self.scheduler is not None and follows_batches and self.cfg.guard.scheduler_interval == "step":
+            self.backoff.step(self.scheduler, self.last_loss)
+
+    def _healthy(self, read: detect.StepRead) -> StepResult:
+        self._unverified = False  # this healthy read vouches for the newest snapshot
+        self._apply_update(read.total_norm)
+        self.counters.healthy_steps += 1
+        self.spike.add(self.last_loss)
+        self.history, new_scale = observe_healthy(self.history, self.cfg.recovery)
+        events: List[Event] = []
+        if new_scale is not None:
+            events.append(self._lr_changed(new_scale, "healthy run: LR scale climbs back one notch"))
+        self._since_snapshot += 1
+        if self._since_snapshot >= self.cfg.snapshot.every:
+            event = self.snapshot()
+            if event is not None:
+                events.append(event)
+        self.phase = Phase.READY
+        return StepResult(self.counters.steps, True, self.last_loss, self.last_grad_norm, "", tuple(events))
+
+    def _anomaly(self, kind: str, evidence: Dict[str, Any], read: detect.StepRead) -> StepResult:
+        c = self.counters
+        if kind == "overflow":  # the GradScaler skips the step and backs off: normal in fp16
+            self._not_applied()
+            c.scaler_skips += 1
+            self.phase = Phase.READY
+            event = self._emit(AnomalyFound, "scaler", "skip_batch", "fp16 overflow: GradScaler skipped the step "
+                               f"and lowered the scale to {evidence['new_scale']:g} (normal)", evidence)
+            return StepResult(c.steps, False, self.last_loss, self.last_grad_norm, "skip_batch", (event,))
+        if self._unverified and kind not in ("input", "target"):
+            self._unverified, self._skip_newest = False, 1  # the step after the newest snapshot tripped
+        detail = dict(evidence)
+        if kind in ("input", "target"):
+            detail["rows"] = self._describe_rows()
+            if getattr(self.cfg.sanitize, "inputs" if kind == "input" else "targets") == "raise":
+                self._not_applied()
+                self.phase = Phase.READY
+                error = detect.batch_error(detail["rows"])
+                self._emit(AnomalyFound, kind, "raise", str(error), {"rows": [f.to_dict() for f in detail["rows"]]})
+                raise error
+        decision, self.history = decide(kind, self.history, self.cfg.recovery, self.cfg.sanitize)
+        if kind in ("input", "target") and decision.action != "abort":
+            return self._bad_rows(kind, decision, detail)
+        finding = detail.get("finding")
+        message = f"{kind} anomaly: {_summary(kind, detail)} -> {decision.action} ({decision.reason})"
+        payload = {k: (v.to_dict() if hasattr(v, "to_dict") else v) for k, v in detail.items()}
+        event = self._emit(AnomalyFound, kind, decision.action, message, {**payload, "rung": decision.rung})
+        events: List[Event] = [event]
+        action = decision.action
+        if action in ("warn", "zero_grads"):
+            total = read.total_norm
+            if action == "zero_grads":
+                total = self._zero_nonfinite_grads_(finding)
+            self._apply_update(total if total is not None and math.isfinite(total) else None)
+            self.spike.add(self.last_loss) if math.isfinite(self.last_loss) else None
+            self.phase = Phase.READY
+            return StepResult(c.steps, True, self.last_loss, self.last_grad_norm, action, tuple(events))
+        self._not_applied()
+        self.phase = Phase.READY
+        if action in ("restore", "scale_lr", "abort"):
+            events.append(self._restore(decision))
+        if action == "scale_lr":
+            events.append(self._lr_changed(decision.lr_scale, f"backoff after {kind}"))
+        if action == "abort":
+            from .events import Aborted
+
+            aborted = self._emit(Aborted, kind, "abort", f"training aborted: {decision.reason}; "
+                                 "model and optimizer left at the last good snapshot", {"reason": decision.reason})
+            raise TrainingAborted(decision.reason, result=None, event=aborted)
+        return StepResult(c.steps, False, self.last_loss, self.last_grad_norm, action, tuple(events))
+
+    def _zero_nonfinite_grads_(self, finding: Any) -> Optional[float]:
+        """Zero the gradients named non-finite; returns the total norm of what is left (slow path)."""
+        names = getattr(finding, "nonfinite", ()) if finding is not None else ()
+        for name in names:
+            grad = self._by_name[name].grad
+            if grad is not None:
+                grad.zero_()
+        self.counters.zeroed_grads += len(names)
+        grads = self.grads.run()
+        return math.hypot(*(float(n) for n in torch.stack(grads.norm_list).tolist())) if grads else None  # host sync: slow path
+
+    def _bad_rows(self, kind: str, decision: Decision, detail: Dict[str, Any]) -> StepResult:
+        """The slow path for non-finite input or target rows: skip, replace (already done) or drop."""
+        c, action = self.counters, decision.action
+        rows: List[Any] = detail["rows"]
+        n_rows = len({(f.path.split("]")[0], r) for f in rows for r in f.rows})
+        where = "; ".join(f.describe() for f in rows[:4]) or "a cheap sum overflowed; no exact NaN/Inf found"
+        message = f"non-finite {kind} rows: {where} -> {action}"
+        event = self._emit(AnomalyFound, kind, action, message,
+                           {"rows": [f.to_dict() for f in rows], "count": n_rows, "rung": decision.rung})
+        if action == "skip_batch":
+            self._not_applied()
+            self.phase = Phase.READY
+            return StepResult(c.steps, False, self.last_loss, self.last_grad_norm, action, (event,))
+        if action == "replace":
+            c.replaced_rows += n_rows
+            return self._rejudge(event)
+        # drop_rows: rebuild each micro-batch without its bad rows and run the step again.
+        cleaned = [self._drop(i, batch) for i, batch in enumerate(self._pending.micro)]
+        dropped = sum(d for _, d in cleaned)
+        c.dropped_rows += dropped
+        self._not_applied()
+        c.skipped_batches -= 1  # not skipped: the step is re-run on the good rows
+        kept = [b for b, _ in cleaned if b is not None]
+        if not kept:
+            c.skipped_batches += 1
+            self.phase = Phase.READY
+            return StepResult(c.steps, False, self.last_loss, self.last_grad_norm, "skip_batch", (event,))
+        c.steps -= 1  # the re-run is the same step
+        self._start_step()
+        for batch in kept:
+            self._pending.micro.append(batch)
+            self._forward_backward(batch)
+        result = self._finish()
+        if not result.action:
+            c.healthy_steps -= 1  # trained on the good rows, but not a healthy step
+        return StepResult(result.step, result.trained, result.loss, result.grad_norm, result.action or action,
+                          (event,) + result.events)
+
+    def _rejudge(self, event: Event) -> StepResult:
+        """After bad values were replaced before the forward pass, judge the rest of the step as usual."""
+        result = self._decide(dataclasses.replace(self._read, input=False, target=False))
+        return StepResult(result.step, result.trained, result.loss, result.grad_norm, result.action or "replace",
+                          (event,) + result.events)
+
+    def _row_findings(self, index: int, batch: Any) -> List[Any]:
+        """Exact NaN/Inf rows of one micro-batch, by tensor path (slow path: host syncs)."""
+        s = self.cfg.sanitize
+        root = "batch" if len(self._pending.micro) == 1 else f"micro[{index}]"
+        parts = split_batch(batch)
+        found: List[Any] = []
+        if parts.style == "pair":
+            if s.inputs != "off":
+                found += detect.describe_rows(parts.inputs, f"{root}[0]", "input")
+            if s.targets != "off":
+                size = len(parts.inputs) if isinstance(parts.inputs, torch.Tensor) and parts.inputs.dim() else None
+                found += detect.describe_rows(parts.targets, f"{root}[1]", "target", batch_size=size)
+        else:
+            found = detect.describe_rows(batch, root, "input", target_keys=TARGET_KEYS if parts.style == "mapping" else None)
+            found = [f for f in found if getattr(s, "inputs" if f.kind == "input" else "targets") != "off"]
+        return found
+
+    def _describe_rows(self) -> List[Any]:
+        return [f for i, batch in enumerate(self._pending.micro) for f in self._row_findings(i, batch)]
+
+    def _drop(self, index: int, batch: Any) -> Tuple[Any, int]:
+        """One micro-batch without its bad rows (inputs and targets together), and how many went."""
+        bad = sorted({r for f in self._row_findings(index, batch) for r in f.rows})
+        if not bad:
+            return batch, 0
+        parts = split_batch(batch)
+        first = next((t for t in _leaves(parts.inputs) if t.dim() > 0), None)
+        size = first.shape[0] if first is not None else None
+        if size is not None and len(bad) >= size:
+            return None, len(bad)
+        return detect.drop_rows(batch, bad, batch_size=size), len(bad)
+
+    # ----------------------------------------------------------------- recovery
+    def _restore(self, decision: Decision) -> Event:
+        """Put the last good snapshot back, keeping the LR scale and policy history in force now."""
+        info = self.store.restore(self.state, older=min(self._skip_newest, len(self.store) - 1))
+        self.backoff.load_state_dict({"unscaled": info.extra["lr"]["unscaled"]})
+        self.counters.restores += 1
+        self._since_snapshot = 0
+        self._skip_after_restore = self.cfg.recovery.skip_batches_after_restore
+        self._weight_flag = None
+        return self._emit(Restored, decision.kind, decision.action,
+                          f"restored the snapshot of step {info.step} after {decision.kind}", {"snapshot_step": info.step,
+                          "path": str(info.path) if info.path else None})
+
+    def _skip_data(self, batch: Any) -> StepResult:
+        self.counters.steps += 1
+        self.counters.skipped_batches += 1
+        self.history = record_skip(self.history, self.cfg.recovery)
+        event = self._emit(Restored, "restore", "skip_batch", "skipped a batch after a restore "
+                           "(recovery.skip_batches_after_restore)", {"remaining": self._skip_after_restore})
+        return StepResult(self.counters.steps, False, math.nan, math.nan, "skip_batch", (event,))
+
+    def _lr_changed(self, scale: float, why: str) -> Event:
+        old = self.backoff.lrs()
+        self.backoff.set_scale(scale)
+        return self._emit(LRChanged, "lr", "scale_lr", f"LR scale {scale:g} ({why}); lr {old} -> {self.backoff.lrs()}",
+                          {"scale": scale, "old_lr": old, "new_lr": self.backoff.lrs()})
+
+    def snapshot(self, force: bool = False) -> Optional[Event]:
+        """Snapshot the whole training state now (the guard also does it every ``snapshot.every`` healthy steps).
+
+        Returns:
+            The :class:`SnapshotTaken` event (``action`` ``"saved"`` or ``"refused"`` when not finite).
+        """
+        self._since_snapshot = 0
+        tensors = {"epoch_rng": self.epoch_rng} if self.epoch_rng is not None else {}
+        info = self.store.save(self.state, counters={"step": self.counters.steps, **vars(self.counters)}, extra=self.state_dict(),
+                               extra_tensors=tensors)
+        if info is not None:
+            self._unverified, self._skip_newest = not force, 0
+        if info is None:
+            return self._emit(SnapshotTaken, "snapshot", "refused",
+                              "snapshot refused: the state is not finite; the previous one stays", {})
+        return self._emit(SnapshotTaken, "snapshot", "saved", f"snapshot of step {self.counters.steps}",
+                          {"path": str(info.path) if info.path else None, "forced": force})
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The guard's own state, JSON-ready: counters, policy history, LR backoff, spike window, fp16 streak."""
+        return {
+            "counters": vars(self.counters).copy(),
+            "history": self.history.to_dict(),
+            "lr": self.backoff.state_dict(),
+            "spike": self.spike.state_dict(),
+            "overflows": self._overflows,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Put back what :meth:`state_dict` returned (on resume)."""
+        self.counters = Counters(**state["counters"])
+        self.history = History.from_dict(state["history"])
+        self.backoff.load_state_dict(state["lr"])
+        self.spike.load_state_dict(state["spike"])
+        self._overflows = int(state["overflows"])
+
+    def _emit(self, cls: type, kind: str, action: str, message: str, detail: Mapping[str, Any]) -> Event:
+        c = self.counters
+        return self.bus.emit(cls(step=c.steps, epoch=c.epoch, batch=c.batch - 1, kind=kind, action=action,
+                                 message=message, detail=detail))
+
+
+def _leaves(obj: Any) -> List[torch.Tensor]:
+    return [t for _, t in detect.iter_tensors(obj)]
+
+
+def _summary(kind: str, detail: Mapping[str, Any]) -> str:
+    finding = detail.get("finding")
+    if finding is not None and hasattr(finding, "describe"):
+        return finding.describe()
+    if kind == "spike":
+        return f"loss {detail['loss']:.4g} is {detail['z']:.1f} robust sigmas above the median {detail['median']:.4g}"
+    if kind == "loss":
+        return f"loss is {detail['loss']}"
+    return ", ".join(f"{k}={v}" for k, v in detail.items() if not isinstance(v, (list, dict)))

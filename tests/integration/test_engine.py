@@ -1,0 +1,209 @@
+"""The engine end to end: inject a fault, run fit(), assert the events and the final state."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from safetrain import SafeTrainer, TrainingAborted, load_config
+from safetrain.guard import Guard
+from tests.conftest import FaultAt, PoisonRows, finite_params, loader, mlp, regression_data
+
+BASE = ["log.progress=false", "snapshot.every=4", "guard.spike.min_history=8"]
+
+
+def fit(overrides=(), model=None, dataset=None, epochs=2, seed=0, setup=None, scheduler=None, lr=0.02, **kw):
+    model = model or mlp(seed=seed)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    if setup is not None:
+        setup(model, opt)
+    cfg = load_config(None, [*BASE, *overrides])
+    trainer = SafeTrainer(model, opt, cfg, loss_fn=F.mse_loss, scheduler=scheduler(opt) if scheduler else None, **kw)
+    result = trainer.fit(loader(dataset or regression_data(), seed=seed), epochs=epochs)
+    return result, model, opt
+
+
+def full_loss(model, dataset=None):
+    x, y = (dataset or regression_data()).tensors
+    with torch.no_grad():
+        return F.mse_loss(model(x), y).item()
+
+
+def anomalies(result, kind=None):
+    return [(e.kind, e.action) for e in result.events if e.name == "anomaly" and (kind is None or e.kind == kind)]
+
+
+def test_clean_run_is_healthy_and_learns():
+    before = full_loss(mlp())
+    result, model, _ = fit()
+    assert anomalies(result) == []
+    assert result.steps == result.healthy_steps == 32
+    assert full_loss(model) < 0.2 * before, (before, full_loss(model))
+    assert finite_params(model)
+
+
+@pytest.mark.parametrize("action,trained_rows", [("skip_batch", 0), ("drop_rows", 15)])
+def test_nan_input_rows(action, trained_rows):
+    data = PoisonRows(regression_data(), indices=[7])
+    result, model, _ = fit([f"sanitize.inputs={action}"], dataset=data, epochs=1)
+    found = anomalies(result, "input")
+    assert found == [("input", action)], found
+    event = next(e for e in result.events if e.kind == "input")
+    rows = event.detail["rows"]
+    assert rows and all(r["nan_count"] >= 1 for r in rows), rows
+    assert finite_params(model)
+    if action == "skip_batch":
+        assert result.skipped_batches == 1 and result.dropped_rows == 0
+    else:
+        assert result.dropped_rows == 1 and result.skipped_batches == 0
+        assert result.healthy_steps == result.steps - 1
+
+
+def test_nan_target_is_skipped():
+    data = PoisonRows(regression_data(), indices=[3, 100], where="targets")
+    result, model, _ = fit(dataset=data, epochs=1)
+    assert anomalies(result, "target") == [("target", "skip_batch")] * 2
+    assert result.skipped_batches == 2 and finite_params(model)
+
+
+def test_layer_emits_nan_once_one_step_fault_matches_clean_run():
+    clean, clean_model, _ = fit(epochs=3)
+    assert full_loss(clean_model) < 0.05 * full_loss(mlp()), "the clean run converges"
+
+    def poison(model, opt):
+        poison.fault = FaultAt(model[1], calls=[9])
+
+    result, model, _ = fit(setup=poison, epochs=3)
+    found = anomalies(result)
+    assert found == [("forward", "skip_batch")], found
+    event = next(e for e in result.events if e.kind == "forward")
+    assert event.detail["finding"]["module"] == "1", event.detail
+    assert finite_params(model)
+    assert result.skipped_batches == 1
+    assert full_loss(model) == pytest.approx(full_loss(clean_model), rel=0.05)
+
+
+def test_inf_gradient_in_one_parameter_is_zeroed():
+    def poison(model, opt):
+        calls = {"n": 0}
+
+        def hook(grad):
+            calls["n"] += 1
+            return grad * math.inf if calls["n"] == 5 else grad
+
+        model[2].bias.register_hook(hook)
+
+    result, model, _ = fit(setup=poison)
+    assert anomalies(result) == [("gradient", "zero_grads")]
+    event = next(e for e in result.events if e.kind == "gradient")
+    assert "2.bias" in json.dumps(event.detail), event.detail
+    assert result.zeroed_grads == 1 and result.skipped_batches == 0
+    assert finite_params(model)
+
+
+def test_weights_poisoned_after_a_step_are_restored():
+    def poison(model, opt):
+        state = {"n": 0}
+
+        def after_step(optimizer, args, kwargs):
+            state["n"] += 1
+            if state["n"] == 10:
+                with torch.no_grad():
+                    model[0].weight[0, 0] = math.nan
+
+        opt.register_step_post_hook(after_step)
+
+    result, model, _ = fit(["detect.check_weights_every=1"], setup=poison)
+    kinds = anomalies(result)
+    assert kinds[0] == ("weights", "restore"), kinds
+    assert result.restores == 1
+    assert any(e.name == "restored" for e in result.events)
+    assert finite_params(model)
+
+
+def test_lr_blow_up_restores_and_scales_lr():
+    def poison(model, opt):
+        state = {"n": 0}
+
+        def before(optimizer, args, kwargs):
+            state["n"] += 1
+            if state["n"] in (12, 13, 14):
+                for g in optimizer.param_groups:
+                    g["lr"] *= 1000
+
+        def after(optimizer, args, kwargs):
+            if state["n"] in (12, 13, 14):
+                for g in optimizer.param_groups:
+                    g["lr"] /= 1000
+
+        opt.register_step_pre_hook(before)
+        opt.register_step_post_hook(after)
+
+    result, model, _ = fit(["recovery.actions.loss=restore", "recovery.actions.spike=restore",
+                            "recovery.actions.forward=restore", "recovery.escalate=[scale_lr]"], setup=poison, epochs=3)
+    assert result.restores >= 1
+    assert any(e.name == "lr_changed" for e in result.events), anomalies(result)
+    assert result.lr_scale < 1.0
+    assert not any(e.name == "aborted" for e in result.events)
+    assert finite_params(model) and math.isfinite(result.final_loss)
+
+
+def test_loss_spike_without_nan_is_skipped():
+    data = PoisonRows(regression_data(), indices=[160], where="targets", value=300.0)
+    result, model, _ = fit(dataset=data, epochs=1, seed=0)
+    assert ("spike", "skip_batch") in anomalies(result), anomalies(result)
+    event = next(e for e in result.events if e.kind == "spike")
+    assert event.detail["z"] > 6
+    assert finite_params(model)
+
+
+def test_fp16_overflow_is_a_scaler_skip_not_a_failure():
+    result, model, _ = fit(["amp.dtype=float16", "amp.init_scale=1048576"], epochs=1)
+    skips = anomalies(result, "scaler")
+    assert skips and all(action == "skip_batch" for _, action in skips), skips
+    assert result.scaler_skips == len(skips)
+    assert result.restores == 0 and not result.aborted
+    assert result.healthy_steps == result.steps - result.scaler_skips
+    assert finite_params(model)
+
+
+def test_persistent_fault_aborts_after_max_retries_with_model_finite():
+    model = mlp()
+    fault = FaultAt(model[1], calls=range(6, 10_000))  # healthy for 5 steps, then NaN for ever
+    with pytest.raises(TrainingAborted) as info:
+        fit(["recovery.max_retries=3"], model=model)
+    result = info.value.result
+    assert result.aborted and fault.count >= 9
+    assert [a for _, a in anomalies(result)] == ["skip_batch", "restore", "scale_lr", "scale_lr", "abort"]
+    assert info.value.event.name == "aborted"
+    assert result.healthy_steps == 5 and result.restores == 4
+    assert finite_params(model), "abort leaves the model at the last good snapshot"
+
+
+def test_guard_in_a_hand_written_loop_equals_fit():
+    fitted, fit_model, _ = fit(epochs=1)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    with Guard(model, opt, load_config(None, BASE), loss_fn=F.mse_loss) as guard:
+        guard.begin_epoch(0)
+        for batch in loader(regression_data()):
+            guard.step(batch)
+    for a, b in zip(fit_model.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    assert guard.counters.steps == fitted.steps
+
+
+def test_journal_and_result_agree(tmp_path):
+    data = PoisonRows(regression_data(), indices=[3], where="targets")
+    result, _, _ = fit([f"log.dir={tmp_path}"], dataset=data, epochs=1)
+    lines = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [l["event"] for l in lines[:-1]] == [e.name for e in result.events]
+    summary = lines[-1]
+    assert summary["event"] == "summary"
+    for key in ("steps", "healthy_steps", "skipped_batches", "restores"):
+        assert summary[key] == getattr(result, key), key
+    assert sum(1 for l in lines if l["event"] == "anomaly") == summary["skipped_batches"] == 1

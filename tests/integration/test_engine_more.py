@@ -1,0 +1,188 @@
+"""The engine's contracts: one host sync per healthy step, schedulers, resume, batch styles, AMP."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.optim import lr_scheduler as S
+
+from safetrain import BatchError, SafeTrainer, load_config
+from safetrain.detect import count_host_syncs
+from safetrain.guard import Guard
+from tests.conftest import PoisonRows, finite_params, loader, mlp, regression_data
+from tests.integration.test_engine import BASE, anomalies, fit
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+@pytest.mark.parametrize("amp", ["null", "float16", "bfloat16"])
+def test_exactly_one_host_sync_per_healthy_step(mode, amp):
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    cfg = load_config(None, [*BASE, f"detect.mode={mode}", f"amp.dtype={amp}", "guard.clip_grad_norm=1.0",
+                             "detect.check_weights_every=2", "snapshot.every=1000"])
+    batches = list(loader(regression_data()))
+    with Guard(model, opt, cfg, loss_fn=F.mse_loss) as guard:
+        guard.step(batches[0])  # the first step also takes the initial snapshot (its own sync)
+        for batch in batches[1:6]:
+            with count_host_syncs() as syncs:
+                result = guard.step(batch)
+            assert result is not None and result.action in ("", "skip_batch"), result
+            if result.action == "":
+                # Adam's single-tensor path calls .item() on its step counter, which torch keeps
+                # on the CPU on purpose (not a device sync); every other read counts.
+                ours = [c for c in syncs.calls if "torch/optim/" not in c[1]]
+                assert len(ours) == 1, f"host syncs in a healthy step: {ours}"
+
+
+def test_accumulation_syncs_once_per_optimizer_step_and_matches_big_batch():
+    torch.manual_seed(0)
+    data = regression_data(n=64)
+    x, y = data.tensors
+    big, small = mlp(), mlp()
+    cfg = ["detect.mode=eager", "snapshot.every=1000"]
+    g_big = Guard(big, torch.optim.SGD(big.parameters(), lr=0.1), load_config(None, [*BASE, *cfg]), loss_fn=F.mse_loss)
+    g_small = Guard(small, torch.optim.SGD(small.parameters(), lr=0.1),
+                    load_config(None, [*BASE, *cfg, "guard.accumulate_steps=4"]), loss_fn=F.mse_loss)
+    g_small.snapshot(force=True)  # the initial snapshot (its finiteness check reads the host once)
+    for i in range(0, 64, 32):
+        g_big.step((x[i:i + 32], y[i:i + 32]))
+        results = []
+        with count_host_syncs() as syncs:
+            for j in range(i, i + 32, 8):
+                results.append(g_small.step((x[j:j + 8], y[j:j + 8])))
+        assert results[:3] == [None, None, None] and results[3].trained
+        assert syncs.count == 1
+    for a, b in zip(big.parameters(), small.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+KINDS = {
+    "StepLR": lambda o: S.StepLR(o, step_size=5, gamma=0.5),
+    "OneCycleLR": lambda o: S.OneCycleLR(o, max_lr=0.05, total_steps=64),
+    "CosineAnnealingLR": lambda o: S.CosineAnnealingLR(o, T_max=40),
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_skipped_steps_do_not_advance_the_scheduler(kind):
+    data = PoisonRows(regression_data(), indices=[5, 77], where="targets")
+    result, _, opt = fit(dataset=data, epochs=2, scheduler=KINDS[kind])
+    assert result.skipped_batches == 4, "two bad samples, two epochs"
+    reference = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.02, momentum=0.9)
+    sched = KINDS[kind](reference)
+    for _ in range(result.optimizer_steps):
+        reference.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(reference.param_groups[0]["lr"], rel=1e-12)
+
+
+def test_scheduler_follows_batches_when_configured():
+    data = PoisonRows(regression_data(), indices=[5], where="targets")
+    result, _, opt = fit(["guard.scheduler_follows=batch"], dataset=data, epochs=1, scheduler=KINDS["StepLR"])
+    assert result.skipped_batches == 1 and result.optimizer_steps == 15
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.02 * 0.5 ** (16 // 5))
+
+
+def test_backoff_survives_the_scheduler_through_fit():
+    holder = {}
+    data = PoisonRows(regression_data(), indices=[9], where="targets", value=math.inf)
+    result, _, opt = fit(["sanitize.targets=off", "recovery.actions.loss=scale_lr", "recovery.lr_factor=0.1",
+                          "recovery.escalate=[scale_lr]"],
+                         dataset=data, epochs=2, scheduler=lambda o: holder.setdefault("s", KINDS["StepLR"](o)))
+    assert [a for _, a in anomalies(result)] == ["scale_lr", "scale_lr"] and result.lr_scale == pytest.approx(0.01)
+    sched = holder["s"]
+    schedule_alone = 0.02 * 0.5 ** (sched.last_epoch // 5)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.01 * schedule_alone, rel=1e-12)
+    assert sched.get_last_lr()[0] == pytest.approx(schedule_alone), "the scheduler itself never sees the scale"
+
+
+def test_resume_from_safetensors_is_bitwise(tmp_path):
+    def run(max_steps=None, resume=None, epochs=3):
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = S.StepLR(opt, step_size=7, gamma=0.7)
+        cfg = load_config(None, [*BASE, "snapshot.store=safetensors", f"snapshot.dir={tmp_path}", "snapshot.every=5"])
+        trainer = SafeTrainer(model, opt, cfg, loss_fn=F.mse_loss, scheduler=sched)
+        data_loader = torch.utils.data.DataLoader(regression_data(), batch_size=16, shuffle=True)
+        trainer.fit(data_loader, epochs=epochs, max_steps=max_steps, resume=resume)
+        return model
+
+    full = run()
+    for f in tmp_path.iterdir():
+        f.unlink()
+    run(max_steps=23)  # stops mid-epoch 1; newest snapshot is at step 20
+    resumed = run(resume=tmp_path)
+    for a, b in zip(full.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
+class TinyHF(torch.nn.Module):
+    """A model with the Hugging Face convention: model(**batch) returns an object with .loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(20, 8)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, input_ids, attention_mask, labels):
+        h = (self.emb(input_ids) * attention_mask.unsqueeze(-1)).sum(1)
+        logits = self.head(h)
+        return SimpleNamespace(loss=F.cross_entropy(logits, labels), logits=logits)
+
+
+def test_dict_batches_with_loss_attribute_and_bad_float_feature_rows():
+    torch.manual_seed(0)
+    model = TinyHF()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    batches = []
+    for i in range(8):
+        mask = torch.ones(6, 5)
+        if i == 3:
+            mask[2, 1] = math.nan
+        batches.append({"input_ids": torch.randint(0, 20, (6, 5)), "attention_mask": mask,
+                        "labels": torch.randint(0, 3, (6,))})
+    result = SafeTrainer(model, opt, load_config(None, BASE)).fit(batches, epochs=2)
+    assert anomalies(result) == [("input", "drop_rows")] * 2
+    assert result.dropped_rows == 2 and finite_params(model)
+
+
+def test_step_fn_for_any_batch():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    batches = [SimpleNamespace(x=x, y=y) for x, y in loader(regression_data())]
+    trainer = SafeTrainer(model, opt, load_config(None, BASE), step_fn=lambda m, b: F.mse_loss(m(b.x), b.y))
+    result = trainer.fit(batches)
+    assert result.healthy_steps == 16
+
+
+def test_replace_trains_on_replaced_values_and_says_so():
+    data = PoisonRows(regression_data(), indices=[7], value=math.inf)
+    result, model, _ = fit(["sanitize.inputs=replace", "sanitize.posinf=0.0"], dataset=data, epochs=1)
+    assert anomalies(result) == [("input", "replace")]
+    assert result.replaced_rows == 1 and result.skipped_batches == 0 and finite_params(model)
+
+
+def test_raise_names_tensor_path_and_rows():
+    data = PoisonRows(regression_data(), indices=[7])
+    with pytest.raises(BatchError, match=r"batch\[0\]: rows \[\d+\] hold 1 NaN"):
+        fit(["sanitize.inputs=raise"], dataset=data, epochs=1, seed=0)
+
+
+def test_bad_batch_types_and_losses_are_clear_errors():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    with pytest.raises(BatchError, match="no loss_fn was given"):
+        SafeTrainer(model, opt, load_config(None, BASE)).fit(loader(regression_data()))
+    with pytest.raises(BatchError, match=r"the loss must be a scalar tensor; got \(16, 1\)"):
+        SafeTrainer(model, opt, load_config(None, BASE),
+                    loss_fn=lambda o, t: F.mse_loss(o, t, reduction="none")).fit(loader(regression_data()))
+
+
+def test_bf16_trains_without_scaler():
+    result, model, _ = fit(["amp.dtype=bfloat16"], epochs=1)
+    assert result.healthy_steps == result.steps == 16 and result.scaler_skips == 0 and finite_params(model)
