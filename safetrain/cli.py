@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Any, List, Optional, Sequence
 
@@ -198,6 +199,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write(f"safetrain {args.command}: interrupted\n")
         return 130
+    except BrokenPipeError:  # `safetrain report DIR | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def _one_line(exc: BaseException) -> str:

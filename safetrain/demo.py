@@ -169,7 +169,9 @@ class _Faults:
             for g in optimizer.param_groups:
                 g["lr"] *= 1000.0
             step = self.trainer.guard.counters.steps if self.trainer is not None and self.trainer.guard else -1
-            self.log.append((step, f"LR x1000 for this optimizer step (a scheduler bug), lr={optimizer.param_groups[0]['lr']:g}"))
+            nth = 1 + (self.optimizer_steps - self.lr_at)
+            self.log.append((step, f"LR x1000 for one optimizer step ({nth} of 2; a scheduler bug): "
+                                   f"lr {self._saved[0]:g} -> {optimizer.param_groups[0]['lr']:g}"))
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._saved is not None:
@@ -304,18 +306,34 @@ def run_demo(cfg: Optional[TrainConfig] = None, size: DemoSize = DemoSize(), cle
 
 
 def format_summary(demo: DemoResult) -> str:
-    """The demo's closing text: the faults injected, what safetrain did, the accuracies, where the files are."""
+    """The demo's closing text: each fault injected beside what safetrain did about it, the anomalies
+    by kind, the counters, both accuracies and where the run directory is (all read from the journal)."""
     s, r = demo.size, demo.result
-    lines = [f"\nsafetrain demo: {s.classes}-class Gaussian mixture, MLP {s.dim}+1-{s.hidden}-{s.hidden}-{s.classes}, "
-             f"{s.epochs} epochs of {math.ceil(s.n_train / s.batch_size)} batches", "", "faults injected:"]
-    lines += [f"  {'step ' + str(step) if step > 0 else 'data':>9}: {what}" for step, what in demo.faults]
-    lines += ["", "what safetrain saw and did (from the journal):"]
     run = report.read_run(demo.run_dir)
-    table = [row for row in report.event_table(run) if row.event not in ("run_started", "run_ended", "snapshot")]
-    for row in table:
-        lines.append(f"  {row.count:>4} x {row.event} {row.kind}: {row.action or '-'}  (first at step {row.first_step})")
-    if not table:
-        lines.append("  nothing: every step was healthy")
+    found = [e for e in run.events if e["event"] == "anomaly"]
+    lines = [f"\nsafetrain demo: {s.classes}-class Gaussian mixture, MLP {s.dim}+1-{s.hidden}-{s.hidden}-{s.classes}, "
+             f"{s.epochs} epochs of {math.ceil(s.n_train / s.batch_size)} batches", "", "faults injected -> what safetrain did:"]
+    starts = [step for step, _ in demo.faults] + [10**12]
+    for (step, what), end in zip(demo.faults, starts[1:]):
+        if step <= 0:
+            hits = [e for e in found if e["kind"] in ("input", "target")]
+            did = f"{len(hits)} x {hits[0]['action']} (each time the rows came round)" if hits else "not seen"
+        else:
+            hits = [e for e in found if step <= e["step"] < min(end, step + 6) and e["kind"] not in ("input", "target")]
+            did = "; ".join(f"step {e['step']} {e['kind']}: {e['action']}" for e in hits) or "not seen"
+        lines += [f"  {'step ' + str(step) if step > 0 else 'data':>9}  {what}", f"{'':>13}-> {did}"]
+    lines += ["", "anomalies by kind (events.jsonl):"]
+    kinds: Dict[str, Dict[str, int]] = {}
+    first: Dict[str, int] = {}
+    for e in found:
+        kinds.setdefault(e["kind"], {}).setdefault(e["action"], 0)
+        kinds[e["kind"]][e["action"]] += 1
+        first.setdefault(e["kind"], e["step"])
+    for kind, actions in kinds.items():
+        did = ", ".join(f"{n} x {action}" for action, n in actions.items())
+        lines.append(f"  {kind:<9} {did:<44} first at step {first[kind]}")
+    if not kinds:
+        lines.append("  none: every step was healthy")
     if r is not None:
         lines += ["", f"result: {r.steps} steps, {r.healthy_steps} healthy, {r.skipped_batches} skipped, "
                       f"{r.dropped_rows} rows dropped, {r.zeroed_grads} gradients zeroed, {r.restores} restores, "

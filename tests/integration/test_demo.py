@@ -70,7 +70,8 @@ def test_run_directory_and_summary_text(demo):
     if demo.png is not None:
         assert demo.png.read_bytes()[:4] == b"\x89PNG"
     text = format_summary(demo)
-    assert "faults injected:" in text and "with faults under safetrain" in text
+    assert "faults injected -> what safetrain did:" in text and "with faults under safetrain" in text
+    assert "not seen" not in text, text
     assert f"safetrain report {demo.run_dir}" in text
     assert "journal and summary agree" in (demo.run_dir / "report.txt").read_text()
 
