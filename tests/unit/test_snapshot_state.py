@@ -144,3 +144,27 @@ def test_optimizer_group_layout_mismatch(tmp_path):
     two = TrainState(model, torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[1].parameters()}], lr=0.1))
     with pytest.raises(SnapshotError, match=r"param groups of sizes \[4\] in the snapshot, \[2, 2\]"):
         load_snapshot(_saved(tmp_path, one), two)
+
+
+@pytest.mark.parametrize("store_kind", ["memory", "safetensors"])
+def test_tensor_hyperparameters_roundtrip(store_kind, tmp_path):
+    """Adam with a tensor lr: the group value is stored as a tensor and copied back in place."""
+    model = nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01))
+    state = TrainState(model, opt)
+    _step_plain(state)
+    store = MemoryStore(keep=1) if store_kind == "memory" else SafetensorsStore(tmp_path, keep=1)
+    store.save(state, {"step": 1})
+    lr = opt.param_groups[0]["lr"]
+    with torch.no_grad():
+        lr.fill_(0.5)
+    store.restore(state)
+    restored = opt.param_groups[0]["lr"]
+    assert isinstance(restored, torch.Tensor) and torch.equal(restored, torch.tensor(0.01)), store_kind
+    store.close()
+
+
+def _step_plain(state: TrainState) -> None:
+    state.model(torch.randn(8, 4)).pow(2).mean().backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad()
