@@ -12,7 +12,7 @@ import argparse
 import logging
 import os
 import sys
-from typing import Any, List, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from .errors import SafetrainError
 
@@ -77,7 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     ins = sub.add_parser(
         "inspect",
         help="describe a snapshot file: step, size, checksums, finiteness, optimizer",
-        description="Read a safetensors snapshot fully (no code runs) and say what it holds and whether it is sound.",
+        description="Read a safetensors snapshot fully (no code runs) and say what it holds and whether it is sound. "
+        "Exit code 1 when it reads but is not sound (a checksum mismatch or NaN/Inf in the state), 2 when it "
+        "cannot be read as a snapshot.",
         epilog="example:\n  safetrain inspect runs/a/snapshots/snapshot-0000000100.safetensors",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -140,3 +140,19 @@ def test_demo_bad_yaml_value_exit_2(tmp_path, capsys):
 def test_demo_bad_epochs_exit_2(tmp_path, capsys):
     assert main(["demo", "--epochs", "0", "--out", str(tmp_path / "run")]) == 2
     one_error_line(capsys.readouterr().err, "--epochs")
+
+
+def test_inspect_a_damaged_snapshot_says_so_and_exits_1(tmp_path, capsys):
+    from safetrain.snapshot import SafetensorsStore, TrainState
+
+    model = torch.nn.Linear(64, 64)
+    state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with SafetensorsStore(tmp_path, keep=1) as store:
+        path = store.save(state, {"step": 7, "epoch": 0, "batch": 7}).path
+    data = bytearray(Path(path).read_bytes())
+    data[-100] ^= 0xFF  # one flipped byte inside the tensor data
+    Path(path).write_bytes(bytes(data))
+    code = main(["inspect", str(path)])
+    captured = capsys.readouterr()
+    assert code == 1, captured
+    assert "checksum   FAILED" in captured.out

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from safetrain.events import AnomalyFound, Journal, LRChanged, Restored, RunEnded, RunStarted, SnapshotTaken
+from safetrain.events import AnomalyFound, Journal, Restored, RunEnded, RunStarted, SnapshotTaken
 from safetrain.report import (
     PlotUnavailable,
     ReportError,
