@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from . import report
 from .config import TrainConfig, as_config, load_config, to_dict
-from .errors import TrainingAborted
+from .errors import ConfigError, TrainingAborted
 
 __all__ = ["DemoSize", "DemoResult", "LogNormFeatures", "demo_config", "run_demo", "format_summary"]
 
@@ -194,14 +194,27 @@ def demo_config(path: Union[None, str, os.PathLike] = None, overrides: Sequence[
         out: the run directory; else ``log.dir`` from the config, else ``runs/demo-<timestamp>``.
 
     Raises:
-        ConfigError: as :func:`safetrain.load_config`.
+        ConfigError: as :func:`safetrain.load_config`, or the run directory already holds a run.
     """
     in_file = _keys_in(path) if path is not None else set()
     layer = [f"{k}={v}" for k, v in DEMO_DEFAULTS.items() if k not in in_file]
     cfg = load_config(path, [*layer, *overrides])
     data = to_dict(cfg)
-    data["log"]["dir"] = str(out or cfg.log.dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S"))
+    run_dir = Path(out or cfg.log.dir or _fresh(Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")))
+    if (run_dir / "events.jsonl").exists():
+        raise ConfigError(f"log.dir: {run_dir} already holds a run (events.jsonl); the demo writes a fresh run "
+                          "directory: pass another --out, or leave it out for runs/demo-<timestamp>")
+    data["log"]["dir"] = str(run_dir)
     return as_config(data)
+
+
+def _fresh(path: Path) -> Path:
+    """``path``, or ``path-2``, ``path-3``... when it exists (two demos started in the same second)."""
+    n, candidate = 1, path
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}-{n}")
+    return candidate
 
 
 def _keys_in(path: Union[str, os.PathLike]) -> set:

@@ -156,3 +156,9 @@ def test_inspect_a_damaged_snapshot_says_so_and_exits_1(tmp_path, capsys):
     captured = capsys.readouterr()
     assert code == 1, captured
     assert "checksum   FAILED" in captured.out
+
+
+def test_demo_refuses_a_directory_that_holds_a_run(tmp_path, capsys):
+    make_run(tmp_path)
+    assert main(["demo", "--out", str(tmp_path)]) == 2
+    one_error_line(capsys.readouterr().err, "already holds a run", "--out")
