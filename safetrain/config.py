@@ -119,6 +119,7 @@ class SpikeConfig:
     window: int = _f(128, "number of recent healthy losses the median and MAD are taken over", ge=2)
     min_history: int = _f(20, "no spike is called before this many healthy losses are in the window", ge=2)
     zscore: float = _f(6.0, "a loss more than this many robust standard deviations above the median is a spike", gt=0)
+    min_ratio: float = _f(2.0, "...and at least this many times the largest recent healthy loss (keeps converged runs quiet)", ge=1)
 
 
 @dataclass(frozen=True)
