@@ -16,7 +16,7 @@ import enum
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -25,8 +25,9 @@ from .errors import BatchError, ConfigError, TrainingAborted
 from .events import AnomalyFound, Event, EventBus, LRChanged, Restored, SnapshotTaken
 from .lr import LRBackoff, step_scheduler
 from .policy import Decision, History, decide, observe_healthy, record_skip
+from .replay import Diagnosis, Replayer
 from .spike import SpikeDetector
-from . import detect, snapshot
+from . import detect, distributed, snapshot
 from .batches import TARGET_KEYS, compute_loss, split_batch
 
 __all__ = ["Guard", "StepResult", "Phase"]
@@ -99,6 +100,7 @@ class _Pending:
     """Device-side values of the step being accumulated; read in the single sync."""
 
     micro: List[Any] = field(default_factory=list)
+    indices: List[List[int]] = field(default_factory=list)
     loss: Optional[torch.Tensor] = None
     input_values: List[torch.Tensor] = field(default_factory=list)
     target_values: List[torch.Tensor] = field(default_factory=list)
@@ -152,8 +154,8 @@ class Guard:
             scaler = torch.amp.GradScaler(self.device.type, init_scale=c.amp.init_scale)
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.backoff = LRBackoff(optimizer, c.recovery.min_lr)
-        self.spike = SpikeDetector(c.guard.spike.window, c.guard.spike.min_history, c.guard.spike.zscore,
-                                   c.guard.spike.enabled)
+        sp = c.guard.spike
+        self.spike = SpikeDetector(sp.window, sp.min_history, sp.zscore, sp.enabled, sp.min_ratio)
         self.state = snapshot.TrainState(model, optimizer, scheduler=scheduler, scaler=self.scaler)
         self.store = snapshot.make_store(c.snapshot, run_dir=run_dir)
         self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -165,6 +167,9 @@ class Guard:
         self.monitor = detect.ActivationMonitor.from_config(model, c.detect)
         self._hooks = self.monitor.attach()
         self._flags = detect.StepFlags()
+        self.replayer = Replayer(model, self.monitor, c.detect.replay, autocast=self._autocast,
+                                 loss_of=lambda batch: compute_loss(self.model, batch, self.loss_fn, self.step_fn))
+        self._retrying = False
         self.phase = Phase.READY
         self._pending = _Pending()
         self._overflows = 0  # fp16 overflows in a row
@@ -179,6 +184,15 @@ class Guard:
         self.epoch_rng: Optional[torch.Tensor] = None  # torch RNG at the start of the current epoch
         self.last_loss = math.nan
         self.last_grad_norm = math.nan
+        # Distributed (a process group of > 1 rank): the one read combines every rank's flags with
+        # one collective, and snapshots and replays agree across ranks. None: one process, no cost.
+        self._dist = distributed.DistributedSync.from_environment(self.device)
+        self.rank = 0 if self._dist is None else self._dist.rank
+        if self._dist is not None:
+            self._flags = detect.StepFlags(reduce=self._dist.reduce)
+            self.store = self._dist.wrap_store(self.store)
+            if hasattr(self, "replayer"):
+                self.replayer = self._dist.wrap_replayer(self.replayer, model)
 
     # ----------------------------------------------------------------- lifecycle
     def __enter__(self) -> "Guard":
@@ -200,11 +214,16 @@ class Guard:
         self.epoch_rng = torch.get_rng_state()
 
     # ----------------------------------------------------------------- the step
-    def step(self, batch: Any) -> Optional[StepResult]:
+    def step(self, batch: Any, indices: Optional[Sequence[int]] = None) -> Optional[StepResult]:
         """Feed one (micro-)batch; returns the :class:`StepResult` when an optimizer step was decided.
 
         With ``guard.accumulate_steps`` = k, the first k - 1 calls only accumulate gradients and
         return ``None``; the k-th makes the single host sync and decides.
+
+        Args:
+            batch: the (micro-)batch.
+            indices: the dataset index of each row, when known: a replay then names bad samples
+                by dataset index (``SafeTrainer.fit`` passes them from a :class:`QuarantineSampler`).
 
         Raises:
             TrainingAborted: the policy aborted; the model and optimizer are at the last good snapshot.
@@ -221,6 +240,7 @@ class Guard:
         if self.phase is Phase.READY:
             self._start_step()
         self._pending.micro.append(batch)
+        self._pending.indices.append(list(indices) if indices is not None else [])
         self._forward_backward(batch)
         if len(self._pending.micro) < self.cfg.guard.accumulate_steps:
             self.phase = Phase.ACCUMULATING
@@ -231,6 +251,7 @@ class Guard:
         self.optimizer.zero_grad(set_to_none=True)
         self._pending = _Pending()
         self.monitor.reset()
+        self.replayer.begin_step()
         steps = self.counters.optimizer_steps
         self._weight_flag = self.weights.maybe_run(steps) if steps > 0 else None
 
@@ -329,6 +350,8 @@ class Guard:
             # buffers kept as they were) before calling it, since a finite sum can overflow.
             rerun = None if read.loss_tripped else self._rerun
             finding = self.monitor.locate(read.forward, rerun=rerun, **self._where())
+            if self._dist is not None and rerun is not None:  # confirmed on some rank: on all
+                finding = self._dist.agree_finding(finding, lambda: self.monitor.locate(read.forward, **self._where()))
             if finding is not None:
                 return "forward", {"finding": finding}
         if read.loss_tripped:
@@ -353,7 +376,8 @@ class Guard:
         return None, {}
 
     def _rerun(self) -> None:
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
+                distributed.local(self.model):
             for batch in self._pending.micro:
                 with self._autocast():
                     compute_loss(self.model, self._scan_quiet(batch), self.loss_fn, self.step_fn)
@@ -427,6 +451,11 @@ class Guard:
                 error = detect.batch_error(detail["rows"])
                 self._emit(AnomalyFound, kind, "raise", str(error), {"rows": [f.to_dict() for f in detail["rows"]]})
                 raise error
+        if kind in _REPLAYED and self.replayer.enabled:
+            diagnosis = self.diagnose()
+            detail["diagnosis"] = diagnosis
+            if not diagnosis.reproducible and not self._retrying:
+                return self._retry_transient(kind, detail)
         decision, self.history = decide(kind, self.history, self.cfg.recovery, self.cfg.sanitize)
         if kind in ("input", "target") and decision.action != "abort":
             return self._bad_rows(kind, decision, detail)
@@ -489,23 +518,52 @@ class Guard:
         cleaned = [self._drop(i, batch) for i, batch in enumerate(self._pending.micro)]
         dropped = sum(d for _, d in cleaned)
         c.dropped_rows += dropped
-        self._not_applied()
-        c.skipped_batches -= 1  # not skipped: the step is re-run on the good rows
         kept = [b for b, _ in cleaned if b is not None]
-        if not kept:
-            c.skipped_batches += 1
+        if (self._dist is not None and not self._dist.same_count(len(kept))) or not kept:  # all ranks re-run or none
+            self._not_applied()
             self.phase = Phase.READY
             return StepResult(c.steps, False, self.last_loss, self.last_grad_norm, "skip_batch", (event,))
-        c.steps -= 1  # the re-run is the same step
+        return self._run_again(kept, action, (event,))
+
+    def _run_again(self, batches: List[Any], action: str, events: Tuple[Event, ...],
+                   indices: Optional[List[List[int]]] = None) -> StepResult:
+        """Run the same step again on ``batches`` (slow path): its gradients are dropped first, and
+        the re-run counts as the same step, trained but not healthy."""
+        c = self.counters
+        self._not_applied()
+        c.skipped_batches -= 1
+        c.steps -= 1
         self._start_step()
-        for batch in kept:
+        for i, batch in enumerate(batches):
             self._pending.micro.append(batch)
+            self._pending.indices.append(indices[i] if indices else [])
             self._forward_backward(batch)
         result = self._finish()
         if not result.action:
-            c.healthy_steps -= 1  # trained on the good rows, but not a healthy step
+            c.healthy_steps -= 1
         return StepResult(result.step, result.trained, result.loss, result.grad_norm, result.action or action,
-                          (event,) + result.events)
+                          events + result.events)
+
+    def _retry_transient(self, kind: str, detail: Dict[str, Any]) -> StepResult:
+        """The replay was finite: retry the step once instead of climbing the ladder."""
+        payload = {k: (v.to_dict() if hasattr(v, "to_dict") else v) for k, v in detail.items()}
+        event = self._emit(AnomalyFound, kind, "retry", f"{kind} anomaly: {_summary(kind, detail)} -> transient "
+                           "(the replay from the same state was finite): retrying the step once", payload)
+        self._retrying = True
+        try:
+            return self._run_again(list(self._pending.micro), "retry", (event,), list(self._pending.indices))
+        finally:
+            self._retrying = False
+
+    def diagnose(self) -> Diagnosis:
+        """Replay the pending step from its pre-step state and say where it goes non-finite.
+
+        Runs on its own when a step trips (``detect.replay``); call it yourself between
+        micro-batches to look at a step. Training is left exactly as it was: parameters,
+        buffers, gradients and every RNG stream.
+        """
+        micro = [self._scan_quiet(batch) for batch in self._pending.micro]
+        return self.replayer.replay(micro, self._pending.indices)
 
     def _rejudge(self, event: Event) -> StepResult:
         """After bad values were replaced before the forward pass, judge the rest of the step as usual."""
@@ -610,8 +668,14 @@ class Guard:
 
     def _emit(self, cls: type, kind: str, action: str, message: str, detail: Mapping[str, Any]) -> Event:
         c = self.counters
+        if self._dist is not None and cls is AnomalyFound:
+            detail = {**detail, "ranks": self._dist.tripped_ranks()}  # which ranks' own values tripped
         return self.bus.emit(cls(step=c.steps, epoch=c.epoch, batch=c.batch - 1, kind=kind, action=action,
-                                 message=message, detail=detail))
+                                 message=message, detail=detail, rank=self.rank))
+
+
+#: Kinds a replay can explain (the others are finite outliers or data problems).
+_REPLAYED = frozenset({"forward", "loss", "gradient"})
 
 
 def _leaves(obj: Any) -> List[torch.Tensor]:

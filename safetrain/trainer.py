@@ -12,11 +12,12 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
 import torch
 
-from . import snapshot
+from . import distributed
 from .config import as_config, to_dict
 from .errors import TrainingAborted
-from .events import Event, EventBus, Journal, RunEnded, RunStarted
+from .events import Event, EventBus, Journal, Quarantined, RunEnded, RunStarted
 from .guard import Guard
+from .quarantine import QuarantineKeeper
 
 __all__ = ["SafeTrainer", "FitResult"]
 
@@ -128,8 +129,9 @@ class SafeTrainer:
         cfg, started = self.cfg, time.perf_counter()
         logger.setLevel(cfg.log.level)
         run_dir = Path(cfg.log.dir) if cfg.log.dir else None
-        journal = Journal(run_dir / "events.jsonl") if run_dir else None
-        metrics = _Metrics(run_dir / "metrics.csv") if run_dir else None
+        rank = distributed.rank()  # under DDP: rank 0 keeps events.jsonl and metrics.csv, rank r events-rank{r}.jsonl
+        journal = Journal(run_dir / ("events.jsonl" if rank == 0 else f"events-rank{rank}.jsonl")) if run_dir else None
+        metrics = _Metrics(run_dir / "metrics.csv") if run_dir and rank == 0 else None
         bus = EventBus(journal)
         guard = self.guard = Guard(
             self.model, self.optimizer, cfg, loss_fn=self.loss_fn, step_fn=self.step_fn,
@@ -138,17 +140,24 @@ class SafeTrainer:
         result = FitResult(run_dir=str(run_dir) if run_dir else None, events=bus.events)
         start_epoch, skip, epoch_rng = 0, 0, None
         if resume is not None:
-            info = snapshot.load_snapshot(resume, guard.state)
+            info = distributed.load_snapshot(resume, guard.state)  # every rank, from the same file
             guard.load_state_dict(info.extra)
             start_epoch, skip = guard.counters.epoch, guard.counters.batch
             epoch_rng = info.extra_tensors.get("epoch_rng")
-        bus.emit(RunStarted(step=guard.counters.steps, epoch=start_epoch, batch=skip - 1, kind="run",
+        bus.emit(RunStarted(step=guard.counters.steps, epoch=start_epoch, batch=skip - 1, kind="run", rank=rank,
                             action="resume" if resume else "start",
                             message=f"{'resumed from ' + str(resume) if resume else 'started'}; run dir {run_dir}",
                             detail={"config": to_dict(cfg), "resume": str(resume) if resume else None}))
-        bar = _progress(cfg.log.progress, epochs, loader)
+        bar = _progress(cfg.log.progress and rank == 0, epochs, loader)
+
+        def quarantined(action: str, message: str, detail: Dict[str, Any]) -> None:
+            c = guard.counters
+            bus.emit(Quarantined(step=c.steps, epoch=c.epoch, batch=c.batch - 1, kind="quarantine", action=action,
+                                 message=message, detail=detail, rank=rank))
+
+        keeper = QuarantineKeeper(getattr(loader, "sampler", None), run_dir, quarantined)
         try:
-            self._epochs(guard, loader, epochs, max_steps, start_epoch, skip, epoch_rng, bar, result, metrics)
+            self._epochs(guard, loader, epochs, max_steps, start_epoch, skip, epoch_rng, bar, result, metrics, keeper)
         except TrainingAborted as exc:
             result.aborted = True
             exc.result = result
@@ -156,7 +165,7 @@ class SafeTrainer:
         finally:
             self._finish(guard, result, started)
             c = guard.counters
-            bus.emit(RunEnded(step=c.steps, epoch=c.epoch, batch=c.batch - 1, kind="run",
+            bus.emit(RunEnded(step=c.steps, epoch=c.epoch, batch=c.batch - 1, kind="run", rank=rank,
                               action="aborted" if result.aborted else "done", message=_describe(result),
                               detail=result.summary()))
             guard.close()
@@ -170,9 +179,12 @@ class SafeTrainer:
 
     def _epochs(self, guard: Guard, loader: Iterable[Any], epochs: int, max_steps: Optional[int], start_epoch: int,
                 skip: int, epoch_rng: Optional[torch.Tensor], bar: Any, result: FitResult,
-                metrics: Optional["_Metrics"]) -> None:
+                metrics: Optional["_Metrics"], keeper: QuarantineKeeper) -> None:
         cfg = self.cfg
+        sampler = getattr(loader, "sampler", None)
         for epoch in range(start_epoch, epochs):
+            if hasattr(sampler, "set_epoch"):  # DistributedSampler: a new shuffle each epoch, the same on resume
+                sampler.set_epoch(epoch)
             resuming = epoch == start_epoch and (skip > 0 or epoch_rng is not None)
             if resuming and epoch_rng is not None:
                 # Re-create the epoch's shuffle exactly: the loader draws its seeds from the RNG
@@ -181,7 +193,7 @@ class SafeTrainer:
                 torch.set_rng_state(epoch_rng)
                 guard.begin_epoch(epoch)
                 iterator = iter(loader)
-                skipped = _advance(iterator, skip)
+                skipped = _advance(iterator, skip, keeper)
                 guard.counters.batch = skipped
                 torch.set_rng_state(now)
             else:
@@ -189,9 +201,10 @@ class SafeTrainer:
                 iterator = iter(loader)
             losses: List[float] = []
             for batch in iterator:
-                step = guard.step(batch)
+                step = guard.step(batch, keeper.indices_for(batch))
                 if step is None:
                     continue
+                keeper.after_step(step.events)
                 if metrics is not None:
                     metrics.write(guard, step)
                 if step.trained and math.isfinite(step.loss):
@@ -204,6 +217,7 @@ class SafeTrainer:
                                     restored=c.restores, refresh=False)
                 if max_steps is not None and guard.counters.steps >= max_steps:
                     return
+            keeper.end_epoch()
             if self.scheduler is not None and cfg.guard.scheduler_interval == "epoch":
                 guard.backoff.step(self.scheduler, sum(losses) / len(losses) if losses else None)
 
@@ -234,16 +248,18 @@ class _Metrics:
         c = guard.counters
         self._file.write(f"{step.step},{c.epoch},{c.batch - 1},{step.loss:.6g},{step.grad_norm:.6g},"
                          f"{guard.backoff.scale:.6g},{int(step.trained)},{step.action}\n")
+        if step.events:  # an anomaly or a snapshot: a killed run keeps every row up to here
+            self._file.flush()
 
     def close(self) -> None:
         self._file.close()
 
 
-def _advance(iterator: Any, n: int) -> int:
+def _advance(iterator: Any, n: int, keeper: QuarantineKeeper) -> int:
     """Consume ``n`` batches of an epoch being resumed; returns how many there were."""
     for i in range(n):
         try:
-            next(iterator)
+            keeper.indices_for(next(iterator))
         except StopIteration:
             return i
     return n

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
-__all__ = ["StepFlags", "StepRead", "FLAG_KINDS"]
+__all__ = ["StepFlags", "StepRead", "FLAG_KINDS", "Layout", "Reduce", "parse_read"]
 
 #: The kinds :class:`StepRead` knows by name, in the order a step meets them.
 FLAG_KINDS = ("input", "target", "forward", "loss", "gradient", "weights")
@@ -97,6 +97,12 @@ class StepRead:
 
 
 Value = Union[None, Tensor, Sequence[Tensor]]
+#: One entry per name put, in put order: ``(name, count, is_bool, is_vector)``. The packed
+#: vector holds every scalar entry first, then every vector entry, each group in put order.
+Layout = List[Tuple[str, int, bool, bool]]
+#: ``reduce(packed, layout) -> host values``: brings the packed vector to the host itself (the
+#: one sync), combined across processes; see :class:`safetrain.distributed.DistributedSync`.
+Reduce = Callable[[Tensor, Layout], List[float]]
 
 
 class StepFlags:
@@ -112,6 +118,11 @@ class StepFlags:
     are). Bool values trip when ``True``, floating ones when NaN/Inf. ``None`` is ignored, so a
     disabled detector needs no ``if`` in the caller. Reusable: ``read()`` clears it.
 
+    Args:
+        reduce: ``None`` (one process): ``read()`` is one ``tolist()``. Under data parallelism,
+            a :data:`Reduce` that combines the packed vector across ranks with one collective
+            and returns the combined host values; it then makes the read's only host sync.
+
     Example::
 
         >>> flags = StepFlags()
@@ -123,10 +134,11 @@ class StepFlags:
         >>> read.healthy, read.loss
     """
 
-    def __init__(self) -> None:
+    def __init__(self, reduce: Optional[Reduce] = None) -> None:
         self._scalars: List[Tensor] = []
         self._vectors: List[Tensor] = []
-        self._layout: List[Tuple[str, int, bool, bool]] = []  # (name, count, is_bool, is_vector)
+        self._layout: Layout = []  # (name, count, is_bool, is_vector)
+        self._reduce = reduce
 
     def put(self, name: str, value: Value) -> None:
         """Add a device value; ``None`` (and an empty list) is ignored.
@@ -182,13 +194,21 @@ class StepFlags:
                 packed = torch.cat(([packed] if packed is not None else []) + parts)
         if packed.dtype not in _FLOATS:  # type: ignore[union-attr]
             packed = packed.float()  # type: ignore[union-attr]
-        host = packed.tolist()  # type: ignore[union-attr]  # host sync: the step's one read
+        if self._reduce is None:
+            host = packed.tolist()  # type: ignore[union-attr]  # host sync: the step's one read
+        else:  # host sync: the step's one read, after one collective (inside the hook)
+            host = self._reduce(packed, self._layout)  # type: ignore[arg-type]
         read = _parse(host, self._layout)
         self.clear()
         return read
 
 
-def _parse(host: List[float], layout: List[Tuple[str, int, bool, bool]]) -> StepRead:
+def parse_read(host: Sequence[float], layout: Layout) -> StepRead:
+    """Turn packed host values (one rank's row, say) into a :class:`StepRead`, as ``read()`` does."""
+    return _parse(host, layout)
+
+
+def _parse(host: Sequence[float], layout: Layout) -> StepRead:
     """Slice the packed host values back into named fields (scalars first, then vectors)."""
     out: Dict[str, Any] = {}
     extra: Dict[str, Tuple[float, ...]] = {}

@@ -70,20 +70,26 @@ def test_nan_target_is_skipped():
     assert result.skipped_batches == 2 and finite_params(model)
 
 
-def test_layer_emits_nan_once_one_step_fault_matches_clean_run():
+@pytest.mark.parametrize("replay", [True, False])
+def test_layer_emits_nan_once_one_step_fault_matches_clean_run(replay):
     clean, clean_model, _ = fit(epochs=3)
     assert full_loss(clean_model) < 0.05 * full_loss(mlp()), "the clean run converges"
 
     def poison(model, opt):
         poison.fault = FaultAt(model[1], calls=[9])
 
-    result, model, _ = fit(setup=poison, epochs=3)
+    result, model, _ = fit([f"detect.replay.enabled={replay}"], setup=poison, epochs=3)
     found = anomalies(result)
-    assert found == [("forward", "skip_batch")], found
     event = next(e for e in result.events if e.kind == "forward")
     assert event.detail["finding"]["module"] == "1", event.detail
+    if replay:  # the replay from the same state is finite: transient, retried once, not skipped
+        assert found == [("forward", "retry")], found
+        assert event.detail["diagnosis"]["reproducible"] is False
+        assert result.skipped_batches == 0 and result.healthy_steps == result.steps - 1
+    else:
+        assert found == [("forward", "skip_batch")], found
+        assert result.skipped_batches == 1
     assert finite_params(model)
-    assert result.skipped_batches == 1
     assert full_loss(model) == pytest.approx(full_loss(clean_model), rel=0.05)
 
 
@@ -93,7 +99,7 @@ def test_inf_gradient_in_one_parameter_is_zeroed():
 
         def hook(grad):
             calls["n"] += 1
-            return grad * math.inf if calls["n"] == 5 else grad
+            return grad * math.inf if calls["n"] in (5, 6) else grad  # the step and its replay
 
         model[2].bias.register_hook(hook)
 
@@ -101,6 +107,7 @@ def test_inf_gradient_in_one_parameter_is_zeroed():
     assert anomalies(result) == [("gradient", "zero_grads")]
     event = next(e for e in result.events if e.kind == "gradient")
     assert "2.bias" in json.dumps(event.detail), event.detail
+    assert event.detail["diagnosis"]["nonfinite_grads"] == ["2.bias"]
     assert result.zeroed_grads == 1 and result.skipped_batches == 0
     assert finite_params(model)
 

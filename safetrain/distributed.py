@@ -1,0 +1,387 @@
+"""Data parallel training: every rank detects together, decides together, restores together.
+
+Under an initialized process group with more than one rank, the guard builds a
+:class:`DistributedSync` once, at construction, and everything below follows from it:
+
+* **One collective inside the one sync.** :meth:`DistributedSync.reduce` is the
+  :class:`~safetrain.detect.StepFlags` hook: one ``all_gather`` of the packed step vector, one
+  ``tolist()`` of every rank's row, combined on the host: a check value (a bool flag, an input
+  sum, an activation sum, ``found_inf``) trips everywhere when it trips on any rank, ``loss`` is
+  the mean over ranks (so the spike detector sees the same number everywhere), and the gradient
+  norms and the scaler's scale are rank 0's (identical after DDP's all-reduce; a non-finite value
+  on any rank still wins). Each rank's own row is kept, so the journal can say which ranks
+  tripped (:meth:`DistributedSync.tripped_ranks`).
+* **Slow paths agree.** A decision that a rank makes from its own data (an exact forward re-run,
+  a replay, the rows left after ``drop_rows``, a snapshot's finiteness, a restore) is combined
+  with one small collective that every rank enters, so no rank is left waiting; re-runs for
+  diagnosis run under :func:`local`, with no DDP collective at all.
+* **Snapshots.** :class:`DistributedStore`: the memory store keeps one ring per rank; the
+  safetensors store is written by rank 0 only and read by every rank. That file holds rank 0's
+  random generators: on restore and resume the other ranks keep their own (see :func:`keep_rng`).
+
+The single-process path never sees any of this: the guard's ``_dist`` is ``None``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import random
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .detect.flags import Layout, parse_read
+from .errors import SnapshotError
+from .snapshot import SafetensorsStore, SnapshotInfo, load_snapshot as _load_snapshot
+from .snapshot.base import make_info
+from .snapshot.state import Captured
+from .snapshot.tensors import nonfinite
+
+__all__ = ["DistributedSync", "DistributedStore", "active", "rank", "local", "keep_rng", "load_snapshot"]
+
+logger = logging.getLogger("safetrain")
+
+_FIRST, _SUM, _MEAN = 0, 1, 2
+#: Floating values that are counts, not magnitudes: summed over ranks like bool flags.
+_SUMMED = frozenset({"found_inf"})
+
+
+def active(group: Any = None) -> bool:
+    """Whether a process group with more than one rank is initialized."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def rank(group: Any = None) -> int:
+    """This process's rank in ``group``; 0 when no process group is initialized."""
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+
+
+@contextlib.contextmanager
+def local(model: torch.nn.Module) -> Iterator[None]:
+    """Run forwards and backwards of a DDP model with no collective: no gradient all-reduce, no
+    buffer broadcast (for re-runs and replays, whose count may differ between ranks).
+
+    DDP's own ``forward_param_sync`` state is put back on exit, so the next training step
+    broadcasts buffers as it would have. Any other model: a no-op.
+    """
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        yield
+        return
+    saved = model.require_forward_param_sync
+    model.require_forward_param_sync = False
+    try:
+        with model.no_sync():
+            yield
+    finally:
+        model.require_forward_param_sync = saved
+
+
+@contextlib.contextmanager
+def keep_rng(enabled: bool = True) -> Iterator[None]:
+    """Put the torch (CPU and CUDA), numpy and Python generators back as they were on exit."""
+    if not enabled:
+        yield
+        return
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    devices = list(range(torch.cuda.device_count())) if cuda else []
+    np_state, py_state = np.random.get_state(), random.getstate()
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            np.random.set_state(np_state)
+            random.setstate(py_state)
+
+
+class DistributedSync:
+    """Combines one step's flags across ranks, and makes slow-path decisions collectively.
+
+    Args:
+        device: where the slow-path agreement tensors live (the model's CUDA device with NCCL;
+            the CPU with gloo).
+        group: the process group (``None``: the default group).
+
+    Example::
+
+        >>> sync = DistributedSync.from_environment(torch.device("cpu"))  # None: not distributed
+        >>> flags = StepFlags(reduce=sync.reduce if sync else None)       # doctest: +SKIP
+    """
+
+    def __init__(self, device: torch.device, group: Any = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        backend = str(dist.get_backend(group))
+        self.device = device if device.type != "cpu" and backend != "gloo" else torch.device("cpu")
+        self._gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._plans: Dict[Tuple[Any, ...], List[Tuple[int, int, int]]] = {}
+        self._rows: List[List[float]] = []
+        self._layout: Tuple[Any, ...] = ()
+
+    @classmethod
+    def from_environment(cls, device: torch.device, group: Any = None) -> Optional["DistributedSync"]:
+        """A sync for ``group`` when it is initialized with more than one rank, else ``None``."""
+        return cls(device, group) if active(group) else None
+
+    # ------------------------------------------------------------------ the step's one read
+    def reduce(self, packed: Tensor, layout: Layout) -> List[float]:
+        """Gather every rank's packed step vector and combine it on the host (a :data:`~safetrain.detect.flags.Reduce`).
+
+        Every rank must put the same layout (same model, detectors and batch structure): the
+        vectors are gathered position by position.
+
+        Returns:
+            The combined values, laid out as ``packed``.
+        """
+        n = packed.numel()
+        out = packed.new_empty(self.world * n)
+        self._gather(out, packed.contiguous(), group=self.group)  # the step's one collective
+        flat = out.tolist()  # host sync: the step's one read, every rank's row
+        rows = [flat[r * n:(r + 1) * n] for r in range(self.world)]
+        key = tuple(layout)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = _plan(layout)
+        self._rows, self._layout = rows, key
+        return _combine(rows, plan)
+
+    def tripped_ranks(self) -> Dict[str, List[int]]:
+        """For the last read, each kind that tripped on some rank's own values, with those ranks."""
+        out: Dict[str, List[int]] = {}
+        for r, row in enumerate(self._rows):
+            for kind in parse_read(row, list(self._layout)).tripped():
+                out.setdefault(kind, []).append(r)
+        return out
+
+    # ------------------------------------------------------------------ slow-path agreement
+    def gather_int(self, value: int) -> List[int]:
+        """Every rank's ``value``, in rank order (one small collective; slow path only)."""
+        mine = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        out = torch.empty(self.world, dtype=torch.float64, device=self.device)
+        self._gather(out, mine, group=self.group)
+        return [int(v) for v in out.tolist()]  # host sync: slow path only
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on some rank (one small collective; slow path only)."""
+        return any(self.gather_int(int(bool(flag))))
+
+    def agree_finding(self, finding: Any, fallback: Callable[[], Any]) -> Any:
+        """After a per-rank confirmation (an exact re-run): a finding on every rank if some rank
+        confirmed one (``fallback()`` gives the unconfirmed one here), else ``None`` everywhere."""
+        votes = self.gather_int(finding is not None)
+        if not any(votes):
+            return None
+        return finding if finding is not None else fallback()
+
+    def same_count(self, count: int) -> bool:
+        """Whether every rank has the same ``count`` (micro-batches left to re-run, say)."""
+        return len(set(self.gather_int(count))) == 1
+
+    # ------------------------------------------------------------------ wrapping
+    def wrap_store(self, store: Any) -> "DistributedStore":
+        """The guard's snapshot store, made collective (see :class:`DistributedStore`)."""
+        return DistributedStore(store, self)
+
+    def wrap_replayer(self, replayer: Any, model: torch.nn.Module) -> "_AgreedReplayer":
+        """The guard's replayer, run without DDP collectives and agreed on ``reproducible``."""
+        return _AgreedReplayer(replayer, self, model)
+
+
+def _plan(layout: Layout) -> List[Tuple[int, int, int]]:
+    """``(start, end, rule)`` segments of the packed vector, adjacent equal rules merged."""
+    order = [e for e in layout if not e[3]] + [e for e in layout if e[3]]
+    plan: List[Tuple[int, int, int]] = []
+    pos = 0
+    for name, count, is_bool, _ in order:
+        rule = _MEAN if name == "loss" else _SUM if is_bool or name in _SUMMED else _FIRST
+        if plan and plan[-1][2] == rule and plan[-1][1] == pos:
+            plan[-1] = (plan[-1][0], pos + count, rule)
+        else:
+            plan.append((pos, pos + count, rule))
+        pos += count
+    return plan
+
+
+def _combine(rows: Sequence[List[float]], plan: Sequence[Tuple[int, int, int]]) -> List[float]:
+    """Rank 0's row with: sums where counted, the mean loss, and any rank's non-finite value."""
+    out = list(rows[0])
+    others, world = rows[1:], len(rows)
+    for start, end, rule in plan:
+        if rule == _FIRST:
+            for row in others:
+                if math.isfinite(sum(row[start:end])):  # the usual case: one C-level sum per rank
+                    continue
+                for i in range(start, end):
+                    if not math.isfinite(row[i]) and math.isfinite(out[i]):
+                        out[i] = row[i]
+        elif rule == _SUM:
+            for i in range(start, end):
+                out[i] = sum(row[i] for row in rows)
+        else:  # mean, divided first so that large finite losses cannot overflow the sum
+            for i in range(start, end):
+                out[i] = sum(row[i] / world for row in rows)
+    return out
+
+
+class DistributedStore:
+    """A snapshot store whose every decision is the same on all ranks.
+
+    * ``save``: each rank checks its own state's finiteness; if any rank's is not finite the
+      snapshot is refused everywhere (one collective). A memory store then saves per rank. A
+      safetensors store is written by rank 0 only; the collective that follows is the barrier
+      after which every rank may read the file (a failed write raises on every rank).
+    * ``restore``: every rank restores (a safetensors store: from rank 0's file, the other ranks
+      keeping their own random generators); then all check they restored the same step, and a
+      rank that could not restore makes every rank raise.
+
+    Anything else (``paths()``, ``directory``, ``latest()``...) is the wrapped store's.
+
+    Args:
+        store: a :class:`~safetrain.snapshot.MemoryStore` or :class:`~safetrain.snapshot.SafetensorsStore`.
+        sync: the guard's :class:`DistributedSync`.
+    """
+
+    def __init__(self, store: Any, sync: DistributedSync) -> None:
+        self.inner, self.sync = store, sync
+        self.shared = isinstance(store, SafetensorsStore)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def close(self) -> None:
+        """Close the wrapped store (no collective: a rank may close while others are gone)."""
+        self.inner.close()
+
+    def save(self, state: Any, counters: Any, extra: Any = None, extra_tensors: Any = None) -> Optional[SnapshotInfo]:
+        """Take a snapshot on every rank or on none; see the class docstring."""
+        self.inner._require_open("save")
+        captured = state.capture(counters, extra, extra_tensors)
+        bad = nonfinite((n, captured.tensors[n]) for n in captured.checked)  # host sync: snapshot steps only
+        refused = self.sync.gather_int(len(bad))
+        step = captured.meta["counters"]["step"]
+        if any(refused):
+            where = [r for r, n in enumerate(refused) if n]
+            logger.warning("snapshot refused at step %d: non-finite state on rank(s) %s%s; keeping the previous "
+                           "snapshot", step, where, f" (here: {', '.join(bad[:5])})" if bad else "")
+            return None
+        trusted = Captured(captured.tensors, captured.meta, [])  # already checked, on every rank
+        if not self.shared:
+            return self.inner._save(trusted)
+        info, error = None, None
+        if self.sync.rank == 0:
+            try:
+                info = self.inner._save(trusted)
+            except SnapshotError as exc:
+                error = exc
+        failed = self.sync.gather_int(error is not None)[0]  # the barrier: rank 0's file is complete
+        if error is not None:
+            raise error
+        if failed:
+            raise SnapshotError(f"{self.inner.directory}: rank 0 could not write the snapshot of step {step}; "
+                                "see rank 0's log")
+        if info is None:
+            paths = self.inner.paths()
+            path = paths[-1] if paths else None
+            info = make_info(captured.meta, captured.tensors, path, path or "", copy=lambda n, t: t.clone())
+        return info
+
+    def restore(self, state: Any, older: int = 0) -> SnapshotInfo:
+        """Restore on every rank, and check they all restored the same step; see the class docstring."""
+        info: Optional[SnapshotInfo] = None
+        error: Optional[SnapshotError] = None
+        try:
+            with keep_rng(self.shared and self.sync.rank != 0):
+                info = self.inner.restore(state, older=older)
+        except SnapshotError as exc:
+            error = exc
+        return _agree_restored(self.sync, info, error, "restore")
+
+
+def _agree_restored(sync: DistributedSync, info: Optional[SnapshotInfo], error: Optional[Exception],
+                    what: str) -> SnapshotInfo:
+    steps = sync.gather_int(info.step if info is not None else -1)
+    if error is not None:
+        raise error
+    if -1 in steps:
+        raise SnapshotError(f"{what}: rank(s) {[r for r, s in enumerate(steps) if s == -1]} could not load a "
+                            "snapshot (see their log); every rank stops")
+    if len(set(steps)) != 1:
+        raise SnapshotError(f"{what}: ranks loaded snapshots of different steps {steps}; a safetensors "
+                            "snapshot directory must be shared by every rank")
+    return info  # type: ignore[return-value]  # not None: no error and no rank failed
+
+
+def load_snapshot(path: Any, state: Any) -> SnapshotInfo:
+    """:func:`safetrain.snapshot.load_snapshot` for every rank (resume under ``torchrun``).
+
+    Every rank reads the same file (rank 0's); ranks other than 0 keep their own random
+    generators; then all check they loaded the same step. Without a process group it is
+    exactly :func:`safetrain.snapshot.load_snapshot`.
+
+    Raises:
+        SnapshotError: the file is unusable on some rank (then on every rank), or the ranks
+            loaded different steps (directories not shared).
+    """
+    if not active():
+        return _load_snapshot(path, state)
+    sync = DistributedSync(_device_of(state))
+    info, error = None, None
+    try:
+        with keep_rng(sync.rank != 0):
+            info = _load_snapshot(path, state)
+    except SnapshotError as exc:
+        error = exc
+    return _agree_restored(sync, info, error, f"{os.fspath(path)}: resume")
+
+
+def _device_of(state: Any) -> torch.device:
+    return next((p.device for p in state.model.parameters()), torch.device("cpu"))
+
+
+class _AgreedReplayer:
+    """The guard's replayer, run under :func:`local` and agreed on ``reproducible`` across ranks.
+
+    A rank whose own data was clean replays a finite step: on its own it would call the fault
+    transient and retry while the others take the ladder. Here the fault is reproducible if it
+    reproduced on any rank; an error in some rank's replay is raised on every rank.
+    """
+
+    def __init__(self, inner: Any, sync: DistributedSync, model: torch.nn.Module) -> None:
+        object.__setattr__(self, "_inner", inner)
+        object.__setattr__(self, "_sync", sync)
+        object.__setattr__(self, "_model", model)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._inner, name, value)
+
+    def replay(self, *args: Any, **kwargs: Any) -> Any:
+        """Replay locally, then agree: reproducible if it reproduced on some rank."""
+        diagnosis, error = None, None
+        try:
+            with local(self._model):
+                diagnosis = self._inner.replay(*args, **kwargs)
+        except Exception as exc:  # re-raised below, after every rank has voted
+            error = exc
+        votes = self._sync.gather_int(2 if error is not None else int(bool(diagnosis.reproducible)))
+        if error is not None:
+            raise error
+        if 2 in votes:
+            raise RuntimeError(f"the replay failed on rank(s) {[r for r, v in enumerate(votes) if v == 2]}; "
+                               "see their log")
+        if any(votes) and not diagnosis.reproducible:
+            diagnosis = dataclasses.replace(diagnosis, reproducible=True,
+                                            note=f"reproduced on rank(s) {[r for r, v in enumerate(votes) if v]}")
+        return diagnosis

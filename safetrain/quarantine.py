@@ -1,0 +1,161 @@
+"""Quarantine of bad samples: a sampler that skips them, and ``quarantine.json`` that remembers them.
+
+When a replay isolates the rows that make the loss non-finite, ``fit`` maps them to dataset
+indices through :class:`QuarantineSampler` (which records, in order, the indices it handed to the
+``DataLoader``), writes them to ``<log.dir>/quarantine.json`` (atomically) and the sampler skips
+them in later epochs and after a resume. Users of Lightning, Levanter and Megatron get at best a
+batch index to skip by hand.
+
+Example::
+
+    sampler = QuarantineSampler(torch.utils.data.RandomSampler(dataset))
+    loader = DataLoader(dataset, batch_size=64, sampler=sampler)
+    SafeTrainer(model, opt, cfg, loss_fn=loss_fn).fit(loader, epochs=3)   # bad samples skipped from then on
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections import deque
+from pathlib import Path
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sized, Union
+
+from torch.utils.data import Sampler
+
+from .errors import SafetrainError
+
+__all__ = ["QuarantineSampler", "QuarantineKeeper", "read_quarantine", "write_quarantine"]
+
+
+class QuarantineSampler(Sampler[int]):
+    """Wrap a sampler of dataset indices: skip quarantined ones, remember the order the rest went out.
+
+    Args:
+        sampler: the sampler to wrap (``RandomSampler``, ``SequentialSampler``, ``DistributedSampler``...).
+        quarantined: dataset indices to skip from the start.
+    """
+
+    def __init__(self, sampler: Iterable[int], quarantined: Iterable[int] = ()) -> None:
+        self.sampler = sampler
+        self.quarantined = set(int(i) for i in quarantined)
+        self.skipped = 0  # quarantined indices passed over, over the sampler's life
+        self._issued: deque = deque()
+
+    def __iter__(self) -> Iterator[int]:
+        self._issued.clear()
+        for index in self.sampler:
+            if int(index) in self.quarantined:
+                self.skipped += 1
+                continue
+            self._issued.append(int(index))
+            yield index
+
+    def __len__(self) -> int:
+        return len(self.sampler) if isinstance(self.sampler, Sized) else 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Pass the epoch on to a ``DistributedSampler``-like inner sampler."""
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+    def take(self, n: int) -> List[int]:
+        """The dataset indices of the next batch of ``n`` rows, in the order the loader used them."""
+        return [self._issued.popleft() for _ in range(min(n, len(self._issued)))]
+
+    def add(self, indices: Iterable[int]) -> List[int]:
+        """Quarantine more indices; returns those that were new."""
+        new = sorted(set(int(i) for i in indices) - self.quarantined)
+        self.quarantined.update(new)
+        return new
+
+
+def read_quarantine(path: Union[str, os.PathLike]) -> List[int]:
+    """The dataset indices in a ``quarantine.json`` (an empty list when the file does not exist).
+
+    Raises:
+        SafetrainError: the file is not a quarantine file (names the file and what is wrong).
+    """
+    path = Path(path)
+    if not path.exists():
+        return []
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return [int(i) for i in data["indices"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise SafetrainError(f"{path}: not a quarantine file ({exc}); expected {{\"indices\": [int, ...]}}") from None
+
+
+def write_quarantine(path: Union[str, os.PathLike], indices: Iterable[int], detail: Optional[Dict[str, Any]] = None) -> None:
+    """Write ``{"indices": [...], ...detail}`` atomically (temp file, fsync, rename, fsync the directory)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"indices": sorted(set(int(i) for i in indices)), **(detail or {})}
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-quarantine-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(payload, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+class QuarantineKeeper:
+    """``fit``'s side of the quarantine: batch indices in, isolated samples out to file and journal.
+
+    Args:
+        sampler: the loader's :class:`QuarantineSampler` (``None``: a no-op keeper).
+        run_dir: where ``quarantine.json`` lives (``None``: in memory only); it is read at start.
+        emit: ``emit(action, message, detail)`` journals a ``Quarantined`` event.
+    """
+
+    def __init__(self, sampler: Any, run_dir: Optional[Path], emit: Any) -> None:
+        self.sampler = sampler if isinstance(sampler, QuarantineSampler) else None
+        self.path = run_dir / "quarantine.json" if run_dir is not None else None
+        self.emit = emit
+        self._skipped_seen = 0
+        if self.sampler is not None and self.path is not None:
+            known = self.sampler.add(read_quarantine(self.path))
+            if known:
+                emit("load", f"{len(known)} quarantined samples from {self.path} will be skipped", {"indices": known})
+
+    def indices_for(self, batch: Any) -> Optional[List[int]]:
+        """The dataset indices of ``batch``'s rows, or ``None`` when they are not known."""
+        if self.sampler is None:
+            return None
+        from .detect import iter_tensors
+
+        rows = next((t.shape[0] for _, t in iter_tensors(batch) if t.dim() > 0), 0)
+        return self.sampler.take(rows)
+
+    def after_step(self, events: Iterable[Any]) -> None:
+        """Quarantine the dataset indices a replay isolated in this step's events."""
+        if self.sampler is None:
+            return
+        for event in events:
+            diagnosis = event.detail.get("diagnosis") if event.name == "anomaly" else None
+            indices = (diagnosis or {}).get("dataset_indices") if isinstance(diagnosis, dict) else None
+            new = self.sampler.add(indices or ())
+            if new:
+                if self.path is not None:
+                    write_quarantine(self.path, self.sampler.quarantined)
+                self.emit("add", f"quarantined dataset samples {new}: skipped from the next epoch on",
+                          {"indices": new, "file": str(self.path) if self.path else None})
+
+    def end_epoch(self) -> None:
+        """Journal how many quarantined samples the epoch passed over."""
+        if self.sampler is None:
+            return
+        skipped, self._skipped_seen = self.sampler.skipped - self._skipped_seen, self.sampler.skipped
+        if skipped:
+            self.emit("skip", f"skipped {skipped} quarantined samples this epoch",
+                      {"skipped": skipped, "quarantined": sorted(self.sampler.quarantined)})

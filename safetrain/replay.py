@@ -1,0 +1,305 @@
+"""Diagnosis by replay: re-run a tripped step from its pre-step state, slowly, to explain it.
+
+Nothing here runs on a healthy step except :meth:`Replayer.begin_step`, which keeps a reference
+to the RNG state the step starts from. When a step trips, :meth:`Replayer.replay` runs the same
+micro-batches again with the same parameters, RNG streams (dropout masks identical) and autocast
+settings, with
+
+* exact hooks on every module (the first module, in execution order, with a non-finite output),
+* a dispatch mode that names the first op whose output is non-finite from finite inputs (say
+  ``aten.log``) with the user's line that called it (so a ``log(0)`` inside a loss is found),
+* ``torch.autograd.detect_anomaly(check_nan=True)`` for the backward (the autograd node, such as
+  ``LogBackward0``, and the forward traceback that created it),
+
+then tells a **reproducible** fault from a **transient** one (the replay is finite) and, when the
+loss is per-sample separable, bisects the batch to the rows that make it non-finite. The replay
+leaves training exactly as it was: gradients, buffers, the model's mode and every RNG stream
+are put back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import re
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .detect import ActivationMonitor, drop_rows, iter_tensors
+from .events import jsonable
+
+__all__ = ["Diagnosis", "Replayer", "first_nonfinite_op"]
+
+logger = logging.getLogger("safetrain")
+_LIBS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)), "<frozen ", "/contextlib.py")
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """What a replay found.
+
+    Attributes:
+        reproducible: the replay was non-finite again (``False``: a transient fault).
+        module: the first module (qualified name) whose output was non-finite, ``None`` if none.
+        module_type: its class name.
+        call_index: which call of that module.
+        op: the first op whose output was non-finite from finite inputs (``aten.log.default``).
+        op_line: the user's ``file:line in function`` that called it.
+        backward_node: the autograd node anomaly mode named (``LogBackward0``), if any.
+        nonfinite_grads: parameters whose gradient was non-finite in the replay.
+        traceback: the forward traceback of that node, trimmed to the user's frames.
+        bad_rows: positions in the batch whose loss is non-finite (bisection), in order.
+        dataset_indices: the dataset indices of those rows, when known.
+        forward_passes: forward passes the bisection used.
+        seconds: time the replay took.
+        note: why something is missing (budget, time limit, not separable...).
+    """
+
+    reproducible: bool
+    module: Optional[str] = None
+    module_type: Optional[str] = None
+    call_index: Optional[int] = None
+    op: Optional[str] = None
+    op_line: Optional[str] = None
+    backward_node: Optional[str] = None
+    nonfinite_grads: Tuple[str, ...] = ()
+    traceback: Tuple[str, ...] = ()
+    bad_rows: Tuple[int, ...] = ()
+    dataset_indices: Tuple[int, ...] = ()
+    forward_passes: int = 0
+    seconds: float = 0.0
+    note: str = ""
+
+    def to_dict(self) -> Dict[str, Any]:
+        """JSON-ready form for the journal."""
+        return jsonable({k: getattr(self, k) for k in self.__dataclass_fields__})
+
+    def describe(self) -> str:
+        """One line: where it started and whether it reproduces."""
+        if not self.reproducible:
+            return "transient: the replay from the same state was finite"
+        parts = []
+        if self.module is not None:
+            parts.append(f"first non-finite output in module '{self.module or '<root>'}' ({self.module_type})")
+        if self.op is not None:
+            parts.append(f"op {self.op} at {self.op_line}")
+        if self.backward_node is not None:
+            parts.append(f"backward {self.backward_node}")
+        if self.nonfinite_grads:
+            parts.append(f"non-finite gradients in {', '.join(self.nonfinite_grads[:5])}")
+        if self.bad_rows:
+            parts.append(f"bad rows {list(self.bad_rows)} ({self.forward_passes} forward passes)")
+        return "reproducible: " + ("; ".join(parts) or "non-finite again")
+
+
+def _user_frames(stack: Sequence[traceback.FrameSummary]) -> List[str]:
+    return [f"{f.filename}:{f.lineno} in {f.name}" for f in stack if not f.filename.startswith(_LIBS)]
+
+
+def _nonfinite(tensors: Sequence[Any]) -> bool:
+    floats = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+    return any(not bool(torch.isfinite(t).all()) for t in floats)  # host sync: replay only
+
+
+class first_nonfinite_op(TorchDispatchMode):
+    """A dispatch mode that records the first op whose output is non-finite while its inputs are finite.
+
+    Slow (a host read per op): for replays only. After the ``with`` block, :attr:`op` is the op's
+    name (``"aten.log.default"``) and :attr:`line` the innermost user frame that called it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.op: Optional[str] = None
+        self.line: Optional[str] = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.op is None:
+            outs, _ = tree_flatten(out)
+            if _nonfinite(outs):
+                ins, _ = tree_flatten((args, kwargs or {}))
+                if not _nonfinite(ins):
+                    self.op = str(func)
+                    frames = _user_frames(traceback.extract_stack()[:-1])
+                    self.line = frames[-1] if frames else None
+        return out
+
+
+class Replayer:
+    """Replays tripped steps under a budget (``detect.replay``) and isolates bad samples.
+
+    Args:
+        model: the model (its buffers and mode are put back after each replay).
+        monitor: the guard's :class:`ActivationMonitor` (its exact ``inspect`` hooks are used).
+        cfg: the ``detect.replay`` section: ``enabled``, ``max_per_run``, ``time_limit_s``.
+        loss_of: ``loss_of(batch) -> loss``: the guard's forward and loss for one micro-batch.
+        autocast: a zero-argument callable returning the step's autocast context.
+    """
+
+    def __init__(self, model: torch.nn.Module, monitor: ActivationMonitor, cfg: Any,
+                 loss_of: Callable[[Any], torch.Tensor], autocast: Callable[[], Any]) -> None:
+        self.model, self.monitor, self.cfg = model, monitor, cfg
+        self.loss_of, self.autocast = loss_of, autocast
+        self.used = 0
+        self._rng: Optional[Tuple[torch.Tensor, List[torch.Tensor]]] = None
+        self._cuda = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
+
+    @property
+    def enabled(self) -> bool:
+        """Replays are on and the budget is not spent."""
+        return bool(self.cfg.enabled) and self.used < self.cfg.max_per_run
+
+    def begin_step(self) -> None:
+        """Keep the RNG state this step starts from (a host-side copy, no device sync)."""
+        if self.cfg.enabled:
+            cuda = torch.cuda.get_rng_state_all() if self._cuda else []
+            self._rng = (torch.get_rng_state(), cuda)
+
+    @contextlib.contextmanager
+    def _as_before(self) -> Iterator[None]:
+        """Run from the step's starting RNG; put RNG, gradients, buffers and mode back afterwards."""
+        params = [p for p in self.model.parameters()]
+        grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
+        training = self.model.training
+        devices = list(range(torch.cuda.device_count())) if self._cuda else []
+        with torch.random.fork_rng(devices=devices):
+            if self._rng is not None:
+                torch.set_rng_state(self._rng[0])
+                if self._cuda:
+                    torch.cuda.set_rng_state_all(self._rng[1])
+            try:
+                yield
+            finally:
+                self.model.train(training)
+                for p, g in zip(params, grads):
+                    p.grad = g
+
+    def replay(self, micro: Sequence[Any], indices: Optional[Sequence[Sequence[int]]] = None) -> Diagnosis:
+        """Re-run the tripped step and explain it.
+
+        Args:
+            micro: the micro-batches of the step, as the forward saw them.
+            indices: for each micro-batch, the dataset index of each row, when known.
+
+        Returns:
+            A :class:`Diagnosis`.
+        """
+        self.used += 1
+        started = time.perf_counter()
+        found: Dict[str, Any] = {}
+        with self._as_before():
+            for k, batch in enumerate(micro):
+                self.model.zero_grad(set_to_none=True)
+                # The backward runs inside inspect(): BatchNorm saves its running statistics for
+                # the backward, so they are put back only after it.
+                with self.monitor.inspect() as seen:
+                    with first_nonfinite_op() as op_mode, self.autocast():
+                        loss = self.loss_of(batch)
+                    loss_bad = not math.isfinite(float(loss.detach().float()))  # host sync: replay only
+                    node, frames = self._backward(loss)
+                grads = [n for n, p in self.model.named_parameters()
+                         if p.grad is not None and _nonfinite([p.grad])]
+                if seen.finding is not None or op_mode.op is not None or loss_bad or node is not None or grads:
+                    f = seen.finding
+                    found = dict(module=f.module if f else None, module_type=f.module_type if f else None,
+                                 call_index=f.call_index if f else None, op=op_mode.op, op_line=op_mode.line,
+                                 backward_node=node, traceback=tuple(frames), nonfinite_grads=tuple(grads),
+                                 micro=k, loss_bad=loss_bad)
+                    break
+        if not found:
+            return Diagnosis(reproducible=False, seconds=time.perf_counter() - started)
+        rows: Tuple[int, ...] = ()
+        passes, note = 0, ""
+        k = found.pop("micro")
+        if found.pop("loss_bad"):
+            rows, passes, note = self._bisect(micro[k], started)
+        dataset = tuple(indices[k][r] for r in rows) if indices and k < len(indices) and indices[k] else ()
+        return Diagnosis(reproducible=True, bad_rows=rows, dataset_indices=dataset, forward_passes=passes,
+                         seconds=time.perf_counter() - started, note=note, **found)
+
+    def _backward(self, loss: torch.Tensor) -> Tuple[Optional[str], List[str]]:
+        if not loss.requires_grad:
+            return None, []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with torch.autograd.detect_anomaly(check_nan=True):
+                    loss.backward()
+            except RuntimeError as exc:
+                match = re.search(r"Function '(\w+)' returned nan", str(exc))
+                if match is None:
+                    raise
+                frames: List[str] = []
+                for w in caught:
+                    text = str(w.message)
+                    if "Traceback of forward call" in text:
+                        lines = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', text)
+                        frames = [f"{f}:{n} in {fn}" for f, n, fn in lines if not f.startswith(_LIBS)]
+                return match.group(1), frames
+        return None, []
+
+    def _bisect(self, batch: Any, started: float) -> Tuple[Tuple[int, ...], int, str]:
+        """Group-test the rows of ``batch``: which ones make the loss non-finite (eval mode, no grad)."""
+        size = next((t.shape[0] for _, t in iter_tensors(batch) if t.dim() > 0), None)
+        if size is None or size < 2:
+            return (), 0, "batch has no row dimension to bisect"
+        passes = 0
+        deadline = started + self.cfg.time_limit_s
+
+        def bad(rows: Sequence[int]) -> bool:
+            nonlocal passes
+            passes += 1
+            keep = set(rows)
+            subset = drop_rows(batch, [i for i in range(size) if i not in keep], batch_size=size)
+            with torch.no_grad(), self.autocast():
+                return not math.isfinite(float(self.loss_of(subset).float()))  # host sync: replay only
+
+        def find_one(rows: List[int], unknown: List[int]) -> int:
+            """Binary search in a group known to be bad; untested halves go to ``unknown``."""
+            while len(rows) > 1:
+                if time.perf_counter() > deadline:
+                    raise TimeoutError
+                left, right = rows[: len(rows) // 2], rows[len(rows) // 2:]
+                if bad(left):
+                    unknown.extend(right)  # may hold more bad rows: not tested yet
+                    rows = left
+                else:
+                    rows = right  # the group is bad and its left half is not: no pass needed
+            return rows[0]
+
+        def search() -> List[int]:
+            found: List[int] = []
+            group = list(range(size))
+            # One bad row at a time (log2 B passes each), then one pass over every row not yet
+            # cleared: about (d + 1) log2 B passes for d bad rows, and a single pass for none.
+            while group and bad(group):
+                unknown: List[int] = []
+                found.append(find_one(group, unknown))
+                group = sorted(unknown)
+            return sorted(found)
+
+        # Eval mode: rows must not mix through BatchNorm batch statistics, dropout is off, and no
+        # buffer moves. The mode is put back by _as_before's caller.
+        training = self.model.training
+        self.model.eval()
+        try:
+            rows = search()
+        except TimeoutError:
+            return (), passes, f"bisection stopped at detect.replay.time_limit_s={self.cfg.time_limit_s}"
+        except Exception as exc:  # a model that cannot run on a subset of rows
+            return (), passes, f"bisection not possible: {type(exc).__name__}: {exc}"
+        finally:
+            self.model.train(training)
+        if not rows:
+            return (), passes, "the loss is not per-sample separable: no subset of rows is non-finite alone"
+        return tuple(rows), passes, ""

@@ -1,0 +1,191 @@
+"""Diagnosis by replay: the layer, the op and line, transient or reproducible, the bad rows."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from safetrain import SafeTrainer, load_config
+from safetrain.guard import Guard
+from tests.conftest import FaultAt, finite_params, loader, mlp, regression_data
+
+LAZY = ["log.progress=false", "detect.mode=lazy", "snapshot.every=1000", "recovery.max_retries=9"]
+
+
+class CNN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+            torch.nn.Dropout(0.2), torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        )
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.features(x).mean((2, 3)))
+
+
+class Encoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.encoder(x).mean(1))
+
+
+MODELS = {
+    # name: (factory, input shape, name of the layer to poison)
+    "mlp": (lambda: torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16),
+                                        torch.nn.ReLU(), torch.nn.Linear(16, 3)), (8,), "2"),
+    "cnn": (CNN, (3, 8, 8), "features.4"),
+    "transformer": (Encoder, (5, 16), "encoder.layers.1.linear1"),
+}
+
+
+def classification(shape, n=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, *shape, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(n // 8)]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_lazy_mode_names_the_poisoned_layer_by_replay(name):
+    factory, shape, target = MODELS[name]
+    torch.manual_seed(0)
+    model = factory()
+    FaultAt(model.get_submodule(target), calls=range(3, 10_000))  # deterministic from the 3rd call on
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    cfg = load_config(None, [*LAZY, "recovery.actions.forward=skip_batch", "recovery.actions.loss=skip_batch",
+                             "recovery.escalate=[skip_batch]"])
+    result = SafeTrainer(model, opt, cfg, loss_fn=F.cross_entropy).fit(classification(shape), epochs=1)
+    event = next(e for e in result.events if e.name == "anomaly")
+    assert event.kind == "loss", "lazy mode has no hooks: the loss trips first"
+    diagnosis = event.detail["diagnosis"]
+    assert diagnosis["reproducible"] is True
+    assert diagnosis["module"] == target, diagnosis
+    assert finite_params(model)
+
+
+def test_log_of_zero_in_the_loss_names_the_op_and_the_user_line():
+    def risky_loss(out, target):
+        probs = torch.softmax(out, dim=1) * (target != 2).float().unsqueeze(1)  # a class whose probs are zeroed
+        return -torch.log(probs.gather(1, target.unsqueeze(1))).mean()  # log(0) for class 2
+
+    torch.manual_seed(0)
+    model = mlp(d=8, hidden=16)
+    model[2] = torch.nn.Linear(16, 3)
+    batches = [(torch.randn(8, 8), torch.tensor([0, 1, 0, 1, 0, 1, 0, 1]))] * 2
+    batches.insert(1, (torch.randn(8, 8), torch.tensor([0, 1, 2, 1, 0, 1, 0, 1])))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    result = SafeTrainer(model, opt, load_config(None, LAZY), loss_fn=risky_loss).fit(batches)
+    event = next(e for e in result.events if e.name == "anomaly")
+    d = event.detail["diagnosis"]
+    assert d["reproducible"] and d["op"] == "aten.log.default", d
+    assert d["op_line"].endswith("in risky_loss") and "test_replay.py" in d["op_line"], d
+    assert d["bad_rows"] == [2], "bisection finds the row with target 2"
+
+
+def test_one_call_fault_is_transient_and_deterministic_fault_reproducible():
+    transient = mlp()
+    FaultAt(transient[1], calls=[4])
+    persistent = mlp()
+    FaultAt(persistent[1], calls=range(4, 10_000))
+    verdicts = {}
+    for name, model in (("transient", transient), ("persistent", persistent)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.02)
+        cfg = load_config(None, [*LAZY, "recovery.max_retries=1"])
+        try:
+            result = SafeTrainer(model, opt, cfg, loss_fn=F.mse_loss).fit(loader(regression_data()), max_steps=8)
+            events = result.events
+        except Exception as exc:  # the persistent one aborts
+            events = exc.result.events  # type: ignore[attr-defined]
+        first = next(e for e in events if e.name == "anomaly")
+        verdicts[name] = (first.action, first.detail["diagnosis"]["reproducible"])
+    assert verdicts == {"transient": ("retry", False), "persistent": ("skip_batch", True)}
+
+
+def test_bisection_finds_exactly_the_poisoned_rows_and_counts_passes():
+    torch.manual_seed(0)
+    model = mlp()
+    x, y = regression_data(n=64).tensors
+    y = y.clone()
+    y[5] = 3e38  # finite targets whose squared error overflows: the sanitizer cannot see them
+    y[41] = -3e38
+    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    result = SafeTrainer(model, opt, load_config(None, LAZY), loss_fn=F.mse_loss).fit([(x, y)])
+    d = next(e for e in result.events if e.name == "anomaly").detail["diagnosis"]
+    assert d["bad_rows"] == [5, 41]
+    # (d + 1) log2 B for d = 2 bad rows, the last pass confirming that no third one is left.
+    assert 0 < d["forward_passes"] <= 2 * math.log2(64) + 3, d["forward_passes"]
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_replay_leaves_training_bitwise_unchanged(mode):
+    def run(replay_at):
+        torch.manual_seed(3)
+        model = CNN()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        cfg = load_config(None, ["log.progress=false", f"detect.mode={mode}", "guard.accumulate_steps=2"])
+        data = classification((3, 8, 8), n=48, seed=1)
+        diagnoses = []
+        with Guard(model, opt, cfg, loss_fn=F.cross_entropy) as guard:
+            for i, batch in enumerate(data):
+                guard.step(batch)
+                if i == replay_at:  # between the two micro-batches of a healthy step
+                    diagnoses.append(guard.diagnose())
+        return model, torch.get_rng_state(), diagnoses
+
+    plain_model, plain_rng, _ = run(replay_at=-1)
+    model, rng, diagnoses = run(replay_at=2)
+    assert diagnoses and diagnoses[0].reproducible is False, "a healthy step replays finite"
+    for (name, a), b in zip(plain_model.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert torch.equal(plain_rng, rng)
+
+
+def test_replay_budget_is_respected():
+    model = mlp()
+    FaultAt(model[1], calls=range(2, 10_000))
+    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    cfg = load_config(None, [*LAZY, "detect.replay.max_per_run=2", "recovery.escalate=[skip_batch]",
+                             "recovery.max_skip_fraction=1.0"])
+    result = SafeTrainer(model, opt, cfg, loss_fn=F.mse_loss).fit(loader(regression_data()), max_steps=6)
+    replays = [e for e in result.events if e.name == "anomaly" and "diagnosis" in e.detail]
+    assert len(replays) == 2
+
+
+def test_isolated_samples_are_quarantined_and_skipped_in_later_epochs_and_after_resume(tmp_path):
+    from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+
+    from safetrain.quarantine import QuarantineSampler, read_quarantine
+
+    x, y = regression_data(n=64).tensors
+    y = y.clone()
+    y[13] = 3e38  # finite, but its squared error overflows: only a replay can find it
+
+    def run(epochs, resume=None):
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.02)
+        sampler = QuarantineSampler(RandomSampler(TensorDataset(x, y), generator=torch.Generator().manual_seed(0)))
+        data = DataLoader(TensorDataset(x, y), batch_size=16, sampler=sampler)
+        cfg = load_config(None, [*LAZY, f"log.dir={tmp_path}"])
+        return SafeTrainer(model, opt, cfg, loss_fn=F.mse_loss).fit(data, epochs=epochs, resume=resume), model
+
+    result, model = run(epochs=3)
+    anomaly = next(e for e in result.events if e.name == "anomaly")
+    assert anomaly.detail["diagnosis"]["dataset_indices"] == [13]
+    q = [(e.action, e.detail) for e in result.events if e.name == "quarantine"]
+    assert q[0] == ("add", {"indices": [13], "file": str(tmp_path / "quarantine.json")})
+    assert [a for a, _ in q[1:]] == ["skip", "skip"], "epochs 2 and 3 pass over sample 13"
+    assert read_quarantine(tmp_path / "quarantine.json") == [13]
+    assert sum(1 for e in result.events if e.name == "anomaly") == 1, "no trip after the quarantine"
+    assert finite_params(model)
+
+    again, _ = run(epochs=1)  # a new run in the same directory starts with the quarantine
+    kinds = [(e.name, e.action) for e in again.events if e.name in ("quarantine", "anomaly")]
+    assert kinds == [("quarantine", "load"), ("quarantine", "skip")]
