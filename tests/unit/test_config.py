@@ -194,3 +194,12 @@ def test_bare_off_in_yaml_means_the_choice_off(tmp_path):
     assert load_config(None, ["log.progress=off"]).log.progress is False, "a boolean field keeps YAML's meaning"
     with pytest.raises(ConfigError, match=r"log\.level: got False; expected one of 'DEBUG'"):
         load_config(None, ["log.level=off"])
+
+
+def test_readme_reference_lists_every_key_with_its_default():
+    readme = (CONFIGS.parent / "README.md").read_text()
+    for dotted, f, value in iter_fields(TrainConfig()):
+        if dataclasses.is_dataclass(value) or isinstance(value, dict):
+            continue
+        default = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+        assert f"| `{dotted}` | `{default}` |" in readme, f"README's configuration reference lacks {dotted}"
