@@ -5,6 +5,8 @@ Run: python examples/quickstart.py
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -21,7 +23,8 @@ def main() -> None:
 
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    cfg = load_config("configs/default.yaml", ["log.progress=false"])
+    configs = Path(__file__).resolve().parent.parent / "configs"
+    cfg = load_config(configs / "default.yaml", ["log.progress=false"])
     trainer = SafeTrainer(model, optimizer, cfg, loss_fn=F.cross_entropy)
     result = trainer.fit(loader, epochs=3)
 
