@@ -34,6 +34,8 @@ __all__ = [
     "FitResult",
     "Guard",
     "StepResult",
+    "QuarantineSampler",
+    "Diagnosis",
     "TrainConfig",
     "load_config",
     "as_config",
@@ -61,7 +63,14 @@ __all__ = [
 logging.getLogger("safetrain").addHandler(logging.NullHandler())
 
 # The engine is imported on first use, so that `import safetrain` (configs, numerics) stays light.
-_LAZY = {"SafeTrainer": ".trainer", "FitResult": ".trainer", "Guard": ".guard", "StepResult": ".guard"}
+_LAZY = {
+    "SafeTrainer": ".trainer",
+    "FitResult": ".trainer",
+    "Guard": ".guard",
+    "StepResult": ".guard",
+    "QuarantineSampler": ".quarantine",
+    "Diagnosis": ".replay",
+}
 
 
 def __getattr__(name: str) -> object:
