@@ -186,3 +186,33 @@ def test_bad_batch_types_and_losses_are_clear_errors():
 def test_bf16_trains_without_scaler():
     result, model, _ = fit(["amp.dtype=bfloat16"], epochs=1)
     assert result.healthy_steps == result.steps == 16 and result.scaler_skips == 0 and finite_params(model)
+
+
+def test_grad_norm_threshold_names_parameters_and_skip_after_restore_skips_data():
+    def poison(model, opt):
+        calls = {"n": 0}
+
+        def hook(grad):
+            calls["n"] += 1
+            return grad * 1e4 if calls["n"] == 6 else grad  # grad_norm is a finite outlier: no replay
+
+        model[0].weight.register_hook(hook)
+
+    result, model, _ = fit(["guard.grad_norm_threshold=50", "recovery.actions.grad_norm=restore",
+                            "recovery.skip_batches_after_restore=2"], setup=poison, epochs=1)
+    event = next(e for e in result.events if e.kind == "grad_norm")
+    assert event.action == "restore"
+    finding = event.detail["finding"]
+    assert finding["above_threshold"] == ["0.weight"] and finding["norms"]["0.weight"] > 50
+    skipped = [e for e in result.events if e.name == "restored" and e.action == "skip_batch"]
+    assert len(skipped) == 2, "the two batches after the restore are skipped (PaLM recipe)"
+    assert result.skipped_batches == 3 and result.restores == 1 and finite_params(model)
+
+
+def test_lr_scale_climbs_back_after_healthy_steps():
+    data = PoisonRows(regression_data(), indices=[9], where="targets", value=math.inf)
+    result, _, opt = fit(["sanitize.targets=off", "recovery.actions.loss=scale_lr", "recovery.lr_restore_after=5"],
+                         dataset=data, epochs=1)
+    changes = [e.detail["scale"] for e in result.events if e.name == "lr_changed"]
+    assert changes == [0.5, 1.0]
+    assert result.lr_scale == 1.0 and opt.param_groups[0]["lr"] == pytest.approx(0.02)
