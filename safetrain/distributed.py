@@ -1,7 +1,7 @@
 """Data parallel training: every rank detects together, decides together, restores together.
 
-Under an initialized process group with more than one rank, the guard builds a
-:class:`DistributedSync` once, at construction, and everything below follows from it:
+Under an initialized process group with more than one rank and a ``DistributedDataParallel``
+model, the guard builds a :class:`DistributedSync` once, at construction; all below follows:
 
 * **One collective inside the one sync.** :meth:`DistributedSync.reduce` is the
   :class:`~safetrain.detect.StepFlags` hook: one ``all_gather`` of the packed step vector, one
@@ -126,13 +126,25 @@ class DistributedSync:
         self._layout: Tuple[Any, ...] = ()
 
     @classmethod
-    def from_environment(cls, device: torch.device, group: Any = None) -> Optional["DistributedSync"]:
-        """A sync for ``group`` when it is initialized with more than one rank, else ``None``."""
-        return cls(device, group) if active(group) else None
+    def from_environment(cls, device: torch.device, model: Optional[torch.nn.Module] = None,
+                         group: Any = None) -> Optional["DistributedSync"]:
+        """A sync when ``group`` has more than one rank and ``model`` is DDP-wrapped, else ``None``.
+
+        A model that is not ``DistributedDataParallel`` in a process group (model or pipeline
+        parallel, FSDP, independent runs) keeps per-rank decisions: its ranks' flag layouts need
+        not match, and FSDP's sharded gradient norms need other rules (see the README).
+        """
+        if not active(group):
+            return None
+        if model is not None and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            logger.info("process group of %d ranks, but the model is not DistributedDataParallel: "
+                        "each rank decides on its own flags", dist.get_world_size(group))
+            return None
+        return cls(device, group)
 
     # ------------------------------------------------------------------ the step's one read
     def reduce(self, packed: Tensor, layout: Layout) -> List[float]:
-        """Gather every rank's packed step vector and combine it on the host (a :data:`~safetrain.detect.flags.Reduce`).
+        """Gather every rank's packed step vector, combine on the host (a :data:`~.detect.flags.Reduce`).
 
         Every rank must put the same layout (same model, detectors and batch structure): the
         vectors are gathered position by position.
@@ -148,6 +160,8 @@ class DistributedSync:
         key = tuple(layout)
         plan = self._plans.get(key)
         if plan is None:
+            if len(self._plans) > 64:  # layouts that keep changing: do not grow without bound
+                self._plans.clear()
             plan = self._plans[key] = _plan(layout)
         self._rows, self._layout = rows, key
         return _combine(rows, plan)
@@ -167,10 +181,6 @@ class DistributedSync:
         out = torch.empty(self.world, dtype=torch.float64, device=self.device)
         self._gather(out, mine, group=self.group)
         return [int(v) for v in out.tolist()]  # host sync: slow path only
-
-    def any(self, flag: bool) -> bool:
-        """Whether ``flag`` is true on some rank (one small collective; slow path only)."""
-        return any(self.gather_int(int(bool(flag))))
 
     def agree_finding(self, finding: Any, fallback: Callable[[], Any]) -> Any:
         """After a per-rank confirmation (an exact re-run): a finding on every rank if some rank
@@ -253,6 +263,8 @@ class DistributedStore:
         self.shared = isinstance(store, SafetensorsStore)
 
     def __getattr__(self, name: str) -> Any:
+        if name == "inner":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     def __len__(self) -> int:
@@ -325,14 +337,14 @@ def load_snapshot(path: Any, state: Any) -> SnapshotInfo:
     """:func:`safetrain.snapshot.load_snapshot` for every rank (resume under ``torchrun``).
 
     Every rank reads the same file (rank 0's); ranks other than 0 keep their own random
-    generators; then all check they loaded the same step. Without a process group it is
-    exactly :func:`safetrain.snapshot.load_snapshot`.
+    generators; then all check they loaded the same step. Without a process group (or for a
+    model that is not DDP-wrapped) it is exactly :func:`safetrain.snapshot.load_snapshot`.
 
     Raises:
         SnapshotError: the file is unusable on some rank (then on every rank), or the ranks
             loaded different steps (directories not shared).
     """
-    if not active():
+    if not active() or not isinstance(state.model, torch.nn.parallel.DistributedDataParallel):
         return _load_snapshot(path, state)
     sync = DistributedSync(_device_of(state))
     info, error = None, None
@@ -362,6 +374,8 @@ class _AgreedReplayer:
         object.__setattr__(self, "_model", model)
 
     def __getattr__(self, name: str) -> Any:
+        if name == "_inner":
+            raise AttributeError(name)
         return getattr(self._inner, name)
 
     def __setattr__(self, name: str, value: Any) -> None:

@@ -186,8 +186,8 @@ class Guard:
         self.last_grad_norm = math.nan
         # Distributed (a process group of > 1 rank): the one read combines every rank's flags with
         # one collective, and snapshots and replays agree across ranks. None: one process, no cost.
-        self._dist = distributed.DistributedSync.from_environment(self.device)
-        self.rank = 0 if self._dist is None else self._dist.rank
+        self._dist = distributed.DistributedSync.from_environment(self.device, model)
+        self.rank = distributed.rank()  # stamped on every event
         if self._dist is not None:
             self._flags = detect.StepFlags(reduce=self._dist.reduce)
             self.store = self._dist.wrap_store(self.store)

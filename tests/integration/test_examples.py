@@ -24,7 +24,8 @@ def run_example(name: str, *args: str, timeout: float = 120) -> str:
 
 
 def test_every_example_is_tested():
-    tested = {"quickstart.py", "custom_loop.py", "mixed_precision.py", "resume.py", "huggingface_style.py"}
+    tested = {"quickstart.py", "custom_loop.py", "mixed_precision.py", "resume.py", "huggingface_style.py",
+              "ddp.py"}  # ddp.py: tests/integration/test_ddp.py (under torchrun)
     assert {p.name for p in (ROOT / "examples").glob("*.py")} <= tested
 
 

@@ -1,0 +1,320 @@
+"""DDP on 2 gloo ranks: every rank detects together, decides together, restores together.
+
+The scenarios run once, in ONE subprocess that spawns 2 ranks (a hang fails on the timeout
+instead of blocking CI); each test asserts on its part of the ranks' JSON results. A fault
+is injected on rank 1 only; rank 0's data stays clean. The host-side combination rules are
+tested directly, without processes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import hashlib
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable, Dict, List
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 120  # seconds for all scenarios together; they take ~10 s
+MARK = 1e31  # a finite input value that the model's Spike layer turns into +inf (loss stays finite)
+
+
+# ----------------------------------------------------------------------------- the ranks' side
+
+
+class Spike(torch.nn.Module):
+    """+inf where the input is above 1e30: a data-dependent fault that the loss does not show."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.where(x > 1e30, 1e10, 1.0)  # only a marked value overflows
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(Spike(), torch.nn.Tanh(), torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    return torch.nn.parallel.DistributedDataParallel(net)
+
+
+def _batches(rank: int, n: int, poison: Callable[[int, torch.Tensor], None]) -> List[Any]:
+    g = torch.Generator().manual_seed(100 + rank)
+    out = []
+    for step in range(1, n + 1):
+        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+        if rank == 1:
+            poison(step, x)
+        out.append((x, y))
+    return out
+
+
+def _digest(model: torch.nn.Module) -> str:
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+
+
+def _run(rank: int, overrides: List[str], poison: Callable[[int, torch.Tensor], None], steps: int = 10,
+         after: Callable[[Any], Dict[str, Any]] = lambda guard: {}) -> Dict[str, Any]:
+    import torch.nn.functional as F
+
+    from safetrain import TrainingAborted, load_config
+    from safetrain.detect import count_host_syncs
+    from safetrain.guard import Guard
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    cfg = load_config(None, ["log.progress=false", "snapshot.every=3", *overrides])
+    out: Dict[str, Any] = {"steps": [], "anomalies": [], "restored": [], "aborted_at": None}
+    with Guard(model, opt, cfg, loss_fn=F.mse_loss) as guard:
+        guard.bus.subscribe(lambda e: out["anomalies"].append([e.step, e.kind, e.action, e.rank,
+                                                               e.detail.get("ranks")]) if e.name == "anomaly" else None)
+        guard.bus.subscribe(lambda e: out["restored"].append([e.step, e.detail.get("snapshot_step"),
+                                                              e.detail.get("path")]) if e.name == "restored" else None)
+        guard.begin_epoch(0)
+        try:
+            for i, batch in enumerate(_batches(rank, steps, poison)):
+                with count_host_syncs() as syncs:
+                    result = guard.step(batch)
+                snap = any(e.name == "snapshot" for e in result.events)
+                out["steps"].append([result.step, result.trained, result.action, syncs.count, snap])
+        except TrainingAborted:
+            out["aborted_at"] = guard.counters.steps
+        out.update(after(guard))
+    out["digest"] = _digest(model)
+    out["finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return out
+
+
+def _skip(rank: int, tmp: str) -> Dict[str, Any]:
+    def poison(step: int, x: torch.Tensor) -> None:
+        if step == 4:
+            x[2, 1] = math.nan  # a NaN input on rank 1 -> both skip (sanitize.inputs=skip_batch)
+        if step == 7:
+            x[5, 0] = MARK  # an inf activation on rank 1, finite loss -> confirmed by a re-run -> both skip
+
+    return _run(rank, ["sanitize.inputs=skip_batch"], poison)
+
+
+def _drop(rank: int, tmp: str) -> Dict[str, Any]:
+    def poison(step: int, x: torch.Tensor) -> None:
+        if step == 3:
+            x[1, 0] = math.nan  # drop_rows: rank 1 drops a row, rank 0 none; both re-run the step
+        if step == 5:
+            x[:, 0] = math.nan  # every row of rank 1 is bad: nothing to re-run there, so both skip
+
+    return _run(rank, [], poison, steps=6)
+
+
+def _restore(rank: int, tmp: str) -> Dict[str, Any]:
+    def poison(step: int, x: torch.Tensor) -> None:
+        if step == 8:
+            x[0, 3] = MARK
+
+    def after(guard: Any) -> Dict[str, Any]:
+        torch.rand(1)  # move the generator on from where the snapshot saw it
+        before = torch.get_rng_state().clone()
+        info = guard.store.restore(guard.state)  # once more, from rank 0's newest file
+        return {"rng_kept": torch.equal(before, torch.get_rng_state()), "final_restore": [info.step, info.path],
+                "files": sorted(os.listdir(os.path.join(tmp, "snaps")))}
+
+    return _run(rank, ["snapshot.store=safetensors", f"snapshot.dir={tmp}/snaps", "recovery.actions.forward=restore"],
+                poison, after=after)
+
+
+def _abort(rank: int, tmp: str) -> Dict[str, Any]:
+    def poison(step: int, x: torch.Tensor) -> None:
+        if step >= 3:
+            x[0, 0] = MARK  # a persistent fault on rank 1: the ladder climbs to abort
+
+    return _run(rank, ["recovery.max_retries=2"], poison)
+
+
+SCENARIOS = {"skip": _skip, "drop": _drop, "restore": _restore, "abort": _abort}
+
+
+def _worker(rank: int, world: int, tmp: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    results: Dict[str, Any] = {}
+    for name, scenario in SCENARIOS.items():
+        results[name] = scenario(rank, tmp)
+    from safetrain.guard import Guard
+
+    plain = torch.nn.Linear(4, 1)  # not DDP: each rank keeps deciding on its own flags
+    with Guard(plain, torch.optim.SGD(plain.parameters(), lr=0.1)) as guard:
+        results["plain_model_is_local"] = guard._dist is None and guard.rank == rank
+    with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    gc.collect()  # free the DDP models (they hold the process group) before the group is destroyed
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- the test's side
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: Any) -> List[Dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("ddp")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.setdefault("GOMP_SPINCOUNT", "10000")
+    proc = subprocess.Popen([sys.executable, __file__, str(tmp)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # the whole session: the launcher and both ranks
+        log, _ = proc.communicate()
+        pytest.fail(f"the 2-rank run hung for {TIMEOUT} s:\n{log[-4000:]}")
+    assert proc.returncode == 0, log[-4000:]
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _torchrun(*args: str) -> str:
+    """Run examples/ddp.py on 2 ranks under torchrun, killed (with its ranks) on the timeout."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "examples" / "ddp.py"), *args]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        pytest.fail(f"torchrun examples/ddp.py {' '.join(args)} hung:\n{out[-4000:]}")
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def _decisions(run: Dict[str, Any]) -> List[Any]:
+    return [s[:3] for s in run["steps"]]
+
+
+def test_nan_on_rank_1_only_makes_both_ranks_skip_and_parameters_stay_identical(ranks):
+    r0, r1 = ranks[0]["skip"], ranks[1]["skip"]
+    assert _decisions(r0) == _decisions(r1), "the ranks decided differently"
+    assert r0["steps"][3][1:3] == [False, "skip_batch"], r0["steps"]
+    assert r0["steps"][6][1:3] == [False, "skip_batch"], r0["steps"]
+    assert [s[2] for i, s in enumerate(r0["steps"]) if i not in (3, 6)] == [""] * 8, r0["steps"]
+    assert r0["digest"] == r1["digest"] and r0["finite"], "parameters differ across ranks after training"
+    # The journal says which rank saw what; every event names the rank that wrote it.
+    assert [(a[1], a[4]) for a in r0["anomalies"]] == [("input", {"input": [1]}), ("forward", {"forward": [1]})]
+    assert {a[3] for a in r0["anomalies"]} == {0} and {a[3] for a in r1["anomalies"]} == {1}
+
+
+def test_a_healthy_ddp_step_makes_one_host_sync(ranks):
+    for run in (ranks[0]["skip"], ranks[1]["skip"]):
+        healthy = [s[3] for s in run["steps"][1:] if not s[2] and not s[4]]  # step 1 takes the first snapshot
+        assert len(healthy) >= 4 and set(healthy) == {1}, run["steps"]
+        # A snapshot step adds the finiteness check and one agreement across ranks.
+        assert {s[3] for s in run["steps"] if not s[2] and s[4]} == {3}, run["steps"]
+
+
+def test_drop_rows_reruns_on_every_rank_or_on_none(ranks):
+    r0, r1 = ranks[0]["drop"], ranks[1]["drop"]
+    assert _decisions(r0) == _decisions(r1)
+    assert r0["steps"][2][1:3] == [True, "drop_rows"], r0["steps"]  # rank 0 re-ran its whole batch
+    assert r0["steps"][4][1:3] == [False, "skip_batch"], r0["steps"]  # rank 1 had no row left
+    assert r0["digest"] == r1["digest"]
+
+
+def test_restore_on_both_ranks_from_rank_0s_safetensors_snapshot(ranks):
+    r0, r1 = ranks[0]["restore"], ranks[1]["restore"]
+    assert _decisions(r0) == _decisions(r1)
+    assert r0["steps"][7][2] == "restore", r0["steps"]
+    assert r0["restored"] == r1["restored"] and len(r0["restored"]) == 1, (r0["restored"], r1["restored"])
+    assert r0["restored"][0][2].endswith(f"snapshot-{r0['restored'][0][1]:010d}.safetensors")
+    assert r0["final_restore"] == r1["final_restore"]
+    assert r0["files"] == r1["files"] and all(f.startswith("snapshot-") for f in r0["files"]), r0["files"]
+    assert r0["digest"] == r1["digest"] and r0["finite"]
+    # The file holds rank 0's generators; rank 1 keeps its own on restore.
+    assert r1["rng_kept"] and not r0["rng_kept"]
+
+
+def test_a_model_that_is_not_ddp_keeps_per_rank_decisions(ranks):
+    assert ranks[0]["plain_model_is_local"] and ranks[1]["plain_model_is_local"]
+
+
+def test_abort_raises_on_both_ranks_at_the_same_step(ranks):
+    r0, r1 = ranks[0]["abort"], ranks[1]["abort"]
+    assert r0["aborted_at"] is not None and r0["aborted_at"] == r1["aborted_at"], (r0["steps"], r1["steps"])
+    assert _decisions(r0) == _decisions(r1)
+    assert r0["digest"] == r1["digest"] and r0["finite"]
+
+
+def test_example_under_torchrun_and_resume_in_new_processes(tmp_path):
+    full = _torchrun("--run-dir", str(tmp_path / "full"), "--epochs", "2")
+    assert "parameters identical on all ranks: True" in full, full
+    assert "tripped: {'input': [1]}" in full and "restored forward -> restore" in full, full
+    assert (tmp_path / "full" / "events.jsonl").exists() and (tmp_path / "full" / "events-rank1.jsonl").exists()
+    part = _torchrun("--run-dir", str(tmp_path / "cut"), "--epochs", "2", "--max-steps", "12")
+    assert "12 steps" in part, part
+    resumed = _torchrun("--run-dir", str(tmp_path / "cut"), "--epochs", "2", "--resume")
+    digest = re.compile(r"identical on all ranks: True \(digest (\w+)\)")
+    assert digest.search(resumed) and digest.search(resumed).group(1) == digest.search(full).group(1), resumed
+
+
+def test_combination_rules_on_the_host():
+    from safetrain.detect import StepFlags
+    from safetrain.distributed import _combine, _plan
+
+    # Rank 1's own values: a NaN input sum, a tripped bool, found_inf, its loss, an inf activation.
+    puts = [("input", [1.0, 2.0]), ("weights", False), ("found_inf", 0.0), ("loss", 1.0),
+            ("forward", [3.0, 4.0]), ("grad_norms", torch.tensor([3.0, 4.0]))]
+    rank1 = {"input": [1.0, math.nan], "weights": True, "found_inf": 1.0, "loss": 3.0, "forward": [math.inf, 4.0]}
+    captured: List[Any] = []
+
+    def reduce(packed: torch.Tensor, layout: Any) -> List[float]:
+        row0 = packed.tolist()
+        flags = StepFlags()
+        for name, value in puts:
+            flags.put(name, _tensors(rank1.get(name, value)))
+        row1 = torch.cat([v.reshape(-1).float() for v in flags._scalars + flags._vectors]).tolist()
+        captured.append(layout)
+        return _combine([row0, row1], _plan(layout))
+
+    flags = StepFlags(reduce=reduce)
+    for name, value in puts:
+        flags.put(name, _tensors(value))
+    read = flags.read()
+    assert read.input and read.weights and read.forward_tripped, read
+    assert read.loss == 2.0, "loss is the mean over ranks"
+    assert read.extra["found_inf"] == (1.0,), "found_inf is summed"
+    assert read.grad_norms == (3.0, 4.0) and read.total_norm == 5.0, "norms are rank 0's (identical under DDP)"
+    assert read.forward == (math.inf, 4.0), "locate() sees the position that tripped on rank 1"
+
+
+def _tensors(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, list):
+        return [torch.tensor(v) for v in value]
+    return torch.tensor(value)
+
+
+def test_one_process_has_no_distributed_state():
+    import torch.nn.functional as F
+
+    from safetrain import distributed
+    from safetrain.guard import Guard
+
+    model = torch.nn.Linear(4, 2)
+    with Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.mse_loss) as guard:
+        assert guard._dist is None and guard.rank == 0 and guard._flags._reduce is None
+    assert not distributed.active() and distributed.rank() == 0
+    with distributed.local(model):  # a no-op for a plain module
+        model(torch.ones(1, 4))
+
+
+if __name__ == "__main__":
+    torch.multiprocessing.spawn(_worker, args=(2, sys.argv[1]), nprocs=2, join=True)
