@@ -11,13 +11,16 @@ For sanitizing, a mapping's keys named like targets (``labels``, ``label``, ``ta
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from .errors import BatchError
 
-__all__ = ["BatchParts", "split_batch", "compute_loss", "TARGET_KEYS"]
+if TYPE_CHECKING:
+    from .detect import RowFinding
+
+__all__ = ["BatchParts", "split_batch", "compute_loss", "row_findings", "without_rows", "TARGET_KEYS"]
 
 #: Mapping keys treated as targets by the sanitizer.
 TARGET_KEYS = frozenset({"labels", "label", "targets", "target", "y"})
@@ -99,3 +102,41 @@ def compute_loss(
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise BatchError(f"the loss must be a scalar tensor; got {shape} (use reduction='mean' or 'sum')")
     return loss
+
+
+def row_findings(batch: Any, sanitize: Any, root: str = "batch") -> List["RowFinding"]:
+    """Exact NaN/Inf rows of a batch by tensor path, for the parts ``sanitize`` checks (slow path: host syncs).
+
+    Args:
+        batch: the batch as the loader gave it.
+        sanitize: the ``sanitize`` section (a part set to ``off`` is not looked at).
+        root: the batch's name in the paths, e.g. ``batch`` gives ``batch[0]`` or ``batch["pixels"]``.
+    """
+    from .detect import describe_rows
+
+    parts = split_batch(batch)
+    if parts.style == "pair":
+        found = describe_rows(parts.inputs, f"{root}[0]", "input") if sanitize.inputs != "off" else []
+        if sanitize.targets != "off":
+            size = parts.inputs.shape[0] if isinstance(parts.inputs, torch.Tensor) and parts.inputs.dim() else None
+            found += describe_rows(parts.targets, f"{root}[1]", "target", batch_size=size)
+        return found
+    found = describe_rows(batch, root, "input", target_keys=TARGET_KEYS if parts.style == "mapping" else None)
+    return [f for f in found if getattr(sanitize, "inputs" if f.kind == "input" else "targets") != "off"]
+
+
+def without_rows(batch: Any, findings: Sequence["RowFinding"]) -> Tuple[Any, int]:
+    """The batch without the rows named in ``findings`` (inputs and targets together), and how many went.
+
+    Returns ``(None, n)`` when every row is bad.
+    """
+    from .detect import drop_rows, iter_tensors
+
+    bad = sorted({r for f in findings for r in f.rows})
+    if not bad:
+        return batch, 0
+    first = next((t for _, t in iter_tensors(split_batch(batch).inputs) if t.dim() > 0), None)
+    size = first.shape[0] if first is not None else None
+    if size is not None and len(bad) >= size:
+        return None, len(bad)
+    return drop_rows(batch, bad, batch_size=size), len(bad)

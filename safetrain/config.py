@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterable, List, Literal, Mapping, Optional, Union
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from .errors import ConfigError
 

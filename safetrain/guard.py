@@ -12,98 +12,26 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import logging
 import math
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from . import detect, distributed, snapshot
+from .batches import TARGET_KEYS, compute_loss, row_findings, split_batch, without_rows
 from .config import TrainConfig, as_config
-from .errors import BatchError, ConfigError, TrainingAborted
-from .events import AnomalyFound, Event, EventBus, LRChanged, Restored, SnapshotTaken
-from .lr import LRBackoff, step_scheduler
+from .errors import TrainingAborted
+from .events import Aborted, AnomalyFound, Event, EventBus, LRChanged, Restored, SnapshotTaken
+from .lr import LRBackoff
 from .policy import Decision, History, decide, observe_healthy, record_skip
 from .replay import Diagnosis, Replayer
 from .spike import SpikeDetector
-from . import detect, distributed, snapshot
-from .batches import TARGET_KEYS, compute_loss, split_batch
+from .steps import Counters, Pending, Phase, StepResult
 
 __all__ = ["Guard", "StepResult", "Phase"]
 
 logger = logging.getLogger("safetrain")
-
-
-class Phase(enum.Enum):
-    """Where the guard is between calls; illegal moves raise."""
-
-    READY = "ready"  # no micro-batch pending
-    ACCUMULATING = "accumulating"  # gradients of some micro-batches are summed, the step is not taken yet
-    CLOSED = "closed"  # hooks removed; no more steps
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one optimizer step came to.
-
-    Attributes:
-        step: the guard's step counter after this step (attempts, monotonic).
-        trained: whether the optimizer applied an update.
-        loss: the step's loss (mean over micro-batches), ``nan`` if it was not finite.
-        grad_norm: total gradient norm before clipping, ``nan`` when not computed.
-        action: ``""`` for a healthy step, else the action taken (``skip_batch``, ``restore``...).
-        events: the events this step emitted.
-    """
-
-    step: int
-    trained: bool
-    loss: float
-    grad_norm: float
-    action: str = ""
-    events: Tuple[Event, ...] = ()
-
-
-@dataclass
-class Counters:
-    """The guard's counters; ``FitResult``, the progress bar and the journal all read these.
-
-    Attributes:
-        steps: step attempts (one per ``accumulate_steps`` micro-batches), monotonic.
-        optimizer_steps: updates the optimizer applied, monotonic (rolled-back ones included).
-        healthy_steps: steps with no anomaly at all.
-        skipped_batches: steps whose update was not applied (skip, restore, abort, scaler overflow).
-        dropped_rows: input or target rows dropped by ``drop_rows``.
-        replaced_rows: rows whose non-finite values were replaced.
-        zeroed_grads: parameters whose non-finite gradient was zeroed.
-        restores: restores of a snapshot.
-        scaler_skips: fp16 steps skipped by the GradScaler for overflow (normal, not failures).
-        epoch: the current epoch.
-        batch: batches of the current epoch consumed so far.
-    """
-
-    steps: int = 0
-    optimizer_steps: int = 0
-    healthy_steps: int = 0
-    skipped_batches: int = 0
-    dropped_rows: int = 0
-    replaced_rows: int = 0
-    zeroed_grads: int = 0
-    restores: int = 0
-    scaler_skips: int = 0
-    epoch: int = 0
-    batch: int = 0
-
-
-@dataclass
-class _Pending:
-    """Device-side values of the step being accumulated; read in the single sync."""
-
-    micro: List[Any] = field(default_factory=list)
-    indices: List[List[int]] = field(default_factory=list)
-    loss: Optional[torch.Tensor] = None
-    input_values: List[torch.Tensor] = field(default_factory=list)
-    target_values: List[torch.Tensor] = field(default_factory=list)
 
 
 class Guard:
@@ -171,7 +99,7 @@ class Guard:
                                  loss_of=lambda batch: compute_loss(self.model, batch, self.loss_fn, self.step_fn))
         self._retrying = False
         self.phase = Phase.READY
-        self._pending = _Pending()
+        self._pending = Pending()
         self._overflows = 0  # fp16 overflows in a row
         self._skip_after_restore = 0
         self._since_snapshot = 0
@@ -249,7 +177,7 @@ class Guard:
 
     def _start_step(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        self._pending = _Pending()
+        self._pending = Pending()
         self.monitor.reset()
         self.replayer.begin_step()
         steps = self.counters.optimizer_steps
@@ -384,7 +312,7 @@ class Guard:
 
     def _scan_quiet(self, batch: Any) -> Any:
         pending = self._pending
-        self._pending = _Pending()
+        self._pending = Pending()
         try:
             return self._scan(batch)
         finally:
@@ -480,8 +408,6 @@ class Guard:
         if action == "scale_lr":
             events.append(self._lr_changed(decision.lr_scale, f"backoff after {kind}"))
         if action == "abort":
-            from .events import Aborted
-
             aborted = self._emit(Aborted, kind, "abort", f"training aborted: {decision.reason}; "
                                  "model and optimizer left at the last good snapshot", {"reason": decision.reason})
             raise TrainingAborted(decision.reason, result=None, event=aborted)
@@ -515,7 +441,7 @@ class Guard:
             c.replaced_rows += n_rows
             return self._rejudge(event)
         # drop_rows: rebuild each micro-batch without its bad rows and run the step again.
-        cleaned = [self._drop(i, batch) for i, batch in enumerate(self._pending.micro)]
+        cleaned = [without_rows(batch, self._row_findings(i, batch)) for i, batch in enumerate(self._pending.micro)]
         dropped = sum(d for _, d in cleaned)
         c.dropped_rows += dropped
         kept = [b for b, _ in cleaned if b is not None]
@@ -572,36 +498,11 @@ class Guard:
                           (event,) + result.events)
 
     def _row_findings(self, index: int, batch: Any) -> List[Any]:
-        """Exact NaN/Inf rows of one micro-batch, by tensor path (slow path: host syncs)."""
-        s = self.cfg.sanitize
         root = "batch" if len(self._pending.micro) == 1 else f"micro[{index}]"
-        parts = split_batch(batch)
-        found: List[Any] = []
-        if parts.style == "pair":
-            if s.inputs != "off":
-                found += detect.describe_rows(parts.inputs, f"{root}[0]", "input")
-            if s.targets != "off":
-                size = len(parts.inputs) if isinstance(parts.inputs, torch.Tensor) and parts.inputs.dim() else None
-                found += detect.describe_rows(parts.targets, f"{root}[1]", "target", batch_size=size)
-        else:
-            found = detect.describe_rows(batch, root, "input", target_keys=TARGET_KEYS if parts.style == "mapping" else None)
-            found = [f for f in found if getattr(s, "inputs" if f.kind == "input" else "targets") != "off"]
-        return found
+        return row_findings(batch, self.cfg.sanitize, root)
 
     def _describe_rows(self) -> List[Any]:
         return [f for i, batch in enumerate(self._pending.micro) for f in self._row_findings(i, batch)]
-
-    def _drop(self, index: int, batch: Any) -> Tuple[Any, int]:
-        """One micro-batch without its bad rows (inputs and targets together), and how many went."""
-        bad = sorted({r for f in self._row_findings(index, batch) for r in f.rows})
-        if not bad:
-            return batch, 0
-        parts = split_batch(batch)
-        first = next((t for t in _leaves(parts.inputs) if t.dim() > 0), None)
-        size = first.shape[0] if first is not None else None
-        if size is not None and len(bad) >= size:
-            return None, len(bad)
-        return detect.drop_rows(batch, bad, batch_size=size), len(bad)
 
     # ----------------------------------------------------------------- recovery
     def _restore(self, decision: Decision) -> Event:
@@ -676,10 +577,6 @@ class Guard:
 
 #: Kinds a replay can explain (the others are finite outliers or data problems).
 _REPLAYED = frozenset({"forward", "loss", "gradient"})
-
-
-def _leaves(obj: Any) -> List[torch.Tensor]:
-    return [t for _, t in detect.iter_tensors(obj)]
 
 
 def _summary(kind: str, detail: Mapping[str, Any]) -> str:

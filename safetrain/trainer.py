@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import sys
@@ -17,6 +18,7 @@ from .config import as_config, to_dict
 from .errors import TrainingAborted
 from .events import Event, EventBus, Journal, Quarantined, RunEnded, RunStarted
 from .guard import Guard
+from .steps import Counters
 from .quarantine import QuarantineKeeper
 
 __all__ = ["SafeTrainer", "FitResult"]
@@ -25,19 +27,13 @@ logger = logging.getLogger("safetrain")
 
 
 @dataclass
-class FitResult:
+class FitResult(Counters):
     """What a run came to; the same numbers as the journal's summary line and the progress bar.
 
     Attributes:
-        steps: step attempts (one per ``accumulate_steps`` batches).
-        optimizer_steps: updates applied (including ones later rolled back).
-        healthy_steps: steps with no anomaly.
-        skipped_batches: steps not trained (skips, restores, aborts, fp16 overflows).
-        dropped_rows: rows dropped by ``drop_rows``.
-        replaced_rows: rows whose non-finite values were replaced.
-        zeroed_grads: parameters whose non-finite gradients were zeroed.
-        restores: snapshot restores.
-        scaler_skips: fp16 overflow steps skipped by the GradScaler (normal).
+        (the counters): every field of :class:`~safetrain.steps.Counters` (steps, optimizer_steps,
+            healthy_steps, skipped_batches, dropped_rows, replaced_rows, zeroed_grads, restores,
+            scaler_skips, epoch, batch), as they stood at the end.
         lr_scale: the LR scale in force at the end.
         final_loss: the loss of the last trained step (``nan`` if none).
         wall_time: seconds spent in ``fit``.
@@ -46,15 +42,6 @@ class FitResult:
         events: every event of the run, in order (the journal holds the same records).
     """
 
-    steps: int = 0
-    optimizer_steps: int = 0
-    healthy_steps: int = 0
-    skipped_batches: int = 0
-    dropped_rows: int = 0
-    replaced_rows: int = 0
-    zeroed_grads: int = 0
-    restores: int = 0
-    scaler_skips: int = 0
     lr_scale: float = 1.0
     final_loss: float = math.nan
     wall_time: float = 0.0
@@ -222,10 +209,8 @@ class SafeTrainer:
                 guard.backoff.step(self.scheduler, sum(losses) / len(losses) if losses else None)
 
     def _finish(self, guard: Guard, result: FitResult, started: float) -> None:
-        c = guard.counters
-        for name in ("steps", "optimizer_steps", "healthy_steps", "skipped_batches", "dropped_rows", "replaced_rows",
-                     "zeroed_grads", "restores", "scaler_skips"):
-            setattr(result, name, getattr(c, name))
+        for f in dataclasses.fields(Counters):
+            setattr(result, f.name, getattr(guard.counters, f.name))
         result.lr_scale = guard.backoff.scale
         result.wall_time = time.perf_counter() - started
 

@@ -1,0 +1,84 @@
+"""What a step leaves behind: the guard's phase, a step's result, the counters, the pending step."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Tuple
+
+import torch
+
+from .events import Event
+
+__all__ = ["Phase", "StepResult", "Counters", "Pending"]
+
+
+class Phase(enum.Enum):
+    """Where the guard is between calls; illegal moves raise."""
+
+    READY = "ready"  # no micro-batch pending
+    ACCUMULATING = "accumulating"  # gradients of some micro-batches are summed, the step is not taken yet
+    CLOSED = "closed"  # hooks removed; no more steps
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step came to.
+
+    Attributes:
+        step: the guard's step counter after this step (attempts, monotonic).
+        trained: whether the optimizer applied an update.
+        loss: the step's loss (mean over micro-batches), ``nan`` if it was not finite.
+        grad_norm: total gradient norm before clipping, ``nan`` when not computed.
+        action: ``""`` for a healthy step, else the action taken (``skip_batch``, ``restore``...).
+        events: the events this step emitted.
+    """
+
+    step: int
+    trained: bool
+    loss: float
+    grad_norm: float
+    action: str = ""
+    events: Tuple[Event, ...] = ()
+
+
+@dataclass
+class Counters:
+    """The guard's counters; ``FitResult``, the progress bar and the journal all read these.
+
+    Attributes:
+        steps: step attempts (one per ``accumulate_steps`` micro-batches), monotonic.
+        optimizer_steps: updates the optimizer applied, monotonic (rolled-back ones included).
+        healthy_steps: steps with no anomaly at all.
+        skipped_batches: steps whose update was not applied (skip, restore, abort, scaler overflow).
+        dropped_rows: input or target rows dropped by ``drop_rows``.
+        replaced_rows: rows whose non-finite values were replaced.
+        zeroed_grads: parameters whose non-finite gradient was zeroed.
+        restores: restores of a snapshot.
+        scaler_skips: fp16 steps skipped by the GradScaler for overflow (normal, not failures).
+        epoch: the current epoch.
+        batch: batches of the current epoch consumed so far.
+    """
+
+    steps: int = 0
+    optimizer_steps: int = 0
+    healthy_steps: int = 0
+    skipped_batches: int = 0
+    dropped_rows: int = 0
+    replaced_rows: int = 0
+    zeroed_grads: int = 0
+    restores: int = 0
+    scaler_skips: int = 0
+    epoch: int = 0
+    batch: int = 0
+
+
+@dataclass
+class Pending:
+    """Device-side values of the step being accumulated; read in the single sync."""
+
+    micro: List[Any] = field(default_factory=list)
+    indices: List[List[int]] = field(default_factory=list)
+    loss: Optional[torch.Tensor] = None
+    input_values: List[torch.Tensor] = field(default_factory=list)
+    target_values: List[torch.Tensor] = field(default_factory=list)
