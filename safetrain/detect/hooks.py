@@ -15,13 +15,29 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["HookHandle", "floating_tensors", "make_hook", "MAX_RECORDS"]
+__all__ = ["HookHandle", "floating_tensors", "make_hook", "MAX_RECORDS", "PASSTHROUGH"]
 
 logger = logging.getLogger("safetrain")
 
 #: A forward that records more calls than this without a ``reset()`` drops its records (and
 #: warns), so a monitor left attached through a long evaluation cannot grow without bound.
 MAX_RECORDS = 1_000_000
+
+#: Module classes (exact types, not subclasses) whose output is finite whenever their input is:
+#: parameter-free elementwise activations that are bounded or at most linear, dropout, pooling
+#: and reshapes (``PReLU`` is not here: a NaN slope makes NaN from finite inputs).
+#: A NaN/Inf in their output was already in their input, so such a module is never the origin
+#: of a real fault; ``ActivationMonitor(skip_passthrough=True)`` leaves them unhooked. Edge cases accepted: dropout and average pooling can overflow only for values within a
+#: factor ``1/(1-p)`` or the window size of the float maximum.
+PASSTHROUGH = (
+    nn.Identity, nn.Flatten, nn.Unflatten,
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.RReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
+    nn.Mish, nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardsigmoid, nn.Hardswish, nn.Softsign, nn.Tanhshrink,
+    nn.Softshrink, nn.Hardshrink, nn.LogSigmoid, nn.Softplus,
+    nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout,
+    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
+    nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
+)  # fmt: skip
 
 
 class HookHandle:

@@ -3,7 +3,8 @@
 On CUDA each of these blocks the host until the device has caught up; on the CPU they are cheap,
 so a test on the CPU counts the calls instead of timing them. Wrapped while the context is open:
 ``Tensor.item``, ``tolist``, ``__bool__``, ``__float__``, ``__int__``, ``__index__``, ``cpu``,
-``numpy``, ``nonzero``, ``__repr__``/``__format__``, ``torch.nonzero``, ``torch.is_nonzero`` and
+``numpy``, ``__array__``, ``nonzero``, ``masked_select``, ``unique``, ``equal``, ``allclose``,
+``is_nonzero``, ``__repr__``/``__format__``, the same functions in the ``torch`` namespace, and
 ``torch.cuda.synchronize``. Only the outermost call counts (``__repr__`` calling ``tolist``
 is one sync), and only on the thread that opened the context.
 """
@@ -18,7 +19,7 @@ from typing import Any, Callable, Iterator, List, Tuple
 
 import torch
 
-__all__ = ["SyncCounter", "count_host_syncs", "TENSOR_SYNC_METHODS"]
+__all__ = ["SyncCounter", "count_host_syncs", "TENSOR_SYNC_METHODS", "TORCH_SYNC_FUNCTIONS"]
 
 #: ``torch.Tensor`` methods that bring a value to the host.
 TENSOR_SYNC_METHODS = (
@@ -30,10 +31,18 @@ TENSOR_SYNC_METHODS = (
     "__index__",
     "cpu",
     "numpy",
+    "__array__",
     "nonzero",
+    "masked_select",
+    "unique",
+    "equal",
+    "allclose",
+    "is_nonzero",
     "__repr__",
     "__format__",
 )
+#: ``torch`` functions that bring a value to the host (data-dependent shapes or a bool result).
+TORCH_SYNC_FUNCTIONS = ("nonzero", "masked_select", "unique", "equal", "allclose", "is_nonzero")
 
 
 @dataclass
@@ -96,7 +105,7 @@ def count_host_syncs() -> Iterator[SyncCounter]:
 
     patches: List[Tuple[Any, str, Any, bool]] = []  # (owner, attribute, original, was_own)
     targets = [(torch.Tensor, m, f"Tensor.{m}") for m in TENSOR_SYNC_METHODS]
-    targets += [(torch, "nonzero", "torch.nonzero"), (torch, "is_nonzero", "torch.is_nonzero")]
+    targets += [(torch, f, f"torch.{f}") for f in TORCH_SYNC_FUNCTIONS]
     if hasattr(torch, "cuda"):
         targets.append((torch.cuda, "synchronize", "torch.cuda.synchronize"))
     for obj, attr, label in targets:

@@ -192,6 +192,17 @@ def test_nan_only_allows_legitimate_infinities():
     assert finding is not None and finding.module == "mask", "NaN still trips a nan_only module"
 
 
+def test_passthrough_modules_are_skipped_only_when_asked():
+    """A ReLU cannot make NaN/Inf from finite inputs; with ``skip_passthrough`` it carries no hook,
+    and a fault forced into its output (only a test can do that) is first seen by the next module."""
+    model = mlp()
+    model[1].register_forward_hook(inject(NAN))
+    assert run(model, torch.randn(2, 4)).module == "1"
+    model = mlp()
+    model[1].register_forward_hook(inject(NAN))
+    assert run(model, torch.randn(2, 4), monitor=ActivationMonitor(model, skip_passthrough=True)).module == "2"
+
+
 def test_shared_module_is_named_with_its_call_index():
     class Shared(nn.Module):
         def __init__(self) -> None:
@@ -324,7 +335,8 @@ def test_hooks_are_removed_by_handle_exit_and_exception():
 
 def test_include_exclude_and_disabled():
     model = mlp()
-    assert ActivationMonitor(model, exclude=["1", "3"]).names == ("", "0", "2", "4")
+    assert ActivationMonitor(model, exclude=["0"]).names == ("", "1", "2", "3", "4")
+    assert ActivationMonitor(model, exclude=["0"], skip_passthrough=True).names == ("", "2", "4")
     assert ActivationMonitor(model, include=["2", "4"]).names == ("2", "4")
     assert ActivationMonitor(model, include=["*"], exclude=["*"]).names == ()
     off = ActivationMonitor(model, enabled=False)
