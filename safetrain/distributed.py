@@ -307,6 +307,12 @@ class DistributedStore:
             info = make_info(captured.meta, captured.tensors, path, path or "", copy=lambda n, t: t.clone())
         return info
 
+    def discard_newest(self) -> bool:
+        """Drop the newest snapshot on every rank (a shared directory: rank 0 deletes, then a barrier)."""
+        dropped = self.inner.discard_newest() if (not self.shared or self.sync.rank == 0) else True
+        self.sync.gather_int(int(dropped))  # the barrier: no rank restores before the file is gone
+        return dropped
+
     def restore(self, state: Any, older: int = 0) -> SnapshotInfo:
         """Restore on every rank, and check they all restored the same step; see the class docstring."""
         info: Optional[SnapshotInfo] = None

@@ -24,7 +24,7 @@ from .config import TrainConfig, as_config
 from .errors import TrainingAborted
 from .events import Aborted, AnomalyFound, Event, EventBus, LRChanged, Restored, SnapshotTaken
 from .lr import LRBackoff
-from .policy import Decision, History, decide, observe_healthy, record_skip
+from .policy import Decision, History, decide, mark_last_skipped, observe_healthy, record_step
 from .replay import Diagnosis, Replayer
 from .spike import SpikeDetector
 from .steps import Counters, Pending, Phase, StepResult
@@ -107,7 +107,8 @@ class Guard:
         # blow-up). It counts as good only once the next step's read is healthy; if that read
         # trips, the newest snapshot is passed over on restore.
         self._unverified = False
-        self._skip_newest = 0
+        self._redo = False  # inside the re-run of an anomalous step: trained, but not healthy
+        self._skipped_micro = 0  # micro-batches of the step being skipped after a restore
         self._weight_flag: Optional[torch.Tensor] = None
         self.epoch_rng: Optional[torch.Tensor] = None  # torch RNG at the start of the current epoch
         self.last_loss = math.nan
@@ -119,8 +120,7 @@ class Guard:
         if self._dist is not None:
             self._flags = detect.StepFlags(reduce=self._dist.reduce)
             self.store = self._dist.wrap_store(self.store)
-            if hasattr(self, "replayer"):
-                self.replayer = self._dist.wrap_replayer(self.replayer, model)
+            self.replayer = self._dist.wrap_replayer(self.replayer, model)
 
     # ----------------------------------------------------------------- lifecycle
     def __enter__(self) -> "Guard":
@@ -163,8 +163,7 @@ class Guard:
             self.snapshot(force=True)
         self.counters.batch += 1
         if self._skip_after_restore > 0 and self.phase is Phase.READY:
-            self._skip_after_restore -= 1
-            return self._skip_data(batch)
+            return self._skip_data()
         if self.phase is Phase.READY:
             self._start_step()
         self._pending.micro.append(batch)
@@ -172,6 +171,16 @@ class Guard:
         self._forward_backward(batch)
         if len(self._pending.micro) < self.cfg.guard.accumulate_steps:
             self.phase = Phase.ACCUMULATING
+            return None
+        return self._finish()
+
+    def flush(self) -> Optional[StepResult]:
+        """Take the step of a partial accumulation now (at the end of an epoch or of the data).
+
+        With ``guard.accumulate_steps`` = k and fewer than k micro-batches pending, their summed
+        gradients (each scaled by 1/k) make one step; returns ``None`` when nothing is pending.
+        """
+        if self.phase is not Phase.ACCUMULATING:
             return None
         return self._finish()
 
@@ -328,26 +337,36 @@ class Guard:
         if self.scaler is not None:
             self.scaler.update()
         self.counters.optimizer_steps += 1
-        if self.scheduler is not None and self.cfg.guard.scheduler_interval == "step":
-            self.backoff.step(self.scheduler, self.last_loss)
+        if self.scheduler is not None:
+            self._step_scheduler()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def _not_applied(self) -> None:
+    def _drop_grads(self) -> None:
         """Drop this step's gradients; the scaler is told so it starts clean (its scale is kept)."""
         if self.scaler is not None:
             self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _not_applied(self) -> None:
+        """The step's update is not applied: drop the gradients, count it, and step the scheduler
+        only when it follows batches (``guard.scheduler_follows: batch``)."""
+        self._drop_grads()
         self.counters.skipped_batches += 1
-        follows_batches = self.cfg.guard.scheduler_follows == "batch"
-        if self.scheduler is not None and follows_batches and self.cfg.guard.scheduler_interval == "step":
+        if self.scheduler is not None and self.cfg.guard.scheduler_follows == "batch":
+            self._step_scheduler()
+
+    def _step_scheduler(self) -> None:
+        if self.cfg.guard.scheduler_interval == "step":
             self.backoff.step(self.scheduler, self.last_loss)
 
     def _healthy(self, read: detect.StepRead) -> StepResult:
         self._unverified = False  # this healthy read vouches for the newest snapshot
         self._apply_update(read.total_norm)
-        self.counters.healthy_steps += 1
         self.spike.add(self.last_loss)
-        self.history, new_scale = observe_healthy(self.history, self.cfg.recovery)
+        new_scale = None
+        if not self._redo:  # a re-run of an anomalous step trains, but is not a healthy step
+            self.counters.healthy_steps += 1
+            self.history, new_scale = observe_healthy(self.history, self.cfg.recovery)
         events: List[Event] = []
         if new_scale is not None:
             events.append(self._lr_changed(new_scale, "healthy run: LR scale climbs back one notch"))
@@ -368,11 +387,13 @@ class Guard:
             event = self._emit(AnomalyFound, "scaler", "skip_batch", "fp16 overflow: GradScaler skipped the step "
                                f"and lowered the scale to {evidence['new_scale']:g} (normal)", evidence)
             return StepResult(c.steps, False, self.last_loss, self.last_grad_norm, "skip_batch", (event,))
-        if self._unverified and kind not in ("input", "target"):
-            self._unverified, self._skip_newest = False, 1  # the step after the newest snapshot tripped
         detail = dict(evidence)
         if kind in ("input", "target"):
-            detail["rows"] = self._describe_rows()
+            detail["rows"] = [f for f in self._describe_rows() if f.kind == kind]
+            found = len(detail["rows"]) if self._dist is None else sum(self._dist.gather_int(len(detail["rows"])))
+            if not found:  # a finite sum overflowed (on every rank): no value is NaN/Inf, judge the rest
+                logger.debug("step %d: %s flag tripped but every value is finite (sum overflow)", c.steps, kind)
+                return self._decide(dataclasses.replace(read, **{kind: False}))
             if getattr(self.cfg.sanitize, "inputs" if kind == "input" else "targets") == "raise":
                 self._not_applied()
                 self.phase = Phase.READY
@@ -398,7 +419,7 @@ class Guard:
             if action == "zero_grads":
                 total = self._zero_nonfinite_grads_(finding)
             self._apply_update(total if total is not None and math.isfinite(total) else None)
-            self.spike.add(self.last_loss) if math.isfinite(self.last_loss) else None
+            self.spike.add(self.last_loss)  # ignores a non-finite loss
             self.phase = Phase.READY
             return StepResult(c.steps, True, self.last_loss, self.last_grad_norm, action, tuple(events))
         self._not_applied()
@@ -429,9 +450,18 @@ class Guard:
         c, action = self.counters, decision.action
         rows: List[Any] = detail["rows"]
         n_rows = len({(f.path.split("]")[0], r) for f in rows for r in f.rows})
-        where = "; ".join(f.describe() for f in rows[:4]) or "a cheap sum overflowed; no exact NaN/Inf found"
-        message = f"non-finite {kind} rows: {where} -> {action}"
-        event = self._emit(AnomalyFound, kind, action, message,
+        kept: List[Any] = []
+        if action == "drop_rows":  # rebuild each micro-batch without its bad rows, to run the step again
+            cleaned = [without_rows(b, self._row_findings(i, b)) for i, b in enumerate(self._pending.micro)]
+            kept = [b for b, _ in cleaned if b is not None]
+            if (self._dist is not None and not self._dist.same_count(len(kept))) or not kept:  # all ranks or none
+                action, kept = "skip_batch", []
+                self.history = mark_last_skipped(self.history)
+            else:
+                c.dropped_rows += sum(d for _, d in cleaned)
+        where = "; ".join(f.describe() for f in rows[:4])
+        why = " (every row is bad)" if action != decision.action else ""
+        event = self._emit(AnomalyFound, kind, action, f"non-finite {kind} rows: {where} -> {action}{why}",
                            {"rows": [f.to_dict() for f in rows], "count": n_rows, "rung": decision.rung})
         if action == "skip_batch":
             self._not_applied()
@@ -440,33 +470,24 @@ class Guard:
         if action == "replace":
             c.replaced_rows += n_rows
             return self._rejudge(event)
-        # drop_rows: rebuild each micro-batch without its bad rows and run the step again.
-        cleaned = [without_rows(batch, self._row_findings(i, batch)) for i, batch in enumerate(self._pending.micro)]
-        dropped = sum(d for _, d in cleaned)
-        c.dropped_rows += dropped
-        kept = [b for b, _ in cleaned if b is not None]
-        if (self._dist is not None and not self._dist.same_count(len(kept))) or not kept:  # all ranks re-run or none
-            self._not_applied()
-            self.phase = Phase.READY
-            return StepResult(c.steps, False, self.last_loss, self.last_grad_norm, "skip_batch", (event,))
         return self._run_again(kept, action, (event,))
 
     def _run_again(self, batches: List[Any], action: str, events: Tuple[Event, ...],
                    indices: Optional[List[List[int]]] = None) -> StepResult:
         """Run the same step again on ``batches`` (slow path): its gradients are dropped first, and
-        the re-run counts as the same step, trained but not healthy."""
-        c = self.counters
-        self._not_applied()
-        c.skipped_batches -= 1
-        c.steps -= 1
+        the re-run counts as the same step, trained but not healthy (the policy already has it)."""
+        self._drop_grads()
+        self.counters.steps -= 1
         self._start_step()
         for i, batch in enumerate(batches):
             self._pending.micro.append(batch)
             self._pending.indices.append(indices[i] if indices else [])
             self._forward_backward(batch)
-        result = self._finish()
-        if not result.action:
-            c.healthy_steps -= 1
+        self._redo = True
+        try:
+            result = self._finish()
+        finally:
+            self._redo = False
         return StepResult(result.step, result.trained, result.loss, result.grad_norm, result.action or action,
                           events + result.events)
 
@@ -475,6 +496,7 @@ class Guard:
         payload = {k: (v.to_dict() if hasattr(v, "to_dict") else v) for k, v in detail.items()}
         event = self._emit(AnomalyFound, kind, "retry", f"{kind} anomaly: {_summary(kind, detail)} -> transient "
                            "(the replay from the same state was finite): retrying the step once", payload)
+        self.history = record_step(self.history, self.cfg.recovery, skipped=False)  # one entry for this step
         self._retrying = True
         try:
             return self._run_again(list(self._pending.micro), "retry", (event,), list(self._pending.indices))
@@ -493,7 +515,11 @@ class Guard:
 
     def _rejudge(self, event: Event) -> StepResult:
         """After bad values were replaced before the forward pass, judge the rest of the step as usual."""
-        result = self._decide(dataclasses.replace(self._read, input=False, target=False))
+        self._redo = True
+        try:
+            result = self._decide(dataclasses.replace(self._read, input=False, target=False))
+        finally:
+            self._redo = False
         return StepResult(result.step, result.trained, result.loss, result.grad_norm, result.action or "replace",
                           (event,) + result.events)
 
@@ -507,7 +533,12 @@ class Guard:
     # ----------------------------------------------------------------- recovery
     def _restore(self, decision: Decision) -> Event:
         """Put the last good snapshot back, keeping the LR scale and policy history in force now."""
-        info = self.store.restore(self.state, older=min(self._skip_newest, len(self.store) - 1))
+        if self._unverified and len(self.store) > 1:
+            # No healthy step has run since the newest snapshot: it may hold the update that broke
+            # the run (an LR blow-up leaves finite but ruined weights). Drop it; go one further back.
+            self.store.discard_newest()
+        self._unverified = False
+        info = self.store.restore(self.state)
         self.backoff.load_state_dict({"unscaled": info.extra["lr"]["unscaled"]})
         self.counters.restores += 1
         self._since_snapshot = 0
@@ -517,11 +548,19 @@ class Guard:
                           f"restored the snapshot of step {info.step} after {decision.kind}", {"snapshot_step": info.step,
                           "path": str(info.path) if info.path else None})
 
-    def _skip_data(self, batch: Any) -> StepResult:
+    def _skip_data(self) -> Optional[StepResult]:
+        """Skip the data that led into a restore, a whole step (``accumulate_steps`` batches) at a time."""
+        self._skipped_micro += 1
+        if self._skipped_micro < self.cfg.guard.accumulate_steps:
+            return None
+        self._skipped_micro = 0
+        self._skip_after_restore -= 1
         self.counters.steps += 1
         self.counters.skipped_batches += 1
-        self.history = record_skip(self.history, self.cfg.recovery)
-        event = self._emit(Restored, "restore", "skip_batch", "skipped a batch after a restore "
+        self.history = record_step(self.history, self.cfg.recovery, skipped=True)
+        if self.scheduler is not None and self.cfg.guard.scheduler_follows == "batch":
+            self._step_scheduler()
+        event = self._emit(Restored, "restore", "skip_batch", "skipped a step's batches after a restore "
                            "(recovery.skip_batches_after_restore)", {"remaining": self._skip_after_restore})
         return StepResult(self.counters.steps, False, math.nan, math.nan, "skip_batch", (event,))
 
@@ -542,7 +581,7 @@ class Guard:
         info = self.store.save(self.state, counters={"step": self.counters.steps, **vars(self.counters)}, extra=self.state_dict(),
                                extra_tensors=tensors)
         if info is not None:
-            self._unverified, self._skip_newest = not force, 0
+            self._unverified = not force
         if info is None:
             return self._emit(SnapshotTaken, "snapshot", "refused",
                               "snapshot refused: the state is not finite; the previous one stays", {})

@@ -23,7 +23,16 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-__all__ = ["History", "Decision", "decide", "observe_healthy", "record_skip", "NON_CLIMBING", "TRAINING_ACTIONS"]
+__all__ = [
+    "History",
+    "Decision",
+    "decide",
+    "observe_healthy",
+    "record_step",
+    "mark_last_skipped",
+    "NON_CLIMBING",
+    "TRAINING_ACTIONS",
+]
 
 #: Actions after which the step's update is still applied.
 TRAINING_ACTIONS = frozenset({"warn", "drop_rows", "replace", "zero_grads"})
@@ -207,9 +216,15 @@ def observe_healthy(history: History, recovery: Any) -> Tuple[History, Optional[
     return new, changed
 
 
-def record_skip(history: History, recovery: Any) -> History:
-    """Record a step deliberately not trained outside the ladder (a batch skipped after a restore).
+def record_step(history: History, recovery: Any, skipped: bool) -> History:
+    """Record a step outside the ladder: a batch skipped after a restore (``skipped=True``), or a
+    transient fault retried and trained (``skipped=False``).
 
     It counts toward ``recovery.max_skip_fraction`` but neither climbs nor resets the ladder.
     """
-    return replace(history, recent=_push(history.recent, True, recovery.skip_window))
+    return replace(history, recent=_push(history.recent, skipped, recovery.skip_window))
+
+
+def mark_last_skipped(history: History) -> History:
+    """The step :func:`decide` recorded as trained was not (``drop_rows`` found every row bad)."""
+    return replace(history, recent=history.recent[:-1] + (1,)) if history.recent else history

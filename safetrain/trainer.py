@@ -17,7 +17,7 @@ from . import distributed
 from .config import as_config, to_dict
 from .errors import TrainingAborted
 from .events import Event, EventBus, Journal, Quarantined, RunEnded, RunStarted
-from .guard import Guard
+from .guard import Guard, StepResult
 from .steps import Counters
 from .quarantine import QuarantineKeeper
 
@@ -187,10 +187,7 @@ class SafeTrainer:
                 guard.begin_epoch(epoch)
                 iterator = iter(loader)
             losses: List[float] = []
-            for batch in iterator:
-                step = guard.step(batch, keeper.indices_for(batch))
-                if step is None:
-                    continue
+            def record(step: StepResult) -> None:
                 keeper.after_step(step.events)
                 if metrics is not None:
                     metrics.write(guard, step)
@@ -202,8 +199,17 @@ class SafeTrainer:
                     c = guard.counters
                     bar.set_postfix(loss=f"{step.loss:.4g}", gnorm=f"{step.grad_norm:.3g}", skipped=c.skipped_batches,
                                     restored=c.restores, refresh=False)
+
+            for batch in iterator:
+                step = guard.step(batch, keeper.indices_for(batch))
+                if step is None:
+                    continue
+                record(step)
                 if max_steps is not None and guard.counters.steps >= max_steps:
                     return
+            step = guard.flush()  # a partial accumulation does not leak into the next epoch
+            if step is not None:
+                record(step)
             keeper.end_epoch()
             if self.scheduler is not None and cfg.guard.scheduler_interval == "epoch":
                 guard.backoff.step(self.scheduler, sum(losses) / len(losses) if losses else None)

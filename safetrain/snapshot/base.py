@@ -184,6 +184,16 @@ class SnapshotStore(abc.ABC):
                 log.warning("snapshot unreadable: %s", exc)
         return None
 
+    def discard_newest(self) -> bool:
+        """Drop the newest snapshot: one that turned out to hold a bad update (finite, but the
+        next step broke). Returns ``False`` when the store is empty."""
+        self._require_open("discard_newest")
+        for candidate in self._candidates():
+            self._discard(candidate)
+            log.warning("discarded the newest snapshot (%s): the step after it was not healthy", candidate)
+            return True
+        return False
+
     def close(self) -> None:
         """Release buffers and threads; the store cannot be used afterwards. Idempotent."""
         if self.state is StoreState.OPEN:
@@ -217,6 +227,10 @@ class SnapshotStore(abc.ABC):
 
     @abc.abstractmethod
     def _where(self) -> str: ...
+
+    def _discard(self, candidate: Any) -> None:
+        """Forget a snapshot that is whole but not wanted (slots dropped, files deleted)."""
+        self._set_aside(candidate)
 
     def _set_aside(self, candidate: Any) -> None:
         """Keep a damaged snapshot from being tried again (files are renamed, slots dropped)."""

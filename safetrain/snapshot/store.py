@@ -224,6 +224,10 @@ class SafetensorsStore(SnapshotStore):
         tensors, _ = read_tensors(header, only=wanted)
         return make_info(meta, tensors, path, path)
 
+    def _discard(self, path: str) -> None:
+        self._remove(path)
+        _fsync_dir(self.directory)
+
     def _set_aside(self, path: str) -> None:
         try:
             os.replace(path, path + ".corrupt")

@@ -216,3 +216,85 @@ def test_lr_scale_climbs_back_after_healthy_steps():
     changes = [e.detail["scale"] for e in result.events if e.name == "lr_changed"]
     assert changes == [0.5, 1.0]
     assert result.lr_scale == 1.0 and opt.param_groups[0]["lr"] == pytest.approx(0.02)
+
+
+# Regressions found in review -------------------------------------------------------------------
+
+
+def test_finite_rows_whose_sum_overflows_are_not_bad_rows():
+    """A finite batch whose float32 sum overflows trips the cheap flag; the exact check clears it."""
+    x, y = regression_data(n=16).tensors
+    x = x.clone()
+    x[0, :2] = 3e38
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-40)  # keep the weights finite despite the huge row
+    with Guard(model, opt, load_config(None, BASE), loss_fn=F.mse_loss) as guard:
+        result = guard.step((x, y))
+    assert not any(e.kind == "input" for e in result.events), "no input anomaly without a NaN/Inf value"
+
+
+def test_a_snapshot_passed_over_is_never_restored_later():
+    from safetrain.snapshot import MemoryStore
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    cfg = load_config(None, [*BASE, "snapshot.every=2", "snapshot.keep=2", "detect.replay.enabled=false",
+                             "recovery.actions.loss=restore", "sanitize.targets=off"])
+    batches = list(loader(regression_data()))
+    bad = {5, 8}  # steps 5 and 8 (1-based) have an infinite target: each comes right after a snapshot
+    restored = []
+    with Guard(model, opt, cfg, loss_fn=F.mse_loss) as guard:
+        assert isinstance(guard.store, MemoryStore)
+        for i, (x, y) in enumerate(batches[:10], start=1):
+            result = guard.step((x, torch.full_like(y, math.inf) if i in bad else y))
+            restored += [e.detail["snapshot_step"] for e in result.events if e.name == "restored"]
+    assert restored == [2, 2], f"step 4's and step 7's snapshots were never vouched for: {restored}"
+
+
+@pytest.mark.parametrize("action", ["replace", "drop_rows"])
+def test_rows_of_a_rerun_step_are_counted_once(action):
+    data = PoisonRows(regression_data(), indices=[7], value=math.inf)
+    model = mlp()
+    trainer = SafeTrainer(model, torch.optim.SGD(model.parameters(), lr=0.02),
+                          load_config(None, [*BASE, f"sanitize.inputs={action}"]), loss_fn=F.mse_loss)
+    result = trainer.fit(loader(data))
+    assert result.healthy_steps == result.steps - 1
+    assert len(trainer.guard.history.recent) == result.steps, "one policy entry per step"
+
+
+def test_drop_rows_with_every_row_bad_is_journaled_as_a_skip():
+    data = PoisonRows(regression_data(n=32), indices=range(16))
+    model = mlp()
+    trainer = SafeTrainer(model, torch.optim.SGD(model.parameters(), lr=0.02), load_config(None, BASE),
+                          loss_fn=F.mse_loss)
+    result = trainer.fit(loader(data, shuffle=False))  # the first batch is all bad
+    event = next(e for e in result.events if e.kind == "input")
+    assert event.action == "skip_batch" and "every row is bad" in event.message
+    assert result.dropped_rows == 0 and result.skipped_batches == 1
+    assert trainer.guard.history.recent == (1, 0)
+
+
+def test_rerun_does_not_step_a_batch_scheduler_twice():
+    data = PoisonRows(regression_data(n=96), indices=[7])
+    sched = lambda o: S.OneCycleLR(o, max_lr=0.05, total_steps=6)  # noqa: E731
+    result, _, _ = fit(["guard.scheduler_follows=batch"], dataset=data, epochs=1, scheduler=sched)
+    assert result.dropped_rows == 1 and result.steps == 6
+
+
+def test_skip_after_restore_skips_whole_accumulation_groups_and_flush_takes_the_rest():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    cfg = load_config(None, [*BASE, "guard.accumulate_steps=2", "recovery.actions.loss=restore",
+                             "recovery.skip_batches_after_restore=1", "sanitize.targets=off",
+                             "detect.replay.enabled=false"])
+    batches = list(loader(regression_data(n=80)))  # 5 micro-batches
+    x, y = batches[1]
+    batches[1] = (x, torch.full_like(y, math.inf))
+    results = []
+    with Guard(model, opt, cfg, loss_fn=F.mse_loss) as guard:
+        for batch in batches:
+            results.append(guard.step(batch))
+        results.append(guard.flush())
+    done = [r for r in results if r is not None]
+    assert [r.action for r in done] == ["restore", "skip_batch", ""], done
+    assert guard.counters.steps == 3 and len(guard.history.recent) == 3

@@ -114,12 +114,14 @@ def test_policy_imports_no_torch():
 
 
 def test_skips_after_restore_count_toward_the_skip_fraction_but_do_not_climb():
-    from safetrain.policy import record_skip
+    from safetrain.policy import mark_last_skipped, record_step
 
     cfg = load_config(None, ["recovery.skip_window=4", "recovery.max_skip_fraction=0.5"])
     history = History(consecutive=1)
     for _ in range(2):
-        history = record_skip(history, cfg.recovery)
+        history = record_step(history, cfg.recovery, skipped=True)
     assert history.consecutive == 1 and history.recent == (1, 1)
     decision, _ = decide("loss", history, cfg.recovery, cfg.sanitize)
     assert decision.action == "abort" and "3 of the last 4 steps were not trained" in decision.reason
+    assert record_step(History(), cfg.recovery, skipped=False).recent == (0,)
+    assert mark_last_skipped(History(recent=(0, 0))).recent == (0, 1)
