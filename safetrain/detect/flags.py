@@ -88,7 +88,9 @@ class StepRead:
     @property
     def healthy(self) -> bool:
         """Nothing tripped."""
-        return not self.tripped()
+        if self.input or self.target or self.gradient or self.weights or self.extra_tripped:
+            return False
+        return not (self.loss_tripped or self.forward_tripped)
 
     def rows(self, which: str = "input") -> Tuple[int, ...]:
         """Indices of the bad rows, from a per-row mask that was put (``"input"`` or ``"target"``)."""
@@ -214,25 +216,34 @@ def _parse(host: Sequence[float], layout: Layout) -> StepRead:
     extra: Dict[str, Tuple[float, ...]] = {}
     extra_tripped: List[str] = []
     pos = 0
-    order = layout if not any(v for _, _, _, v in layout) else (
-        [e for e in layout if not e[3]] + [e for e in layout if e[3]]
-    )
+    order = layout
+    for entry in layout:
+        if entry[3]:  # a vector was put: the scalars were packed first
+            order = [e for e in layout if not e[3]] + [e for e in layout if e[3]]
+            break
+    isfinite = math.isfinite
     for name, n, is_bool, _ in order:
         if n == 1:
-            vals: Tuple[float, ...] = (host[pos],)
+            first = host[pos]
+            pos += 1
+            if name in _NUMBERS:
+                out[name] = first
+                continue
+            vals: Tuple[float, ...] = (first,)
         else:
             vals = tuple(host[pos : pos + n])
-        pos += n
-        if name in _NUMBERS:
-            out[name] = vals[0] if n == 1 else sum(vals)
-        elif name in _VECTORS:
+            pos += n
+            if name in _NUMBERS:
+                out[name] = sum(vals)
+                continue
+        if name in _VECTORS:
             if is_bool:
                 vals = tuple(math.nan if v else 0.0 for v in vals)
-            out[name] = out.get(name, ()) + vals
+            out[name] = out[name] + vals if name in out else vals
         elif name in _ROWS:
             out[name] = tuple(bool(v) for v in vals)
         else:
-            bad = any(vals) if is_bool else not math.isfinite(sum(vals))
+            bad = any(vals) if is_bool else not isfinite(sum(vals))
             if name in FLAG_KINDS:
                 out[name] = out.get(name, False) or bad
             else:
@@ -242,11 +253,11 @@ def _parse(host: Sequence[float], layout: Layout) -> StepRead:
     if "grad_norms" in out and "total_norm" not in out:
         out["total_norm"] = math.hypot(*out["grad_norms"])
     total = out.get("total_norm")
-    if total is not None and not math.isfinite(total):
+    if total is not None and not isfinite(total):
         out["gradient"] = True
-    if any(out.get("input_rows", ())):
+    if "input_rows" in out and any(out["input_rows"]):
         out["input"] = True
-    if any(out.get("target_rows", ())):
+    if "target_rows" in out and any(out["target_rows"]):
         out["target"] = True
     if extra:
         return StepRead(**out, extra=extra, extra_tripped=tuple(extra_tripped))

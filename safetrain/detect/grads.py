@@ -169,7 +169,7 @@ class GradCheck:
             norms = torch._foreach_norm(grads, 2.0, dtype=self._acc) if self._uniform else fused_norms(grads)
         except RuntimeError:  # sparse gradients or a gradient on another device than its parameter
             norms = fused_norms(grads)
-        return GradNorms(list(norms))
+        return GradNorms(norms if isinstance(norms, list) else list(norms))
 
     def clip_(self, max_norm: float, total_norm: Union[float, Tensor]) -> None:
         """Scale the gradients so their total norm is at most ``max_norm``, reusing ``total_norm``.

@@ -123,7 +123,8 @@ def make_hook(index: int, ids: List[int], vals: List[Tensor], nan_only: bool, gu
         ids: the monitor's per-step list of module indices.
         vals: the monitor's per-step list of 0-dim values, aligned with ``ids``.
         nan_only: record ``clamp(amax, -1, 1)``: NaN trips, infinities do not.
-        guard_growth: also cap the lists at :data:`MAX_RECORDS` (given to the root's hook).
+        guard_growth: also cap the lists at :data:`MAX_RECORDS` (given to the outermost monitored
+            module's hook, which runs at least once per forward).
 
     Returns:
         A forward hook ``(module, args, output) -> None``.

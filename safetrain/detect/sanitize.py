@@ -138,6 +138,10 @@ def _row_mask(sources: List[Tensor], size: Optional[int]) -> Optional[Tensor]:
     return rows
 
 
+def _lead(t: Tensor) -> Optional[int]:
+    return t.shape[0] if t.dim() > 0 else None
+
+
 class _Scanner:
     """One walk over a batch: one sum per floating tensor, one ``nan_to_num`` copy of it."""
 
@@ -202,6 +206,17 @@ def scan_batch(
         1
     """
     del path  # the hot path builds no strings; paths are for describe_rows
+    if type(batch) is Tensor and replace is None:  # the common case, without the walk
+        if not batch.is_floating_point():
+            return BatchScan(batch, [], [], batch_size if batch_size is not None else _lead(batch))
+        d = batch.detach() if batch.requires_grad else batch
+        value = d.sum(dtype=_F32) if d.dtype is _F16 else d.sum()
+        return BatchScan(
+            torch.nan_to_num(batch, 0.0, 0.0, 0.0) if clean else batch,
+            [value],
+            [batch],
+            batch_size if batch_size is not None else _lead(batch),
+        )
     items = top_items(batch) if target_keys else None
     if not items or not any(k in target_keys for k, _ in items):
         scanner = _Scanner(batch_size, replace, clean)

@@ -316,18 +316,18 @@ def test_hooks_are_removed_by_handle_exit_and_exception():
         return sum(len(m._forward_hooks) for m in model.modules())
 
     handle = monitor.attach()
-    assert hook_count() == len(monitor.names) == 6 and monitor.attached
+    assert hook_count() == len(monitor.names) == 5 and monitor.attached, "the root Sequential repeats '4'"
     with pytest.raises(RuntimeError, match="already attached"):
         monitor.attach()
     handle.remove()
     handle.remove()  # idempotent
     assert hook_count() == 0 and not monitor.attached
     with monitor.attach():
-        assert hook_count() == 6
+        assert hook_count() == 5
     assert hook_count() == 0
     with pytest.raises(ValueError, match="boom"):
         with monitor:
-            assert hook_count() == 6
+            assert hook_count() == 5
             raise ValueError("boom")
     assert hook_count() == 0, "hooks removed on exception"
     monitor.detach()  # no-op when not attached
@@ -335,8 +335,9 @@ def test_hooks_are_removed_by_handle_exit_and_exception():
 
 def test_include_exclude_and_disabled():
     model = mlp()
-    assert ActivationMonitor(model, exclude=["0"]).names == ("", "1", "2", "3", "4")
-    assert ActivationMonitor(model, exclude=["0"], skip_passthrough=True).names == ("", "2", "4")
+    assert ActivationMonitor(model, exclude=["0"]).names == ("1", "2", "3", "4")
+    assert ActivationMonitor(model, exclude=["4"]).names == ("", "0", "1", "2", "3"), "the root covers '4' now"
+    assert ActivationMonitor(model, exclude=["0"], skip_passthrough=True).names == ("2", "4")
     assert ActivationMonitor(model, include=["2", "4"]).names == ("2", "4")
     assert ActivationMonitor(model, include=["*"], exclude=["*"]).names == ()
     off = ActivationMonitor(model, enabled=False)
@@ -346,6 +347,17 @@ def test_include_exclude_and_disabled():
     assert sum(len(m._forward_hooks) for m in model.modules()) == 0
 
 
+def test_sequential_repeating_a_monitored_child_gets_no_hook():
+    inner = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    model = nn.Sequential(nn.Linear(4, 4), inner, nn.Sequential())
+    assert ActivationMonitor(model).names == ("0", "1.0", "1.1", "2"), "an empty Sequential is itself hooked"
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
+    assert ActivationMonitor(model).names == ("0", "1.0", "1.1"), "nested: both containers repeat '1.1'"
+    assert ActivationMonitor(model, exclude=["1.1"]).names == ("0", "1", "1.0"), "the inner one is needed, the root not"
+    model[1][1].register_forward_hook(inject(NAN))
+    assert run(model, torch.randn(2, 4)).module == "1.1"
+
+
 def test_order_is_recorded_once():
     model = mlp()
     monitor = ActivationMonitor(model)
@@ -353,7 +365,7 @@ def test_order_is_recorded_once():
         model(torch.randn(2, 4))
         monitor.reset()
         model[0](torch.randn(2, 4))  # a partial forward later does not change the recorded order
-        assert monitor.order == ("0", "1", "2", "3", "4", "")
+        assert monitor.order == ("0", "1", "2", "3", "4")
         assert monitor.calls == (("0", 0),)
 
 
