@@ -9,6 +9,7 @@ over the plain step's; the table gives the median over all rounds, the min-max o
 
 Variants: ``plain`` (zero_grad, forward, loss, backward, SGD step), ``eager`` and ``lazy``
 (safetrain's detectors composed as the guard composes them, one host read per step),
+``eager_skip`` (eager without hooks on pass-through modules such as ReLU and dropout),
 ``isnan_hooks`` (per-layer ``isnan().any()``/``isinf().any()`` hooks and a per-parameter norm
 loop, the usual hand-written check) and ``anomaly`` (``torch.autograd.detect_anomaly``).
 Add one with :func:`register_variant` (the guard and trainer will)::
@@ -144,10 +145,10 @@ def plain(s: Setup) -> Variant:
     return Variant(step)
 
 
-def _safetrain(s: Setup, eager: bool) -> Variant:
+def _safetrain(s: Setup, eager: bool, skip_passthrough: bool = False) -> Variant:
     """The detectors as the guard composes them: scan, hooks, fused grad check, one read."""
     model, x, y, opt, loss_fn = s.model, s.inputs, s.targets, s.optimizer, s.loss_fn
-    monitor = ActivationMonitor(model, enabled=eager)
+    monitor = ActivationMonitor(model, enabled=eager, skip_passthrough=skip_passthrough)
     grads = GradCheck(model)
     weights = WeightCheck(model, every=100)
     flags = StepFlags()
@@ -179,6 +180,12 @@ def _safetrain(s: Setup, eager: bool) -> Variant:
 @register_variant("eager")
 def eager(s: Setup) -> Variant:
     return _safetrain(s, eager=True)
+
+
+@register_variant("eager_skip")
+def eager_skip(s: Setup) -> Variant:
+    """Eager with ``skip_passthrough=True``: no hooks on ReLU, dropout, pooling, flatten."""
+    return _safetrain(s, eager=True, skip_passthrough=True)
 
 
 @register_variant("lazy")
