@@ -48,11 +48,13 @@ class SpikeDetector:
         """Return the evidence (median, sigma, z) when ``loss`` is a spike, else ``None``."""
         if not self.enabled or len(self._losses) < self.min_history or not math.isfinite(loss):
             return None
+        if loss < self.min_ratio * max(self._losses):  # the cheap test first: most steps end here
+            return None
         median = statistics.median(self._losses)
         mad = statistics.median(abs(x - median) for x in self._losses)
         sigma = max(1.4826 * mad, 0.01 * abs(median), 1e-12)
         z = (loss - median) / sigma
-        if z > self.zscore and loss >= self.min_ratio * max(self._losses):
+        if z > self.zscore:
             return {"loss": loss, "median": median, "sigma": sigma, "z": z, "threshold": self.zscore}
         return None
 
