@@ -108,6 +108,7 @@ class Guard:
         # trips, the newest snapshot is passed over on restore.
         self._unverified = False
         self._redo = False  # inside the re-run of an anomalous step: trained, but not healthy
+        self._grads_dropped = False  # set_to_none already done at the end of the last step
         self._skipped_micro = 0  # micro-batches of the step being skipped after a restore
         self._weight_flag: Optional[torch.Tensor] = None
         self.epoch_rng: Optional[torch.Tensor] = None  # torch RNG at the start of the current epoch
@@ -185,7 +186,9 @@ class Guard:
         return self._finish()
 
     def _start_step(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        if not self._grads_dropped:  # the first step, or a user who left gradients behind
+            self.optimizer.zero_grad(set_to_none=True)
+        self._grads_dropped = False
         self._pending = Pending()
         self.monitor.reset()
         self.replayer.begin_step()
@@ -340,12 +343,14 @@ class Guard:
         if self.scheduler is not None:
             self._step_scheduler()
         self.optimizer.zero_grad(set_to_none=True)
+        self._grads_dropped = True  # the next step need not zero them again
 
     def _drop_grads(self) -> None:
         """Drop this step's gradients; the scaler is told so it starts clean (its scale is kept)."""
         if self.scaler is not None:
             self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
+        self._grads_dropped = True
 
     def _not_applied(self) -> None:
         """The step's update is not applied: drop the gradients, count it, and step the scheduler
