@@ -71,6 +71,12 @@ class QuarantineSampler(Sampler[int]):
         return new
 
 
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def read_quarantine(path: Union[str, os.PathLike]) -> List[int]:
     """The dataset indices in a ``quarantine.json`` (an empty list when the file does not exist).
 
@@ -120,6 +126,13 @@ class QuarantineKeeper:
 
     def __init__(self, sampler: Any, run_dir: Optional[Path], emit: Any) -> None:
         self.sampler = sampler if isinstance(sampler, QuarantineSampler) else None
+        if self.sampler is not None and _world_size() > 1:
+            # Each rank would skip its own samples and run a different number of batches: the
+            # first collective after the shortest epoch would wait for ever.
+            raise SafetrainError(
+                "QuarantineSampler under torch.distributed (world size > 1) is not supported yet: ranks "
+                "would run different numbers of batches and hang; use it in single-process runs"
+            )
         self.path = run_dir / "quarantine.json" if run_dir is not None else None
         self.emit = emit
         self._skipped_seen = 0
