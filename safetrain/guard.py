@@ -252,14 +252,14 @@ class Guard:
             flags.put("found_inf", sum(per_device.values()) if per_device else None)
             flags.put("scale", self.scaler._scale)
         grads = self.grads.run()
-        flags.put("loss", p.loss / len(p.micro))
+        flags.put("loss", p.loss)  # the sum over micro-batches; the mean is taken on the host
         flags.put("grad_norms", grads.norm_list if grads is not None else None)
         flags.put("input", p.input_values)
         flags.put("target", p.target_values)
         flags.put("forward", self.monitor.records)
         flags.put("weights", self._weight_flag)
         read = flags.read()  # host sync: the one per step (flags, loss and norms together)
-        self.last_loss = read.loss if read.loss is not None else math.nan
+        self.last_loss = read.loss / len(p.micro) if read.loss is not None else math.nan
         self.last_grad_norm = read.total_norm if read.total_norm is not None else math.nan
         self._read = read
         return self._decide(read)
@@ -295,7 +295,7 @@ class Guard:
             if finding is not None:
                 return "forward", {"finding": finding}
         if read.loss_tripped:
-            return "loss", {"finding": detect.LossFinding(kind="loss", value=read.loss, **self._where())}
+            return "loss", {"finding": detect.LossFinding(kind="loss", value=self.last_loss, **self._where())}
         found_inf = read.extra.get("found_inf", (0.0,))[0]
         if self.scaler is not None and found_inf:
             self._overflows += 1

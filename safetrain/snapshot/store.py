@@ -23,7 +23,7 @@ from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union
 import torch
 
 from ..errors import ConfigError, SnapshotError
-from .base import CorruptSnapshotError, SnapshotInfo, SnapshotStore, make_info
+from .base import SnapshotInfo, SnapshotStore, make_info
 from .fileformat import FileWriter, checksum, read_header, read_tensors
 from .memory import MemoryStore
 from .state import Captured, TrainState, validate_meta
