@@ -110,6 +110,11 @@ def _nonfinite(tensors: Sequence[Any]) -> bool:
     return any(not bool(torch.isfinite(t).all()) for t in floats)  # host sync: replay only
 
 
+# Ops whose output is uninitialised memory: whatever bits it holds (NaN included) mean nothing yet.
+_UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                            "empty_permuted", "resize_", "resize_as_"})
+
+
 class first_nonfinite_op(TorchDispatchMode):
     """A dispatch mode that records the first op whose output is non-finite while its inputs are finite.
 
@@ -124,10 +129,11 @@ class first_nonfinite_op(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if self.op is None:
+        if self.op is None and func.overloadpacket.__name__ not in _UNINITIALISED:
             outs, _ = tree_flatten(out)
             if _nonfinite(outs):
-                ins, _ = tree_flatten((args, kwargs or {}))
+                given = {k: v for k, v in (kwargs or {}).items() if k != "out"}  # out= is written, not read
+                ins, _ = tree_flatten((args, given))
                 if not _nonfinite(ins):
                     self.op = str(func)
                     frames = _user_frames(traceback.extract_stack()[:-1])

@@ -90,6 +90,30 @@ def test_log_of_zero_in_the_loss_names_the_op_and_the_user_line():
     assert d["bad_rows"] == [2], "bisection finds the row with target 2"
 
 
+def test_uninitialised_memory_is_not_blamed_for_a_nan():
+    """``empty_like`` returns whatever bits the allocator reused, NaN included (CI once replayed a
+    healthy CNN step as "reproducible: aten.empty_like"). The op's output must not count, and an
+    ``out=`` buffer is written by the op, not read. The allocator is made deterministic here by an
+    op that behaves like ``empty_like`` on recycled NaN memory."""
+    from safetrain.replay import first_nonfinite_op
+
+    x = torch.ones(4)
+    recycled = torch.full_like(x, math.nan)  # made outside the mode
+
+    class RecycledEmpty:
+        overloadpacket = torch.ops.aten.empty_like
+
+        def __call__(self, x, **kwargs):
+            return recycled
+
+    with first_nonfinite_op() as mode:
+        buf = mode.__torch_dispatch__(RecycledEmpty(), (), (x,))
+        torch.add(x, x, out=buf)  # fills the buffer: finite
+        torch.log(x - 1.0)  # log(0) = -inf: the first real non-finite op
+    assert torch.isfinite(buf).all()
+    assert mode.op == "aten.log.default", mode.op
+
+
 def test_one_call_fault_is_transient_and_deterministic_fault_reproducible():
     transient = mlp()
     FaultAt(transient[1], calls=[4])
