@@ -133,19 +133,101 @@ def test_one_call_fault_is_transient_and_deterministic_fault_reproducible():
     assert verdicts == {"transient": ("retry", False), "persistent": ("skip_batch", True)}
 
 
-def test_bisection_finds_exactly_the_poisoned_rows_and_counts_passes():
-    torch.manual_seed(0)
-    model = mlp()
-    x, y = regression_data(n=64).tensors
-    y = y.clone()
-    y[5] = 3e38  # finite targets whose squared error overflows: the sanitizer cannot see them
-    y[41] = -3e38
+def _diagnose_rows(model, x, y):
     opt = torch.optim.SGD(model.parameters(), lr=0.02)
     result = SafeTrainer(model, opt, load_config(None, LAZY), loss_fn=F.mse_loss).fit([(x, y)])
-    d = next(e for e in result.events if e.name == "anomaly").detail["diagnosis"]
-    assert d["bad_rows"] == [5, 41]
-    # (d + 1) log2 B for d = 2 bad rows, the last pass confirming that no third one is left.
-    assert 0 < d["forward_passes"] <= 2 * math.log2(64) + 3, d["forward_passes"]
+    return next(e for e in result.events if e.name == "anomaly").detail["diagnosis"]
+
+
+@pytest.mark.parametrize("rows, max_passes", [
+    ([5, 41], 2 * math.log2(64) + 2),  # the issue's case: the train-mode replay stands for the first test
+    ([63], math.log2(64) + 1),  # every left half clean: the row reached is tested once to be sure
+    ([0], math.log2(64) + 1),
+    ([1, 20, 50], 3 * math.log2(64) + 3),
+])
+def test_bisection_finds_exactly_the_poisoned_rows_and_counts_passes(rows, max_passes):
+    torch.manual_seed(0)
+    x, y = regression_data(n=64).tensors
+    y = y.clone()
+    y[rows] = 3e38  # finite targets whose squared error overflows: the sanitizer cannot see them
+    d = _diagnose_rows(mlp(), x, y)
+    assert d["bad_rows"] == rows
+    assert 0 < d["forward_passes"] <= max_passes, d["forward_passes"]
+
+
+def test_bisection_reports_no_row_when_the_batch_is_bad_in_train_mode_only():
+    """Batch statistics without eps on a feature that is constant over the batch: 0/0 in train mode,
+    finite in eval mode (where the bisection runs). The first search infers its way to the last row
+    without one bad test; that row is checked, and not reported."""
+
+    class BatchWhiten(torch.nn.Module):  # BatchNorm with eps=0 (which torch refuses) and no running stats
+        def forward(self, x):
+            return (x - x.mean(0)) / x.std(0) if self.training else x
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(BatchWhiten(), torch.nn.Linear(8, 1))
+    x, y = regression_data(n=64).tensors
+    x = x.clone()
+    x[:, 3] = 1.0
+    d = _diagnose_rows(model, x, y)
+    assert d["reproducible"] is True and d["bad_rows"] == [], d
+    assert "not per-sample separable" in d["note"]
+    assert d["forward_passes"] == math.log2(64) + 1
+
+
+@pytest.mark.parametrize("bad", [set(), {0}, {63}, {5, 41}, {1, 20, 50}, set(range(64))])
+def test_bad_rows_table(bad):
+    from safetrain.replay import bad_rows
+
+    calls = []
+
+    def test(rows):
+        calls.append(len(rows))
+        return bool(bad & set(rows))
+
+    found = bad_rows(64, test)
+    assert found == (sorted(bad) if bad else []), found
+    assert 64 not in calls, "the whole batch is never tested again"
+    assert len(calls) <= (len(bad) + 1) * math.log2(64) + 1, (bad, len(calls))
+
+
+def test_in_place_ops_that_poison_their_own_input_are_named():
+    from safetrain.replay import first_nonfinite_op
+
+    x = torch.ones(3)
+    with first_nonfinite_op() as mode:
+        x.mul_(1e30)  # finite
+        x.mul_(1e30)  # overflows into x itself
+    assert mode.op is not None and mode.op.startswith("aten.mul_."), mode.op
+    assert "test_replay.py" in mode.line, mode.line
+
+    p, a, b = [torch.ones(2)], [torch.ones(2)], [torch.zeros(2)]
+    with first_nonfinite_op() as mode:
+        torch._foreach_addcdiv_(p, a, b, value=1.0)  # 1/0: inf written into p itself
+    assert mode.op is not None and mode.op.startswith("aten._foreach_addcdiv_"), mode.op
+
+    model = torch.nn.Linear(4, 2)
+    model(torch.randn(3, 4)).sum().backward()
+    opt = torch.optim.SGD(model.parameters(), lr=math.inf, foreach=True)
+    with first_nonfinite_op() as mode:
+        opt.step()
+    assert mode.op is not None and mode.op.startswith("aten._foreach_add_"), mode.op
+
+    y = torch.full((2,), math.nan)
+    with first_nonfinite_op() as mode:
+        y.add_(1.0)  # already NaN: not this op's doing
+    assert mode.op is None
+
+
+def test_nonfinite_reads_the_host_once_for_many_tensors():
+    from safetrain.detect import count_host_syncs
+    from safetrain.replay import _nonfinite
+
+    tensors = [torch.ones(3) for _ in range(10)] + [torch.tensor([1.0, math.nan])]
+    with count_host_syncs() as syncs:
+        assert _nonfinite(tensors) is True
+        assert _nonfinite(tensors[:10]) is False
+    assert syncs.count == 2, syncs
 
 
 @pytest.mark.parametrize("mode", ["eager", "lazy"])
