@@ -161,7 +161,7 @@ class SafetensorsStore(SnapshotStore):
             sums = {name: checksum(t) for name, t in host.items()}
             writer.finish(sums)
             writer = None
-            os.replace(tmp, final)
+            self._publish(tmp, final)
             _fsync_dir(self.directory)
         except OSError as exc:
             raise SnapshotError(f"{final}: cannot write the snapshot: {exc.strerror or exc}") from None
@@ -173,6 +173,26 @@ class SafetensorsStore(SnapshotStore):
         self._rotate(step)
         log.debug("snapshot at step %d written to %s", step, final)
         return make_info(captured.meta, captured.tensors, final, final, copy=lambda n, t: t.clone())
+
+    def _publish(self, tmp: str, final: str) -> None:
+        """Rename ``tmp`` over ``final``; an older file of the same step is freed in the background.
+
+        A save at a step that already has a file (after a rollback) would otherwise free the old
+        file's blocks inside the rename: about 150 ms per 0.6 GB on a filesystem mounted with
+        `discard`. A second hard link keeps the old inode alive through the rename, and the worker
+        unlinks it; ``final`` names a whole file at every moment. Without hard links (some
+        filesystems), the rename frees it in place.
+        """
+        hidden = os.path.join(self.directory, f"{_TMP_PREFIX}removed-{uuid.uuid4().hex[:8]}-{os.path.basename(final)}")
+        try:
+            os.link(final, hidden)
+        except OSError:  # no file at that step (the usual case), or no hard links here
+            hidden = ""
+        try:
+            os.replace(tmp, final)
+        finally:
+            if hidden:
+                self._removals.append(self._pool.submit(self._remove, hidden))
 
     def _rotate(self, step: int) -> None:
         paths = self.paths()

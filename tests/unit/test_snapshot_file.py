@@ -68,6 +68,23 @@ def store_step(path: str) -> int:
     return int(os.path.basename(path)[len("snapshot-") : -len(".safetensors")])
 
 
+def test_a_save_at_an_existing_step_replaces_the_file(tmp_path):
+    """The old file is kept alive by a hidden link through the rename, then unlinked in the
+    background: the name always holds a whole file, and nothing is left over."""
+    state = _state()
+    with SafetensorsStore(tmp_path, keep=2) as store:
+        first = store.save(state, {"step": 5}).path
+        inode = os.stat(first).st_ino
+        _train(state)
+        weights = _weights(state)
+        assert store.save(state, {"step": 5}).path == first
+        assert os.stat(first).st_ino != inode, "a new file under the same name"
+        store.drain()
+        assert os.listdir(tmp_path) == ["snapshot-0000000005.safetensors"], "the hidden link is removed"
+        _train(state)
+        assert store.restore(state).step == 5 and _same(state, weights), "the second save is the one kept"
+
+
 def test_temporary_files_are_never_listed_and_are_cleaned(tmp_path):
     (tmp_path / ".tmp-snapshot-0000000005-123-abcd").write_bytes(b"half a snapsh")
     (tmp_path / "snapshot-0000000004.safetensors.corrupt").write_bytes(b"x")
