@@ -4,7 +4,8 @@ For a model of N float32 parameters with Adam state (3N floats in all), measures
 variants interleaved and their order rotated each round:
 
 * memory: ``MemoryStore.save`` (capture, finiteness check, copy into reused buffers) against a
-  raw ``torch._foreach_copy_`` of the same tensors into preallocated buffers (target >= 0.8);
+  raw ``torch._foreach_copy_`` of the same tensors into preallocated buffers (target >= 0.8),
+  with ``keep=2`` (the default: copy and check in one pass) and ``keep=1`` (check, then copy);
   the finiteness check alone is reported too, since on the CPU it is a full extra read;
 * save: ``SafetensorsStore.save`` (check, CRC32, write, fsync, rename) against ``torch.save``
   of the model and optimizer state dicts to a file, flushed and fsynced (target: not slower);
@@ -99,9 +100,12 @@ def report(title: str, nbytes: int, times: Dict[str, List[float]], pairs: List[t
 
 
 def bench_memory(state: TrainState, nbytes: int, n: int) -> None:
-    store = MemoryStore(keep=1)
+    # keep=2 (the default): with an older snapshot kept, copy and check are one pass.
+    # keep=1: the one snapshot must survive a refusal, so everything is checked before the copy.
+    store, single = MemoryStore(keep=2), MemoryStore(keep=1)
     counters = {"step": 1, "epoch": 0, "batch": 1}
-    store.save(state, counters)  # allocates the buffers once
+    for s in (store, store, single):
+        s.save(state, counters)  # allocates every slot's buffers once
     src = [p.detach() for p in state.model.parameters()]
     src += [t for s in state.optimizer.state.values() for t in s.values() if t.dim() > 0]
     dst = [torch.empty_like(t) for t in src]
@@ -111,12 +115,15 @@ def bench_memory(state: TrainState, nbytes: int, n: int) -> None:
         {
             "raw _foreach_copy_": lambda: torch._foreach_copy_(dst, src),
             "MemoryStore.save": lambda: store.save(state, counters),
+            "MemoryStore(keep=1).save": lambda: single.save(state, counters),
             "finiteness check alone": lambda: nonfinite(named),
         },
         n,
     )
-    report("memory snapshot", nbytes, times, [("MemoryStore.save", "raw _foreach_copy_", "memory / raw copy")])
+    report("memory snapshot", nbytes, times, [("MemoryStore.save", "raw _foreach_copy_", "memory / raw copy"),
+                                              ("MemoryStore(keep=1).save", "raw _foreach_copy_", "keep=1 / raw copy")])
     store.close()
+    single.close()
     del dst
 
 

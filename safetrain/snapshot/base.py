@@ -129,16 +129,24 @@ class SnapshotStore(abc.ABC):
         return self._save(state.capture(counters, extra, extra_tensors))
 
     @staticmethod
-    def _refused(captured: Any) -> bool:
-        """Run the finiteness check (one device-side pass, one host read); log and say if it failed."""
-        bad = nonfinite((n, captured.tensors[n]) for n in captured.checked)
+    def _refused(captured: Any, names: Optional[Iterable[str]] = None) -> bool:
+        """Run the finiteness check (one device-side pass, one host read); log and say if it failed.
+
+        ``names`` limits it to those tensors (default: every one that gates a snapshot).
+        """
+        bad = nonfinite((n, captured.tensors[n]) for n in (captured.checked if names is None else names))
         if bad:
-            more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
-            log.warning(
-                "snapshot refused at step %d: non-finite values in %s%s; keeping the previous snapshot",
-                captured.meta["counters"]["step"], ", ".join(bad[:5]), more,
-            )
+            SnapshotStore._warn_refused(captured, bad)
         return bool(bad)
+
+    @staticmethod
+    def _warn_refused(captured: Any, bad: List[str], lost: str = "") -> None:
+        """Log a refused snapshot, naming the non-finite tensors (and ``lost``, a snapshot it cost)."""
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        log.warning(
+            "snapshot refused at step %d: non-finite values in %s%s; keeping the previous snapshot%s",
+            captured.meta["counters"]["step"], ", ".join(bad[:5]), more, lost,
+        )
 
     def restore(self, state: Any, older: int = 0) -> SnapshotInfo:
         """Put the newest usable snapshot back into ``state`` (model, optimizer, scheduler, scaler, RNGs).

@@ -6,12 +6,20 @@ it is asynchronous (``non_blocking``; stream order keeps the next optimizer step
 buffer is reallocated only when the tensor it mirrors changed shape, dtype or device, or appeared
 (Adam creates its state on the first step). The JSON part is kept as JSON text, so a memory
 snapshot holds exactly what a file would and shares nothing with the live objects.
+
+A snapshot of non-finite state is refused and never becomes restorable. On the CPU, checking
+first and copying after reads every value twice; so when another snapshot is kept (``keep >= 2``
+after the first save), the slot being overwritten is given up for the check instead: float
+tensors are copied and checked in one pass (:func:`copy_checked_`), and a refusal leaves that
+slot empty and every other snapshot intact. Without another snapshot to fall back on, everything
+is checked before any buffer is touched.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Literal, Optional
 
@@ -20,11 +28,15 @@ import torch
 from ..errors import SnapshotError
 from .base import SnapshotInfo, SnapshotStore, make_info
 from .state import Captured, TrainState
-from .tensors import alloc_like, copy_all_, layout_of
+from .tensors import alloc_like, copy_all_, copy_checked_, layout_of, streamable
 
 __all__ = ["MemoryStore"]
 
 log = logging.getLogger("safetrain")
+
+# Threads for the one-pass copy and check: torch's intra-op thread count, at most this many.
+# Memory bandwidth is usually saturated well before; more threads would queue on the GIL.
+_MAX_THREADS = 8
 
 
 @dataclass
@@ -75,28 +87,45 @@ class MemoryStore(SnapshotStore):
         self.device = device
         self._slots: List[_Slot] = [_Slot(i) for i in range(keep)]
         self._seq = 0
+        self._pool: Optional[ThreadPoolExecutor] = None  # started by the first one-pass copy, if threads > 1
 
     def _target(self, t: torch.Tensor) -> torch.device:
         return torch.device("cpu") if self.device == "cpu" else t.device
 
     def _save(self, captured: Captured) -> Optional[SnapshotInfo]:
-        if self._refused(captured):  # before any buffer is touched: older snapshots stay intact
-            return None
         slot = min(self._slots, key=lambda s: s.seq)  # the empty or oldest slot
         meta_json = json.dumps(captured.meta, separators=(",", ":"), allow_nan=False)
-        slot.meta_json = None  # not restorable while its buffers are overwritten
-        dst, src = [], []
+        # Another snapshot survives whatever happens to this slot: check while copying (see above).
+        fallback = any(s.meta_json is not None for s in self._slots if s is not slot)
+        tensors = captured.tensors
+        streamed = {n for n in captured.checked if fallback and streamable(tensors[n], self._target(tensors[n]))}
+        if self._refused(captured, [n for n in captured.checked if n not in streamed]):
+            return None  # before any buffer is touched: older snapshots stay intact
+        lost = f"; {self._slot_name(slot)} was being overwritten and is dropped" if slot.meta_json else ""
+        slot.meta_json, slot.seq = None, -1  # not restorable while its buffers are overwritten
+        dst, src, checked_copies = [], [], []
         for name, t in captured.tensors.items():
             target = self._target(t)
             buf = slot.buffers.get(name)
             if buf is None or not _fits(buf, t, target):
                 buf = slot.buffers[name] = alloc_like(t, target)
             slot.homes[name] = t.device
-            dst.append(buf)
-            src.append(t)
+            if name in streamed:
+                checked_copies.append((name, buf, t))
+            else:
+                dst.append(buf)
+                src.append(t)
         for name in set(slot.buffers) - set(captured.tensors):
             del slot.buffers[name], slot.homes[name]
         copy_all_(dst, src)
+        if checked_copies:
+            threads = min(torch.get_num_threads(), _MAX_THREADS)
+            if threads > 1 and self._pool is None:
+                self._pool = ThreadPoolExecutor(_MAX_THREADS - 1, thread_name_prefix="safetrain-memory-snapshot")
+            bad = copy_checked_(checked_copies, self._pool, threads)
+            if bad:
+                self._warn_refused(captured, bad, lost)
+                return None  # the slot stays empty: its buffers hold the non-finite copy
         slot.meta_json, slot.seq = meta_json, self._seq
         self._seq += 1
         log.debug("memory snapshot at step %d in slot %d", captured.meta["counters"]["step"], slot.index)
@@ -133,6 +162,9 @@ class MemoryStore(SnapshotStore):
         slot.meta_json, slot.seq = None, -1
 
     def _close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         for slot in self._slots:
             slot.buffers.clear()
             slot.homes.clear()

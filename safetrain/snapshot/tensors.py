@@ -6,16 +6,26 @@ whenever the tensor holds a NaN or an Inf (a sum of squares for float32/float64,
 for half types), all stacked and read together. Such a reduction can also overflow on huge
 finite values; the few tensors it flags are then checked exactly with ``isfinite`` so an
 overflow is never mistaken for a NaN.
+
+On the CPU that check is a second full read of memory next to the copy. :func:`copy_checked_`
+does both in one pass instead: chunk by chunk, each chunk is checked right after it is copied,
+while it is still in the core's L2 cache, on several threads (numpy's copy and BLAS dot release
+the GIL). It writes before it knows, so a store uses it only where a refused copy may be dropped.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
-from typing import Dict, Iterable, List, Sequence, Tuple
+from concurrent.futures import Executor
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
-__all__ = ["nonfinite", "alloc_like", "layout_of", "copy_all_", "byte_view", "is_cuda_available"]
+__all__ = [
+    "nonfinite", "alloc_like", "layout_of", "copy_all_", "copy_checked_", "streamable", "byte_view", "is_cuda_available",
+]
 
 _FAST_DOT = (torch.float32, torch.float64)
 
@@ -68,6 +78,79 @@ def nonfinite(named: Iterable[Tuple[str, torch.Tensor]]) -> List[str]:
         suspects.extend((name, t) for (name, t, _), good in zip(items, ok) if not good)
     # Only flagged tensors get the exact (allocating) check; an overflowed probe is not a NaN.
     return [name for name, t in suspects if not bool(torch.isfinite(t).all())]
+
+
+# Per copy-and-check step. 256-512 KiB measured best on a 2-core Xeon (2 MiB L2 per core): small
+# enough that a chunk is still cached when it is checked, large enough that the ~3 us of Python per
+# chunk stays small next to the copy. 1 MiB chunks measured 8% slower, 128 KiB 10% slower.
+_CHUNK_BYTES = 256 * 2**10
+
+
+def streamable(src: torch.Tensor, device: torch.device) -> bool:
+    """Whether :func:`copy_checked_` can copy ``src`` into an :func:`alloc_like` buffer on ``device``:
+    a dense float32/float64 tensor, CPU to CPU."""
+    return src.device.type == "cpu" and device.type == "cpu" and src.dtype in _FAST_DOT and src.is_contiguous()
+
+
+def copy_checked_(
+    named: Sequence[Tuple[str, torch.Tensor, torch.Tensor]], pool: Optional[Executor] = None, threads: int = 1
+) -> List[str]:
+    """Copy each ``src`` into its ``dst`` and say which held a NaN or an Inf, in one pass over memory.
+
+    Each tensor is cut into chunks; a chunk is copied and then checked with a BLAS dot of the
+    copy with itself while it is cache-hot, so the check costs no second read from memory. The
+    chunks are dealt round-robin to ``threads`` threads: the caller's and ``threads - 1`` from
+    ``pool``. A chunk whose dot is not finite is re-checked exactly (a sum of squares of huge
+    finite values overflows), so there are no false alarms.
+
+    Every ``dst`` is written before the answer is known: use it only where a copy found
+    non-finite can be thrown away.
+
+    Args:
+        named: ``(name, dst, src)`` triples: ``src`` one that :func:`streamable` accepts, ``dst``
+            a contiguous CPU tensor of the same shape and dtype.
+        pool: runs the other threads' shares; needed when ``threads > 1``.
+        threads: how many threads share the work (the caller's included).
+
+    Returns:
+        The names whose ``src`` holds a NaN or an Inf, in input order; empty when all are finite.
+
+    Example::
+
+        >>> src, dst = torch.tensor([1.0, float("inf")]), torch.empty(2)
+        >>> copy_checked_([("w", dst, src)])
+        ['w']
+        >>> dst
+        tensor([1., inf])
+    """
+    tasks: List[Tuple[int, np.ndarray, np.ndarray, int, int]] = []
+    for i, (_, dst, src) in enumerate(named):
+        d, s = dst.detach().view(-1).numpy(), src.detach().view(-1).numpy()
+        step = max(1, _CHUNK_BYTES // d.itemsize)
+        tasks.extend((i, d, s, lo, lo + step) for lo in range(0, d.size, step))
+    threads = max(1, threads) if pool is not None else 1
+    futures = [pool.submit(_copy_check, tasks[k::threads]) for k in range(1, threads)]
+    try:
+        flagged = _copy_check(tasks[::threads])
+    finally:
+        flagged_elsewhere = [future.result() for future in futures]  # also waits if the caller's share raised
+    for more in flagged_elsewhere:
+        flagged += more
+    # Only flagged chunks get the exact (allocating) check; an overflowed dot is not a NaN.
+    bad = {i for i, d, lo, hi in flagged if not np.isfinite(d[lo:hi]).all()}
+    return [named[i][0] for i in sorted(bad)]
+
+
+def _copy_check(share: Sequence[Tuple[int, np.ndarray, np.ndarray, int, int]]) -> List[Tuple[int, np.ndarray, int, int]]:
+    """Copy and probe one thread's chunks; the chunks whose probe is not finite."""
+    flagged = []
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflowing probe is expected, not an error
+        for i, d, s, lo, hi in share:
+            chunk = d[lo:hi]
+            np.copyto(chunk, s[lo:hi])
+            if not math.isfinite(np.dot(chunk, chunk)):
+                flagged.append((i, d, lo, hi))
+    return flagged
 
 
 def alloc_like(src: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -6,6 +6,7 @@ import copy
 import logging
 import os
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -14,6 +15,8 @@ from torch import nn
 
 from safetrain.errors import SnapshotError
 from safetrain.snapshot import MemoryStore, SafetensorsStore, SnapshotInfo, TrainState
+from safetrain.snapshot import memory as snapshot_memory
+from safetrain.snapshot import tensors as snapshot_tensors
 
 OPTIMIZERS = {
     "sgd_momentum": lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4),
@@ -212,6 +215,81 @@ def test_huge_finite_values_are_not_refused():
         state.model[0].weight.fill_(1e30)
         state.model[0].bias.fill_(-6e4)
     assert MemoryStore(keep=1).save(state, {"step": 0}) is not None
+
+
+# -- one-pass copy and check (memory store with another snapshot to fall back on) ------------
+
+def _poison_at(t: torch.Tensor, where: str, value: float) -> None:
+    flat = t.detach().view(-1)
+    flat[{"first": 0, "middle": flat.numel() // 2, "last": -1}[where]] = value
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_copy_checked_finds_every_nonfinite_value(value, where, threads, monkeypatch):
+    monkeypatch.setattr(snapshot_tensors, "_CHUNK_BYTES", 64)  # 16 floats: many chunks per tensor
+    torch.manual_seed(0)
+    src = [torch.randn(100), torch.randn(7, 9, dtype=torch.float64), torch.randn(0), torch.randn(33)]
+    _poison_at(src[1], where, value)
+    _poison_at(src[3], where, value)
+    dst = [torch.full_like(t, 7.0) for t in src]
+    with ThreadPoolExecutor(2) as pool:
+        bad = snapshot_tensors.copy_checked_(list(zip("abcd", dst, src)), pool, threads)
+    assert bad == ["b", "d"], f"{value} at the {where} element, {threads} threads"
+    for d, t in zip(dst, src):
+        assert torch.equal(d.view(torch.uint8), t.view(torch.uint8)), "copied bitwise, poisoned or not"
+
+
+def test_copy_checked_does_not_flag_huge_finite_values():
+    src = torch.full((1000,), 1e30)  # the dot of a chunk overflows to inf; the exact re-check clears it
+    assert snapshot_tensors.copy_checked_([("w", torch.empty_like(src), src)]) == []
+
+
+@pytest.mark.parametrize("what", ["a weight's last element", "exp_avg_sq's last element"])
+def test_refused_one_pass_snapshot_keeps_the_newer_one(what, monkeypatch, caplog):
+    """keep=2 with both slots full: the oldest slot is overwritten while checked; a refusal drops
+    it, never makes the poisoned copy restorable, and the newer snapshot restores exactly."""
+    monkeypatch.setattr(snapshot_tensors, "_CHUNK_BYTES", 64)
+    state = _setup("adam", False, "none")
+    _train(state, 1)
+    with MemoryStore(keep=2) as store:
+        store.save(state, {"step": 1})
+        _train(state, 1)
+        store.save(state, {"step": 2})
+        rec = _record(state)
+        _train(state, 1)
+        if what.startswith("a weight"):
+            _poison_at(state.model[4].weight, "last", float("nan"))
+        else:
+            _poison_at(_adam_state(state, "exp_avg_sq"), "last", float("inf"))
+        with caplog.at_level(logging.WARNING, logger="safetrain"):
+            assert store.save(state, {"step": 3}) is None, what
+        assert "refused" in caplog.text and "step 1 (slot 0) was being overwritten" in caplog.text, caplog.text
+        assert len(store) == 1 and store.latest().step == 2, "the poisoned copy is not a snapshot"
+        assert store.restore(state).step == 2
+        assert_state_equal(state, rec, what)
+        assert store.save(state, {"step": 4}) is not None, "the emptied slot is used again"
+        assert store.latest().step == 4 and len(store) == 2
+        assert store.restore(state, older=1).step == 2
+
+
+@pytest.mark.parametrize("keep,saves", [(1, 1), (2, 0)])
+def test_without_a_fallback_the_check_comes_before_the_copy(keep, saves, monkeypatch):
+    """keep=1, or the first save: nothing else would survive, so nothing is overwritten."""
+    monkeypatch.setattr(snapshot_memory, "copy_checked_", None)  # this path must not use it
+    state = _setup("adam", False, "none")
+    _train(state, 1)
+    with MemoryStore(keep=keep) as store:
+        for step in range(saves):
+            store.save(state, {"step": step})
+        rec = _record(state)
+        _poison_at(state.model[0].weight, "last", float("nan"))
+        assert store.save(state, {"step": 9}) is None
+        assert len(store) == saves
+        if saves:
+            assert store.restore(state).step == 0
+            assert_state_equal(state, rec, f"keep={keep}")
 
 
 # -- misuse ----------------------------------------------------------------------------------
