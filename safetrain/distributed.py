@@ -371,7 +371,8 @@ class _AgreedReplayer:
 
     A rank whose own data was clean replays a finite step: on its own it would call the fault
     transient and retry while the others take the ladder. Here the fault is reproducible if it
-    reproduced on any rank; an error in some rank's replay is raised on every rank.
+    reproduced on any rank, and a ``weights`` fault if some rank's parameters were non-finite
+    before the step; an error in some rank's replay is raised on every rank.
     """
 
     def __init__(self, inner: Any, sync: DistributedSync, model: torch.nn.Module) -> None:
@@ -388,20 +389,25 @@ class _AgreedReplayer:
         setattr(self._inner, name, value)
 
     def replay(self, *args: Any, **kwargs: Any) -> Any:
-        """Replay locally, then agree: reproducible if it reproduced on some rank."""
+        """Replay locally, then agree: reproducible if it reproduced on some rank, a ``weights``
+        fault if some rank's parameters were non-finite before the step."""
         diagnosis, error = None, None
         try:
             with local(self._model):
                 diagnosis = self._inner.replay(*args, **kwargs)
         except Exception as exc:  # re-raised below, after every rank has voted
             error = exc
-        votes = self._sync.gather_int(2 if error is not None else int(bool(diagnosis.reproducible)))
+        vote = 4 if error is not None else int(bool(diagnosis.reproducible)) | (2 if diagnosis.kind == "weights" else 0)
+        votes = self._sync.gather_int(vote)
         if error is not None:
             raise error
-        if 2 in votes:
-            raise RuntimeError(f"the replay failed on rank(s) {[r for r, v in enumerate(votes) if v == 2]}; "
+        if 4 in votes:
+            raise RuntimeError(f"the replay failed on rank(s) {[r for r, v in enumerate(votes) if v == 4]}; "
                                "see their log")
-        if any(votes) and not diagnosis.reproducible:
+        if any(v & 2 for v in votes) and diagnosis.kind != "weights":
+            diagnosis = dataclasses.replace(diagnosis, reproducible=True, kind="weights", note="non-finite "
+                                            f"parameters on rank(s) {[r for r, v in enumerate(votes) if v & 2]}")
+        elif any(votes) and not diagnosis.reproducible:
             diagnosis = dataclasses.replace(diagnosis, reproducible=True,
                                             note=f"reproduced on rank(s) {[r for r, v in enumerate(votes) if v]}")
         return diagnosis

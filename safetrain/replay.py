@@ -12,7 +12,9 @@ settings, with
   ``LogBackward0``, and the forward traceback that created it),
 
 then tells a **reproducible** fault from a **transient** one (the replay is finite) and, when the
-loss is per-sample separable, bisects the batch to the rows that make it non-finite. The replay
+loss is per-sample separable, bisects the batch to the rows that make it non-finite. Parameters
+that are already non-finite before the step are a ``weights`` fault: the step only shows it, so
+the diagnosis says so and :mod:`safetrain.replay_weights` replays the steps before it. The replay
 leaves training exactly as it was: gradients, buffers, the model's mode and every RNG stream
 are put back.
 """
@@ -28,7 +30,7 @@ import time
 import traceback
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -37,7 +39,7 @@ from torch.utils._pytree import tree_flatten
 from .detect import ActivationMonitor, drop_rows, iter_tensors
 from .events import jsonable
 
-__all__ = ["Diagnosis", "Replayer", "bad_rows", "first_nonfinite_op"]
+__all__ = ["Diagnosis", "Replayer", "bad_rows", "first_nonfinite_op", "nonfinite_names"]
 
 logger = logging.getLogger("safetrain")
 _LIBS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)), "<frozen ", "/contextlib.py")
@@ -48,7 +50,15 @@ class Diagnosis:
     """What a replay found.
 
     Attributes:
-        reproducible: the replay was non-finite again (``False``: a transient fault).
+        reproducible: the replay was non-finite again (``False``: a transient fault; for a
+            ``weights`` fault: the steps replayed from the snapshot stayed finite, so the weights
+            were changed outside the training step).
+        kind: ``"weights"`` when the fault is in the parameters: non-finite before the step, or
+            a weight replay; ``None`` for a fault of the step itself.
+        nonfinite_weights: the non-finite parameters (before the step, or after the replayed
+            step that made them so).
+        weights_step: the step (global step number) whose update first made a weight non-finite
+            in a weight replay.
         module: the first module (qualified name) whose output was non-finite, ``None`` if none.
         module_type: its class name.
         call_index: which call of that module.
@@ -65,6 +75,9 @@ class Diagnosis:
     """
 
     reproducible: bool
+    kind: Optional[str] = None
+    nonfinite_weights: Tuple[str, ...] = ()
+    weights_step: Optional[int] = None
     module: Optional[str] = None
     module_type: Optional[str] = None
     call_index: Optional[int] = None
@@ -85,6 +98,8 @@ class Diagnosis:
 
     def describe(self) -> str:
         """One line: where it started and whether it reproduces."""
+        if self.kind == "weights":
+            return self._describe_weights()
         if not self.reproducible:
             return "transient: the replay from the same state was finite"
         parts = []
@@ -100,18 +115,55 @@ class Diagnosis:
             parts.append(f"bad rows {list(self.bad_rows)} ({self.forward_passes} forward passes)")
         return "reproducible: " + ("; ".join(parts) or "non-finite again")
 
+    def _describe_weights(self) -> str:
+        names = ", ".join(self.nonfinite_weights[:5]) or "parameters"
+        if self.weights_step is not None:
+            op = f" by {self.op}" + (f" at {self.op_line}" if self.op_line else "") if self.op else ""
+            return f"weights: the update of step {self.weights_step} made {names} non-finite{op}"
+        if not self.reproducible:
+            return f"transient: {self.note}"
+        return f"weights: {names} non-finite" + (f" ({self.note})" if self.note else "")
+
 
 def _user_frames(stack: Sequence[traceback.FrameSummary]) -> List[str]:
     return [f"{f.filename}:{f.lineno} in {f.name}" for f in stack if not f.filename.startswith(_LIBS)]
 
 
+def _finite(tensors: Sequence[torch.Tensor]) -> List[bool]:
+    """Whether each tensor is all finite: one reduction per tensor, one host read per device."""
+    by_device: Dict[torch.device, List[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    finite = [True] * len(tensors)
+    for where in by_device.values():
+        flags = torch.stack([torch.isfinite(tensors[i].detach()).all() for i in where]).tolist()  # host sync: replay only
+        for i, ok in zip(where, flags):
+            finite[i] = ok
+    return finite
+
+
 def _nonfinite(tensors: Sequence[Any]) -> bool:
-    """Whether some floating tensor holds NaN/Inf: one reduction per tensor, one host read per device."""
-    by_device: Dict[torch.device, List[torch.Tensor]] = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
-            by_device.setdefault(t.device, []).append(torch.isfinite(t).all())
-    return not all(bool(torch.stack(flags).all()) for flags in by_device.values())  # host sync: replay only
+    """Whether some floating tensor holds NaN/Inf (one host read per device)."""
+    floats = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+    return not all(_finite(floats))
+
+
+def nonfinite_names(named: Iterable[Tuple[str, torch.Tensor]]) -> Tuple[str, ...]:
+    """The names of the tensors that hold NaN/Inf, in order: one host read per device (slow path).
+
+    Args:
+        named: ``(name, tensor)`` pairs, such as ``model.named_parameters()``.
+
+    Returns:
+        The names of the non-finite floating tensors.
+
+    Example::
+
+        >>> nonfinite_names([("a", torch.ones(2)), ("b", torch.tensor([float("nan")]))])
+        ('b',)
+    """
+    pairs = [(n, t) for n, t in named if t.is_floating_point() and t.numel()]
+    return tuple(n for (n, _), ok in zip(pairs, _finite([t for _, t in pairs])) if not ok)
 
 
 # Ops whose output is uninitialised memory: whatever bits it holds (NaN included) mean nothing yet.
@@ -179,6 +231,11 @@ class Replayer:
         """Replays are on and the budget is not spent."""
         return bool(self.cfg.enabled) and self.used < self.cfg.max_per_run
 
+    @property
+    def rng_state(self) -> Optional[Tuple[torch.Tensor, List[torch.Tensor]]]:
+        """The (CPU, CUDA) RNG states the current step started from; ``None`` with replays off."""
+        return self._rng
+
     def begin_step(self) -> None:
         """Keep the RNG state this step starts from (a host-side copy, no device sync)."""
         if self.cfg.enabled:
@@ -216,6 +273,11 @@ class Replayer:
         """
         self.used += 1
         started = time.perf_counter()
+        weights = nonfinite_names(self.model.named_parameters())
+        if weights:  # an earlier update (or code outside the step) broke them: this step only shows it
+            return Diagnosis(reproducible=True, kind="weights", nonfinite_weights=weights,
+                             seconds=time.perf_counter() - started,
+                             note="parameters were non-finite before the step")
         found: Dict[str, Any] = {}
         with self._as_before():
             for k, batch in enumerate(micro):
