@@ -8,8 +8,9 @@ value in call order names the deepest module where it appeared. Modules that can
 inputs into NaN/Inf (:data:`~safetrain.detect.hooks.PASSTHROUGH`: ReLU, dropout, pooling,
 flatten...) are never the origin of a real fault, so ``skip_passthrough=True`` leaves them out:
 reducing a fresh activation is memory-bound (about 50 us for 512 KB in a step here), and this
-halves the hook cost of an MLP or a CNN. It is off by default, because a fault forced into such a
-module's output (a test's injection hook) would then be named at the next module. An exact
+halves the hook cost of an MLP or a CNN. The constructor's default is off (every module hooked);
+the engine follows ``detect.skip_passthrough`` (on by default). The price: a fault forced into
+such a module's output (a test's injection hook) is named at the next monitored module. An exact
 ``nn.Sequential`` returns its last child's output object: when that child is monitored the
 container gets no hook of its own (it could only repeat the child's value).
 
@@ -147,11 +148,13 @@ class ActivationMonitor:
         Args:
             model: the model.
             cfg: the ``detect`` section.
-            kwargs: other keyword arguments of the constructor (``skip_passthrough``).
+            kwargs: other keyword arguments of the constructor (``skip_passthrough`` overrides
+                ``detect.skip_passthrough``).
 
         Returns:
             An (unattached) monitor.
         """
+        kwargs.setdefault("skip_passthrough", cfg.skip_passthrough)
         return cls(model, cfg.include, cfg.exclude, cfg.nan_only, enabled=cfg.mode == "eager", **kwargs)
 
     @property

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,12 +77,12 @@ def test_layer_emits_nan_once_one_step_fault_matches_clean_run(replay):
     assert full_loss(clean_model) < 0.05 * full_loss(mlp()), "the clean run converges"
 
     def poison(model, opt):
-        poison.fault = FaultAt(model[1], calls=[9])
+        poison.fault = FaultAt(model[0], calls=[9])
 
     result, model, _ = fit([f"detect.replay.enabled={replay}"], setup=poison, epochs=3)
     found = anomalies(result)
     event = next(e for e in result.events if e.kind == "forward")
-    assert event.detail["finding"]["module"] == "1", event.detail
+    assert event.detail["finding"]["module"] == "0", event.detail
     if replay:  # the replay from the same state is finite: transient, retried once, not skipped
         assert found == [("forward", "retry")], found
         assert event.detail["diagnosis"]["reproducible"] is False
@@ -214,3 +215,15 @@ def test_journal_and_result_agree(tmp_path):
     for key in ("steps", "healthy_steps", "skipped_batches", "restores"):
         assert summary[key] == getattr(result, key), key
     assert sum(1 for l in lines if l["event"] == "anomaly") == summary["skipped_batches"] == 1
+
+
+def test_passthrough_modules_are_unhooked_by_default_and_hooked_in_strict():
+    """A Tanh cannot turn finite inputs into NaN/Inf: the default config leaves it unhooked
+    (cheaper eager mode), configs/strict.yaml hooks every module for debugging."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Guard(model, opt, load_config(None, ["log.progress=false"]), loss_fn=F.mse_loss) as guard:
+        assert guard.monitor.names == ("0", "2")
+    strict = load_config(Path(__file__).parents[2] / "configs" / "strict.yaml", ["log.progress=false"])
+    with Guard(model, opt, strict, loss_fn=F.mse_loss) as guard:
+        assert guard.monitor.names == ("0", "1", "2")
