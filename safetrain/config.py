@@ -79,6 +79,10 @@ class ReplayConfig:
     enabled: bool = _f(True, "replay a tripped step with full hooks and anomaly mode to name the layer, op and bad rows")
     max_per_run: int = _f(20, "at most this many replays in one run; later trips are journaled without a replay", ge=0)
     time_limit_s: float = _f(60.0, "give up a replay (and its bisection) after this many seconds", gt=0)
+    keep_steps: int = _f(
+        16, "keep the batches and LRs of up to this many updates after a snapshot, to replay a weights fault "
+        "to the update that broke it (0: off; those batches stay in memory)", ge=0,
+    )
 
 
 @dataclass(frozen=True)

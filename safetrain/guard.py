@@ -26,6 +26,7 @@ from .events import Aborted, AnomalyFound, Event, EventBus, LRChanged, Restored,
 from .lr import LRBackoff
 from .policy import Decision, History, decide, mark_last_skipped, observe_healthy, record_step
 from .replay import Diagnosis, Replayer
+from .replay_weights import WeightReplay
 from .spike import SpikeDetector
 from .steps import Counters, Pending, Phase, StepResult
 
@@ -97,6 +98,9 @@ class Guard:
         self._flags = detect.StepFlags()
         self.replayer = Replayer(model, self.monitor, c.detect.replay, autocast=self._autocast,
                                  loss_of=lambda batch: compute_loss(self.model, batch, self.loss_fn, self.step_fn))
+        self.weight_replay = WeightReplay(self.state, self._params, c.detect.replay, self.replayer,
+                                          prepare=self._scan_quiet, accumulate=c.guard.accumulate_steps,
+                                          clip=c.guard.clip_grad_norm)
         self._retrying = False
         self.phase = Phase.READY
         self._pending = Pending()
@@ -336,6 +340,7 @@ class Guard:
         clip = self.cfg.guard.clip_grad_norm
         if clip is not None and total is not None:
             self.grads.clip_(clip, total)
+        self.weight_replay.record(self.counters.steps, self._pending.micro, total)  # references only
         self.optimizer.step()
         if self.scaler is not None:
             self.scaler.update()
@@ -408,8 +413,13 @@ class Guard:
         if kind in _REPLAYED and self.replayer.enabled:
             diagnosis = self.diagnose()
             detail["diagnosis"] = diagnosis
-            if not diagnosis.reproducible and not self._retrying:
+            if diagnosis.kind == "weights":  # non-finite before the step: an earlier update broke them
+                finding = self.weights.finding(**self._where()) or diagnosis  # None: a DDP rank's own are finite
+                kind, detail = "weights", {"finding": finding, "step_replay": diagnosis}
+            elif not diagnosis.reproducible and not self._retrying:
                 return self._retry_transient(kind, detail)
+        if kind == "weights" and self.replayer.enabled:  # replayed from the snapshot; never retried
+            detail["diagnosis"] = self.weight_replay.replay(self.store)
         decision, self.history = decide(kind, self.history, self.cfg.recovery, self.cfg.sanitize)
         if kind in ("input", "target") and decision.action != "abort":
             return self._bad_rows(kind, decision, detail)
@@ -544,6 +554,7 @@ class Guard:
             self.store.discard_newest()
         self._unverified = False
         info = self.store.restore(self.state)
+        self.weight_replay.clear(info.step)
         self.backoff.load_state_dict({"unscaled": info.extra["lr"]["unscaled"]})
         self.counters.restores += 1
         self._since_snapshot = 0
@@ -587,6 +598,7 @@ class Guard:
                                extra_tensors=tensors)
         if info is not None:
             self._unverified = not force
+            self.weight_replay.clear(self.counters.steps)
         if info is None:
             return self._emit(SnapshotTaken, "snapshot", "refused",
                               "snapshot refused: the state is not finite; the previous one stays", {})

@@ -136,8 +136,8 @@ def _finite(tensors: Sequence[torch.Tensor]) -> List[bool]:
         by_device.setdefault(t.device, []).append(i)
     finite = [True] * len(tensors)
     for where in by_device.values():
-        flags = torch.stack([torch.isfinite(tensors[i].detach()).all() for i in where]).tolist()  # host sync: replay only
-        for i, ok in zip(where, flags):
+        reduced = torch.stack([torch.isfinite(tensors[i].detach()).all() for i in where])
+        for i, ok in zip(where, reduced.tolist()):  # host sync: replay only
             finite[i] = ok
     return finite
 

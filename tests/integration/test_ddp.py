@@ -61,7 +61,8 @@ def _digest(model: torch.nn.Module) -> str:
 
 
 def _run(rank: int, overrides: List[str], poison: Callable[[int, torch.Tensor], None], steps: int = 10,
-         after: Callable[[Any], Dict[str, Any]] = lambda guard: {}) -> Dict[str, Any]:
+         after: Callable[[Any], Dict[str, Any]] = lambda guard: {},
+         before: Callable[[int, Any], None] = lambda step, guard: None) -> Dict[str, Any]:
     import torch.nn.functional as F
 
     from safetrain import TrainingAborted, load_config
@@ -73,13 +74,14 @@ def _run(rank: int, overrides: List[str], poison: Callable[[int, torch.Tensor], 
     cfg = load_config(None, ["log.progress=false", "snapshot.every=3", *overrides])
     out: Dict[str, Any] = {"steps": [], "anomalies": [], "restored": [], "aborted_at": None}
     with Guard(model, opt, cfg, loss_fn=F.mse_loss) as guard:
-        guard.bus.subscribe(lambda e: out["anomalies"].append([e.step, e.kind, e.action, e.rank,
-                                                               e.detail.get("ranks")]) if e.name == "anomaly" else None)
+        guard.bus.subscribe(lambda e: out["anomalies"].append([e.step, e.kind, e.action, e.rank, e.detail.get("ranks"),
+                                                               e.detail.get("diagnosis")]) if e.name == "anomaly" else None)
         guard.bus.subscribe(lambda e: out["restored"].append([e.step, e.detail.get("snapshot_step"),
                                                               e.detail.get("path")]) if e.name == "restored" else None)
         guard.begin_epoch(0)
         try:
             for i, batch in enumerate(_batches(rank, steps, poison)):
+                before(i + 1, guard)
                 with count_host_syncs() as syncs:
                     result = guard.step(batch)
                 snap = any(e.name == "snapshot" for e in result.events)
@@ -136,7 +138,16 @@ def _abort(rank: int, tmp: str) -> Dict[str, Any]:
     return _run(rank, ["recovery.max_retries=2"], poison)
 
 
-SCENARIOS = {"skip": _skip, "drop": _drop, "restore": _restore, "abort": _abort}
+def _weights(rank: int, tmp: str) -> Dict[str, Any]:
+    def before(step: int, guard: Any) -> None:
+        if step == 5 and rank == 1:  # a weight turns NaN on rank 1 only, outside the step (a bit flip)
+            with torch.no_grad():
+                guard.model.module[2].weight[0, 0] = math.nan
+
+    return _run(rank, [], lambda step, x: None, steps=7, before=before)
+
+
+SCENARIOS = {"skip": _skip, "drop": _drop, "restore": _restore, "abort": _abort, "weights": _weights}
 
 
 def _worker(rank: int, world: int, tmp: str) -> None:
@@ -250,6 +261,18 @@ def test_abort_raises_on_both_ranks_at_the_same_step(ranks):
     assert r0["aborted_at"] is not None and r0["aborted_at"] == r1["aborted_at"], (r0["steps"], r1["steps"])
     assert _decisions(r0) == _decisions(r1)
     assert r0["digest"] == r1["digest"] and r0["finite"]
+
+
+def test_weights_broken_on_one_rank_are_a_weights_fault_on_both_restored_without_a_weight_replay(ranks):
+    """The step replay agrees across ranks that the parameters were non-finite before the step; the
+    weight replay is skipped with a note on every rank (no rank waits on another), and both restore."""
+    r0, r1 = ranks[0]["weights"], ranks[1]["weights"]
+    assert _decisions(r0) == _decisions(r1)
+    assert [a[:3] for a in r0["anomalies"]] == [[5, "weights", "restore"]], r0["anomalies"]
+    assert [a[:3] for a in r1["anomalies"]] == [[5, "weights", "restore"]], r1["anomalies"]
+    for run in (r0, r1):
+        assert "torch.distributed" in run["anomalies"][0][5]["note"], run["anomalies"][0][5]
+    assert r0["digest"] == r1["digest"] and r0["finite"] and r1["finite"]
 
 
 def test_example_under_torchrun_and_resume_in_new_processes(tmp_path):
