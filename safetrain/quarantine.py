@@ -32,24 +32,51 @@ __all__ = ["QuarantineSampler", "QuarantineKeeper", "read_quarantine", "write_qu
 class QuarantineSampler(Sampler[int]):
     """Wrap a sampler of dataset indices: skip quarantined ones, remember the order the rest went out.
 
+    In one process a quarantined index is simply left out (the epoch is shorter). Under
+    torch.distributed every rank must run the same number of batches or the first collective
+    after the shortest epoch waits for ever, so there each quarantined index of this rank's shard
+    is replaced by a repeat of one of the shard's healthy ones (as ``DistributedSampler`` pads
+    its shards); the set of quarantined indices is the same on every rank (see
+    :class:`QuarantineKeeper`) and takes effect from the next epoch.
+
     Args:
         sampler: the sampler to wrap (``RandomSampler``, ``SequentialSampler``, ``DistributedSampler``...).
         quarantined: dataset indices to skip from the start.
+        keep_length: replace instead of skip; ``None``: when torch.distributed runs more than one rank.
     """
 
-    def __init__(self, sampler: Iterable[int], quarantined: Iterable[int] = ()) -> None:
+    def __init__(self, sampler: Iterable[int], quarantined: Iterable[int] = (), keep_length: Optional[bool] = None) -> None:
         self.sampler = sampler
         self.quarantined = set(int(i) for i in quarantined)
+        self.keep_length = keep_length
         self.skipped = 0  # quarantined indices passed over, over the sampler's life
+        self.repeated = 0  # healthy indices handed out twice in their place (keep_length only)
         self._issued: deque = deque()
 
     def __iter__(self) -> Iterator[int]:
         self._issued.clear()
+        keep_length = self.keep_length if self.keep_length is not None else _world_size() > 1
+        if keep_length:
+            yield from self._same_length()
+            return
         for index in self.sampler:
             if int(index) in self.quarantined:
                 self.skipped += 1
                 continue
             self._issued.append(int(index))
+            yield index
+
+    def _same_length(self) -> Iterator[int]:
+        quarantined = set(self.quarantined)  # as at the start of the epoch, on every rank alike
+        shard = [int(i) for i in self.sampler]
+        kept = [i for i in shard if i not in quarantined]
+        if shard and not kept:
+            raise SafetrainError(f"every one of this rank's {len(shard)} samples is quarantined: nothing left to train on")
+        missing = len(shard) - len(kept)
+        self.skipped += missing
+        self.repeated += missing
+        for index in kept + [kept[j % len(kept)] for j in range(missing)]:
+            self._issued.append(index)
             yield index
 
     def __len__(self) -> int:
@@ -75,6 +102,21 @@ def _world_size() -> int:
     import torch.distributed as dist
 
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _union_across_ranks(indices: List[int]) -> List[int]:
+    """Every rank's indices, on every rank (one ``all_gather_object``; all ranks must call it)."""
+    import torch.distributed as dist
+
+    gathered: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, indices)
+    return sorted({int(i) for part in gathered for i in part})
 
 
 def read_quarantine(path: Union[str, os.PathLike]) -> List[int]:
@@ -126,16 +168,10 @@ class QuarantineKeeper:
 
     def __init__(self, sampler: Any, run_dir: Optional[Path], emit: Any) -> None:
         self.sampler = sampler if isinstance(sampler, QuarantineSampler) else None
-        if self.sampler is not None and _world_size() > 1:
-            # Each rank would skip its own samples and run a different number of batches: the
-            # first collective after the shortest epoch would wait for ever.
-            raise SafetrainError(
-                "QuarantineSampler under torch.distributed (world size > 1) is not supported yet: ranks "
-                "would run different numbers of batches and hang; use it in single-process runs"
-            )
+        self._distributed = _world_size() > 1
         self.path = run_dir / "quarantine.json" if run_dir is not None else None
         self.emit = emit
-        self._skipped_seen = 0
+        self._skipped_seen = self._repeated_seen = 0
         if self.sampler is not None and self.path is not None:
             known = self.sampler.add(read_quarantine(self.path))
             if known:
@@ -151,18 +187,28 @@ class QuarantineKeeper:
         return self.sampler.take(rows)
 
     def after_step(self, events: Iterable[Any]) -> None:
-        """Quarantine the dataset indices a replay isolated in this step's events."""
+        """Quarantine the dataset indices a replay isolated in this step's events.
+
+        Under torch.distributed the ranks' indices are united with one collective, on the steps
+        that carry a diagnosis only: the guard takes such decisions on every rank together, so
+        every rank makes the call and no healthy step pays for it. Rank 0 writes the file.
+        """
         if self.sampler is None:
             return
-        for event in events:
-            diagnosis = event.detail.get("diagnosis") if event.name == "anomaly" else None
-            indices = (diagnosis or {}).get("dataset_indices") if isinstance(diagnosis, dict) else None
-            new = self.sampler.add(indices or ())
-            if new:
-                if self.path is not None:
-                    write_quarantine(self.path, self.sampler.quarantined)
-                self.emit("add", f"quarantined dataset samples {new}: skipped from the next epoch on",
-                          {"indices": new, "file": str(self.path) if self.path else None})
+        diagnosed = [event.detail.get("diagnosis") for event in events
+                     if event.name == "anomaly" and isinstance(event.detail.get("diagnosis"), dict)]
+        if not diagnosed:
+            return
+        indices = [i for d in diagnosed for i in d.get("dataset_indices") or ()]
+        if self._distributed:
+            indices = _union_across_ranks(indices)
+        new = self.sampler.add(indices)
+        if new:
+            if self.path is not None and _rank() == 0:
+                write_quarantine(self.path, self.sampler.quarantined)
+            when = "from the next epoch on" + (", replaced by repeats to keep the ranks in step" if self._distributed else "")
+            self.emit("add", f"quarantined dataset samples {new}: skipped {when}",
+                      {"indices": new, "file": str(self.path) if self.path else None})
 
     def end_epoch(self) -> None:
         """Journal how many quarantined samples the epoch passed over."""
@@ -170,5 +216,7 @@ class QuarantineKeeper:
             return
         skipped, self._skipped_seen = self.sampler.skipped - self._skipped_seen, self.sampler.skipped
         if skipped:
-            self.emit("skip", f"skipped {skipped} quarantined samples this epoch",
-                      {"skipped": skipped, "quarantined": sorted(self.sampler.quarantined)})
+            repeated, self._repeated_seen = self.sampler.repeated - self._repeated_seen, self.sampler.repeated
+            also = f" ({repeated} healthy samples repeated in their place)" if repeated else ""
+            self.emit("skip", f"skipped {skipped} quarantined samples this epoch{also}",
+                      {"skipped": skipped, "repeated": repeated, "quarantined": sorted(self.sampler.quarantined)})
