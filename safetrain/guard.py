@@ -3,9 +3,9 @@
 sanitize -> forward (autocast) -> loss -> backward (scaled) -> unscale -> gradient check ->
 ONE host sync -> decide -> clip and step, or carry out the policy's action.
 
-Bad input rows are zero-filled on the device before the forward pass so that the optimistic
-step stays finite; only when the single read shows them does the guard go back (now allowed
-more syncs) to describe, drop, skip or raise. Everything rich is paid for only when a flag trips.
+Bad input rows are zero-filled on the device before the forward pass of a model with buffers,
+so that the optimistic step cannot poison its running statistics; only when the single read
+shows them does the guard go back (now allowed more syncs) to describe, drop, skip or raise. Everything rich is paid for only when a flag trips.
 """
 
 from __future__ import annotations
@@ -95,6 +95,10 @@ class Guard:
         self.weights = detect.WeightCheck(self._params, c.detect.check_weights_every, enabled=c.detect.mode != "off")
         self.monitor = detect.ActivationMonitor.from_config(model, c.detect)
         self._hooks = self.monitor.attach()
+        # Non-finite input values are zero-filled before the optimistic forward only where the
+        # forward updates state (BatchNorm running statistics): a model without buffers changes
+        # nothing until the step is judged, and saves a copy of every batch.
+        self._clean = any(True for _ in model.buffers())
         self._flags = detect.StepFlags()
         self.replayer = Replayer(model, self.monitor, c.detect.replay, autocast=self._autocast,
                                  loss_of=lambda batch: compute_loss(self.model, batch, self.loss_fn, self.step_fn))
@@ -223,17 +227,17 @@ class Guard:
         if parts.style == "pair":
             inputs, targets = parts.inputs, parts.targets
             if s.inputs != "off":
-                scan = detect.scan_batch(inputs, replace=self._replace(s.inputs))
+                scan = detect.scan_batch(inputs, replace=self._replace(s.inputs), clean=self._clean)
                 inputs = scan.batch
                 p.input_values += scan.values
             if s.targets != "off":
-                scan = detect.scan_batch(targets, replace=self._replace(s.targets))
+                scan = detect.scan_batch(targets, replace=self._replace(s.targets), clean=self._clean)
                 targets = scan.batch
                 p.target_values += scan.values
             return parts.join(inputs, targets)
         if s.inputs == "off" and s.targets == "off":
             return batch
-        scan = detect.scan_batch(batch, replace=self._replace(s.inputs), target_keys=TARGET_KEYS,
+        scan = detect.scan_batch(batch, replace=self._replace(s.inputs), target_keys=TARGET_KEYS, clean=self._clean,
                                  target_replace=self._replace(s.targets))
         if s.inputs != "off":
             p.input_values += scan.values
@@ -626,7 +630,8 @@ class Guard:
     def _emit(self, cls: type, kind: str, action: str, message: str, detail: Mapping[str, Any]) -> Event:
         c = self.counters
         if self._dist is not None and cls is AnomalyFound:
-            detail = {**detail, "ranks": self._dist.tripped_ranks()}  # which ranks' own values tripped
+            ranks = self._dist.tripped_ranks()  # which ranks' own values tripped: for this kind, when it did
+            detail = {**detail, "ranks": {kind: ranks[kind]} if kind in ranks else ranks}
         return self.bus.emit(cls(step=c.steps, epoch=c.epoch, batch=c.batch - 1, kind=kind, action=action,
                                  message=message, detail=detail, rank=self.rank))
 

@@ -227,3 +227,30 @@ def test_passthrough_modules_are_unhooked_by_default_and_hooked_in_strict():
     strict = load_config(Path(__file__).parents[2] / "configs" / "strict.yaml", ["log.progress=false"])
     with Guard(model, opt, strict, loss_fn=F.mse_loss) as guard:
         assert guard.monitor.names == ("0", "1", "2")
+
+
+def test_the_batch_is_copied_only_for_a_model_whose_forward_updates_buffers():
+    """Zero-filling NaN inputs costs a copy of every batch; it protects BatchNorm's running
+    statistics from the optimistic forward. A model without buffers gets the user's tensor."""
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            seen.append(x.data_ptr())
+            return x
+
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    for with_bn in (False, True):
+        torch.manual_seed(0)
+        layers = [Probe(), torch.nn.Linear(4, 4)] + ([torch.nn.BatchNorm1d(4)] if with_bn else [])
+        model = torch.nn.Sequential(*layers)
+        with Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), load_config(None, ["log.progress=false"]),
+                   loss_fn=F.mse_loss) as guard:
+            seen.clear()
+            assert guard.step((x, y)).trained
+            assert (seen == [x.data_ptr()]) is not with_bn, "copied if and only if the model has buffers"
+            poisoned = x.clone()
+            poisoned[3, 1] = math.nan
+            result = guard.step((poisoned, y))
+            assert result.trained and result.action == "drop_rows"
+            assert finite_params(model) and all(torch.isfinite(b).all() for b in model.buffers())
