@@ -89,6 +89,8 @@ class Guard:
         self.store = snapshot.make_store(c.snapshot, run_dir=run_dir)
         self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._by_name = dict(self._params)
+        # Two parameters looked at per step for gradients left by someone else (O(1), not O(P)).
+        self._probe = [p for _, p in (self._params[:1] + self._params[-1:])]
         # Gradients are always checked (clipping and the scaler need the norm anyway); the
         # activation and weight checks follow detect.mode. Disabled parts are no-ops, not ifs.
         self.grads = detect.GradCheck(self._params)
@@ -194,7 +196,9 @@ class Guard:
         return self._finish()
 
     def _start_step(self) -> None:
-        if not self._grads_dropped:  # the first step, or a user who left gradients behind
+        if not self._grads_dropped or any(p.grad is not None for p in self._probe):
+            # The first step, or gradients made outside the guard since its last step (a user's
+            # own backward): dropped, or this step's backward would add to them.
             self.optimizer.zero_grad(set_to_none=True)
         self._grads_dropped = False
         self._pending = Pending()

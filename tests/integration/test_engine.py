@@ -254,3 +254,21 @@ def test_the_batch_is_copied_only_for_a_model_whose_forward_updates_buffers():
             result = guard.step((poisoned, y))
             assert result.trained and result.action == "drop_rows"
             assert finite_params(model) and all(torch.isfinite(b).all() for b in model.buffers())
+
+
+def test_gradients_made_outside_the_guard_between_steps_are_not_added_to_the_next_step():
+    """The guard drops its gradients after each step and skips zero_grad at the next start; a
+    user's own backward in between (a probe, an evaluation with gradients) must not leak into it."""
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+
+    def run(meddle):
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with Guard(model, opt, load_config(None, ["log.progress=false"]), loss_fn=F.mse_loss) as guard:
+            for _ in range(3):
+                guard.step((x, y))
+                if meddle:
+                    model(x).pow(2).sum().backward()  # gradients left behind on every parameter
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))
