@@ -83,6 +83,10 @@ class ReplayConfig:
         16, "keep the batches and LRs of up to this many updates after a snapshot, to replay a weights fault "
         "to the update that broke it (0: off; those batches stay in memory)", ge=0,
     )
+    keep_mb: float = _f(
+        256.0, "...and stop keeping them (no weight replay until the next snapshot) once their batches "
+        "hold more than this many MiB, wherever they live (host or device memory)", ge=0,
+    )
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch
 
 from . import distributed
+from .detect import iter_tensors
 from .replay import Diagnosis, first_nonfinite_op, nonfinite_names
 
 __all__ = ["WeightReplay"]
@@ -61,7 +62,7 @@ class WeightReplay:
         state: the guard's :class:`~safetrain.snapshot.TrainState` (model, optimizer, scheduler,
             scaler, RNGs): what a snapshot restores and what is put back afterwards.
         params: the ``(name, parameter)`` pairs that train.
-        cfg: the ``detect.replay`` section (``keep_steps``, ``time_limit_s``).
+        cfg: the ``detect.replay`` section (``keep_steps``, ``keep_mb``, ``time_limit_s``).
         replayer: the guard's step :class:`~safetrain.replay.Replayer`; its ``loss_of``,
             ``autocast`` and step-start RNG state are used, and its budget (``enabled``, ``used``)
             is shared.
@@ -87,6 +88,8 @@ class WeightReplay:
         self._steps: List[_Applied] = []
         self._applied = 0  # updates since the base snapshot, kept or not
         self._base: Optional[int] = None  # the step of the newest snapshot, once one is known
+        self.budget = float(cfg.keep_mb) * 2**20  # bytes of kept batches, at most
+        self._bytes, self._over_budget = 0, False
 
     def record(self, step: int, micro: List[Any], total: Optional[float]) -> None:
         """Keep a reference to an update about to be applied (call just before ``optimizer.step()``).
@@ -100,15 +103,20 @@ class WeightReplay:
         if self.keep == 0:
             return
         self._applied += 1
-        if self._applied <= self.keep:
-            lrs = [g["lr"] for g in self.state.optimizer.param_groups]
-            self._steps.append(_Applied(step, micro, lrs, total, self.replayer.rng_state))
-        elif self._steps:
+        if self._applied <= self.keep and not self._over_budget:
+            self._bytes += sum(t.numel() * t.element_size() for b in micro for _, t in iter_tensors(b))
+            if self._bytes <= self.budget:
+                lrs = [g["lr"] for g in self.state.optimizer.param_groups]
+                self._steps.append(_Applied(step, micro, lrs, total, self.replayer.rng_state))
+                return
+            self._over_budget = True
+        if self._steps:
             self._steps = []  # too many to replay: let go of the batches
 
     def clear(self, step: int) -> None:
         """A snapshot of ``step`` was taken or restored: the next updates start from it."""
         self._steps, self._applied, self._base = [], 0, step
+        self._bytes, self._over_budget = 0, False
 
     def replay(self, store: Any) -> Diagnosis:
         """Explain non-finite weights by replaying the kept updates from the newest snapshot.
@@ -158,6 +166,9 @@ class WeightReplay:
             return "not replayed under torch.distributed (every rank would have to replay together)"
         if self._base is None or len(store) == 0:
             return "no snapshot to replay from"
+        if self._over_budget:
+            return (f"the batches of the updates since the newest snapshot (step {self._base}) exceed "
+                    f"detect.replay.keep_mb={self.cfg.keep_mb:g}: not kept, not replayed")
         if self._applied > len(self._steps):
             return (f"the newest snapshot (step {self._base}) is {self._applied} updates old, more than "
                     f"detect.replay.keep_steps={self.keep}: not replayed")

@@ -171,6 +171,16 @@ def test_a_snapshot_older_than_the_kept_updates_is_not_replayed():
     assert result["guard"].replayer.used == 0, "nothing was replayed"
 
 
+def test_batches_beyond_keep_mb_are_let_go_and_the_replay_says_why():
+    """16 rows of 8 inputs and 1 target: 576 bytes a step; 0.002 MiB holds three steps' batches."""
+    result = run(["detect.check_weights_every=1", "detect.replay.keep_mb=0.002"], poison_weights_before(6))
+    d = anomaly(result).detail["diagnosis"]
+    assert "exceed detect.replay.keep_mb=0.002: not kept, not replayed" in d["note"], d
+    assert result["guard"].replayer.used == 0
+    ample = run(["detect.check_weights_every=1", "detect.replay.keep_mb=0.004"], poison_weights_before(6))
+    assert "keep_mb" not in anomaly(ample).detail["diagnosis"]["note"], "five steps fit in 0.004 MiB"
+
+
 def test_keep_steps_zero_keeps_nothing():
     result = run(["detect.check_weights_every=1", "detect.replay.keep_steps=0"], poison_weights_before(3))
     assert "keep_steps=0" in anomaly(result).detail["diagnosis"]["note"]
