@@ -432,7 +432,9 @@ class Guard:
         if kind in ("input", "target") and decision.action != "abort":
             return self._bad_rows(kind, decision, detail)
         finding = detail.get("finding")
-        message = f"{kind} anomaly: {_summary(kind, detail)} -> {decision.action} ({decision.reason})"
+        diagnosis = detail.get("diagnosis")
+        replayed = f"; replay: {diagnosis.describe()}" if isinstance(diagnosis, Diagnosis) else ""
+        message = f"{kind} anomaly: {_summary(kind, detail)}{replayed} -> {decision.action} ({decision.reason})"
         payload = {k: (v.to_dict() if hasattr(v, "to_dict") else v) for k, v in detail.items()}
         event = self._emit(AnomalyFound, kind, decision.action, message, {**payload, "rung": decision.rung})
         events: List[Event] = [event]
