@@ -88,6 +88,7 @@ def test_log_of_zero_in_the_loss_names_the_op_and_the_user_line():
     assert d["reproducible"] and d["op"] == "aten.log.default", d
     assert d["op_line"].endswith("in risky_loss") and "test_replay.py" in d["op_line"], d
     assert d["bad_rows"] == [2], "bisection finds the row with target 2"
+    assert "; replay: reproducible: op aten.log.default at " in event.message, "the journal line says it too"
 
 
 def test_uninitialised_memory_is_not_blamed_for_a_nan():
