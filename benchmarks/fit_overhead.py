@@ -38,7 +38,15 @@ def _guard(s: Setup, mode: str) -> Variant:
         if result is None or result.action:
             raise RuntimeError(f"benchmark step was not healthy: {result}")
 
-    return Variant(step, guard.monitor.attach, guard.monitor.detach)
+    def start() -> None:
+        # Every variant frees one set of gradients inside its timed step: the plain loop frees the
+        # previous variant's at its start, the guard frees its own at its end. The gradients the
+        # previous variant left on the shared model are dropped here, outside the timing, as
+        # nobody would leave them between two guarded steps of a real run.
+        s.optimizer.zero_grad(set_to_none=True)
+        guard.monitor.attach()
+
+    return Variant(step, start, guard.monitor.detach)
 
 
 @register_variant("guard")
