@@ -5,7 +5,8 @@ ONE host sync -> decide -> clip and step, or carry out the policy's action.
 
 Bad input rows are zero-filled on the device before the forward pass of a model with buffers,
 so that the optimistic step cannot poison its running statistics; only when the single read
-shows them does the guard go back (now allowed more syncs) to describe, drop, skip or raise. Everything rich is paid for only when a flag trips.
+shows them does the guard go back (now allowed more syncs) to describe, drop, skip or raise.
+Everything rich is paid for only when a flag trips.
 """
 
 from __future__ import annotations

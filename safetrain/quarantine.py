@@ -24,6 +24,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sized, Union
 
 from torch.utils.data import Sampler
 
+from . import distributed
 from .errors import SafetrainError
 
 __all__ = ["QuarantineSampler", "QuarantineKeeper", "read_quarantine", "write_quarantine"]
@@ -55,7 +56,7 @@ class QuarantineSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         self._issued.clear()
-        keep_length = self.keep_length if self.keep_length is not None else _world_size() > 1
+        keep_length = self.keep_length if self.keep_length is not None else distributed.active()
         if keep_length:
             yield from self._same_length()
             return
@@ -96,18 +97,6 @@ class QuarantineSampler(Sampler[int]):
         new = sorted(set(int(i) for i in indices) - self.quarantined)
         self.quarantined.update(new)
         return new
-
-
-def _world_size() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _union_across_ranks(indices: List[int]) -> List[int]:
@@ -168,7 +157,7 @@ class QuarantineKeeper:
 
     def __init__(self, sampler: Any, run_dir: Optional[Path], emit: Any) -> None:
         self.sampler = sampler if isinstance(sampler, QuarantineSampler) else None
-        self._distributed = _world_size() > 1
+        self._distributed = distributed.active()
         self.path = run_dir / "quarantine.json" if run_dir is not None else None
         self.emit = emit
         self._skipped_seen = self._repeated_seen = 0
@@ -204,7 +193,7 @@ class QuarantineKeeper:
             indices = _union_across_ranks(indices)
         new = self.sampler.add(indices)
         if new:
-            if self.path is not None and _rank() == 0:
+            if self.path is not None and distributed.rank() == 0:
                 write_quarantine(self.path, self.sampler.quarantined)
             when = "from the next epoch on" + (", replaced by repeats to keep the ranks in step" if self._distributed else "")
             self.emit("add", f"quarantined dataset samples {new}: skipped {when}",

@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_flatten
 
 from .detect import ActivationMonitor, drop_rows, iter_tensors
 from .events import jsonable
+from .snapshot.tensors import nonfinite
 
 __all__ = ["Diagnosis", "Replayer", "bad_rows", "first_nonfinite_op", "nonfinite_names"]
 
@@ -149,21 +150,15 @@ def _nonfinite(tensors: Sequence[Any]) -> bool:
 
 
 def nonfinite_names(named: Iterable[Tuple[str, torch.Tensor]]) -> Tuple[str, ...]:
-    """The names of the tensors that hold NaN/Inf, in order: one host read per device (slow path).
-
-    Args:
-        named: ``(name, tensor)`` pairs, such as ``model.named_parameters()``.
-
-    Returns:
-        The names of the non-finite floating tensors.
+    """The names of the floating tensors that hold NaN/Inf, in order (slow path; see
+    :func:`safetrain.snapshot.tensors.nonfinite`, which reads the host once per device).
 
     Example::
 
         >>> nonfinite_names([("a", torch.ones(2)), ("b", torch.tensor([float("nan")]))])
         ('b',)
     """
-    pairs = [(n, t) for n, t in named if t.is_floating_point() and t.numel()]
-    return tuple(n for (n, _), ok in zip(pairs, _finite([t for _, t in pairs])) if not ok)
+    return tuple(nonfinite((n, t.detach()) for n, t in named))
 
 
 # Ops whose output is uninitialised memory: whatever bits it holds (NaN included) mean nothing yet.

@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch
 
 from . import distributed
-from .detect import iter_tensors
+from .detect import GradCheck, iter_tensors
 from .replay import Diagnosis, first_nonfinite_op, nonfinite_names
 
 __all__ = ["WeightReplay"]
@@ -84,6 +84,7 @@ class WeightReplay:
                  prepare: Callable[[Any], Any], accumulate: int = 1, clip: Optional[float] = None) -> None:
         self.state, self.params, self.cfg, self.replayer = state, list(params), cfg, replayer
         self.prepare, self.accumulate, self.clip = prepare, accumulate, clip
+        self._clipper = GradCheck(self.params)
         self.keep = int(cfg.keep_steps) if cfg.enabled else 0
         self._steps: List[_Applied] = []
         self._applied = 0  # updates since the base snapshot, kept or not
@@ -236,9 +237,7 @@ class WeightReplay:
                 if n in bad:
                     g.zero_()
         if self.clip is not None and applied.total is not None and math.isfinite(applied.total):
-            coef = self.clip / (applied.total + 1e-6)  # GradCheck.clip_'s coefficient, with the step's norm
-            if coef < 1.0:
-                torch._foreach_mul_([g for _, g in with_grad], coef)
+            self._clipper.clip_(self.clip, applied.total)  # as the guard clipped, with the step's norm
         for group, lr in zip(optimizer.param_groups, applied.lrs):
             group["lr"] = lr
         return bad

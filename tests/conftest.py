@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any, Iterable, Optional
 
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
@@ -13,6 +16,23 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def run_two_ranks(script: str, tmp: Path, timeout: float, what: str) -> None:
+    """Run ``python script tmp`` (it spawns 2 gloo ranks) in its own session; a hang is killed,
+    launcher and ranks together, and fails the test instead of blocking CI."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    env.setdefault("GOMP_SPINCOUNT", "10000")
+    proc = subprocess.Popen([sys.executable, script, str(tmp)], cwd=root, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # the whole session: the launcher and both ranks
+        log, _ = proc.communicate()
+        pytest.fail(f"{what} hung for {timeout} s:\n{log[-4000:]}")
+    assert proc.returncode == 0, log[-4000:]
 
 
 def regression_data(n: int = 256, d: int = 8, seed: int = 0) -> TensorDataset:

@@ -183,11 +183,11 @@ class GradCheck:
             max_norm: ``guard.clip_grad_norm``.
             total_norm: this step's total norm, as a host float or a 0-dim device tensor.
         """
-        grads = [p.grad for p in self._with_grad if p.grad is not None]
+        grads = [p.grad for p in self._params if p.grad is not None]  # whatever ran since: no run() needed
         if not grads:
             return
         if isinstance(total_norm, Tensor):
-            torch.nn.utils.clip_grads_with_norm_(self._with_grad, max_norm, total_norm)
+            torch.nn.utils.clip_grads_with_norm_(self._params, max_norm, total_norm)
             return
         coef = max_norm / (total_norm + 1e-6)  # the same coefficient as clip_grad_norm_
         if coef < 1.0:

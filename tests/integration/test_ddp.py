@@ -175,18 +175,10 @@ def _worker(rank: int, world: int, tmp: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: Any) -> List[Dict[str, Any]]:
+    from tests.conftest import run_two_ranks  # here, not in the ranks' processes
+
     tmp = tmp_path_factory.mktemp("ddp")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    env.setdefault("GOMP_SPINCOUNT", "10000")
-    proc = subprocess.Popen([sys.executable, __file__, str(tmp)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)  # the whole session: the launcher and both ranks
-        log, _ = proc.communicate()
-        pytest.fail(f"the 2-rank run hung for {TIMEOUT} s:\n{log[-4000:]}")
-    assert proc.returncode == 0, log[-4000:]
+    run_two_ranks(__file__, tmp, TIMEOUT, "the 2-rank run")
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
 
 

@@ -13,15 +13,12 @@ import datetime
 import gc
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 120
 BAD = (5, 22)
 
@@ -69,18 +66,10 @@ def _worker(rank: int, world: int, tmp: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: Any) -> List[Dict[str, Any]]:
+    from tests.conftest import run_two_ranks  # here, not in the ranks' processes
+
     tmp = tmp_path_factory.mktemp("ddpq")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    env.setdefault("GOMP_SPINCOUNT", "10000")
-    proc = subprocess.Popen([sys.executable, __file__, str(tmp)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        log, _ = proc.communicate()
-        pytest.fail(f"the 2-rank quarantine run hung for {TIMEOUT} s:\n{log[-4000:]}")
-    assert proc.returncode == 0, log[-4000:]
+    run_two_ranks(__file__, tmp, TIMEOUT, "the 2-rank quarantine run")
     runs = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
     runs[0]["file"] = json.loads((tmp / "run" / "quarantine.json").read_text())
     return runs
