@@ -48,6 +48,7 @@ class _Slot:
     homes: Dict[str, torch.device] = field(default_factory=dict)  # device each tensor was captured on
     meta_json: Optional[str] = None
     seq: int = -1
+    step: Any = "?"  # the step of the snapshot it holds or last held, for messages
 
     def meta(self) -> Dict[str, Any]:
         return json.loads(self.meta_json or "{}")
@@ -102,6 +103,7 @@ class MemoryStore(SnapshotStore):
         if self._refused(captured, [n for n in captured.checked if n not in streamed]):
             return None  # before any buffer is touched: older snapshots stay intact
         lost = f"; {self._slot_name(slot)} was being overwritten and is dropped" if slot.meta_json else ""
+        step = captured.meta["counters"]["step"]
         slot.meta_json, slot.seq = None, -1  # not restorable while its buffers are overwritten
         dst, src, checked_copies = [], [], []
         for name, t in captured.tensors.items():
@@ -126,17 +128,16 @@ class MemoryStore(SnapshotStore):
             if bad:
                 self._warn_refused(captured, bad, lost)
                 return None  # the slot stays empty: its buffers hold the non-finite copy
-        slot.meta_json, slot.seq = meta_json, self._seq
+        slot.meta_json, slot.seq, slot.step = meta_json, self._seq, step
         self._seq += 1
-        log.debug("memory snapshot at step %d in slot %d", captured.meta["counters"]["step"], slot.index)
-        return self._info(slot)
+        log.debug("memory snapshot at step %d in slot %d", step, slot.index)
+        return self._info(slot, captured.meta)  # what meta_json holds, without parsing it back
 
     def _candidates(self) -> Iterable[_Slot]:
         return sorted((s for s in self._slots if s.meta_json is not None), key=lambda s: -s.seq)
 
     def _slot_name(self, slot: _Slot) -> str:
-        step = json.loads(slot.meta_json or "{}").get("counters", {}).get("step", "?")
-        return f"memory snapshot at step {step} (slot {slot.index})"
+        return f"memory snapshot at step {slot.step} (slot {slot.index})"
 
     def _restore(self, slot: _Slot, state: TrainState) -> SnapshotInfo:
         meta, where = slot.meta(), self._slot_name(slot)
@@ -146,14 +147,14 @@ class MemoryStore(SnapshotStore):
         log.debug("restored %s", where)
         return self._info(slot)
 
-    def _info(self, slot: _Slot) -> SnapshotInfo:
+    def _info(self, slot: _Slot, meta: Optional[Dict[str, Any]] = None) -> SnapshotInfo:
         homes = slot.homes
 
         def fresh(name: str, t: torch.Tensor) -> torch.Tensor:
             # Back to the device it came from; from pinned memory this stays stream-ordered.
             return t.to(device=homes.get(name, t.device), copy=True, non_blocking=True)
 
-        return make_info(slot.meta(), slot.buffers, None, self._slot_name(slot), copy=fresh)
+        return make_info(slot.meta() if meta is None else meta, slot.buffers, None, self._slot_name(slot), copy=fresh)
 
     def _where(self) -> str:
         return "MemoryStore"

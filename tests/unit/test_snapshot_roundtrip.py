@@ -229,6 +229,7 @@ def _poison_at(t: torch.Tensor, where: str, value: float) -> None:
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
 def test_copy_checked_finds_every_nonfinite_value(value, where, threads, monkeypatch):
     monkeypatch.setattr(snapshot_tensors, "_CHUNK_BYTES", 64)  # 16 floats: many chunks per tensor
+    monkeypatch.setattr(snapshot_tensors, "_BYTES_PER_THREAD", 64)  # ...shared by every thread asked for
     torch.manual_seed(0)
     src = [torch.randn(100), torch.randn(7, 9, dtype=torch.float64), torch.randn(0), torch.randn(33)]
     _poison_at(src[1], where, value)
@@ -239,6 +240,18 @@ def test_copy_checked_finds_every_nonfinite_value(value, where, threads, monkeyp
     assert bad == ["b", "d"], f"{value} at the {where} element, {threads} threads"
     for d, t in zip(dst, src):
         assert torch.equal(d.view(torch.uint8), t.view(torch.uint8)), "copied bitwise, poisoned or not"
+
+
+def test_copy_checked_keeps_small_copies_on_the_calling_thread():
+    """A pool thread's hand-off costs more than copying a small model's state: below
+    ``_BYTES_PER_THREAD`` per thread the caller does all of it."""
+    src = [torch.randn(1000), torch.randn(64, 64)]
+
+    class NoPool:
+        def submit(self, *args):
+            raise AssertionError("a small copy was handed to the pool")
+
+    assert snapshot_tensors.copy_checked_([(n, torch.empty_like(t), t) for n, t in zip("ab", src)], NoPool(), 4) == []
 
 
 def test_copy_checked_does_not_flag_huge_finite_values():
