@@ -210,46 +210,55 @@ def parse_read(host: Sequence[float], layout: Layout) -> StepRead:
     return _parse(host, layout)
 
 
+# How each name is read back, decided once per layout (the guard puts the same names every step).
+_NUMBER, _VECTOR, _ROW, _FLAG, _EXTRA = range(5)
+#: ``(name, start, stop, role, is_bool)`` per entry, in packed order.
+Plan = Tuple[Tuple[str, int, int, int, bool], ...]
+_PLANS: Dict[Tuple[Tuple[str, int, bool, bool], ...], Plan] = {}
+_MAX_PLANS = 64  # layouts seen in one process are few (a step's names, plus micro-batch counts)
+
+
+def _plan(layout: Layout) -> Plan:
+    key = tuple(layout)
+    plan = _PLANS.get(key)
+    if plan is None:
+        order = [e for e in layout if not e[3]] + [e for e in layout if e[3]]  # scalars were packed first
+        entries, pos = [], 0
+        for name, n, is_bool, _ in order:
+            role = (_NUMBER if name in _NUMBERS else _VECTOR if name in _VECTORS else _ROW if name in _ROWS
+                    else _FLAG if name in FLAG_KINDS else _EXTRA)
+            entries.append((name, pos, pos + n, role, is_bool))
+            pos += n
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = tuple(entries)
+    return plan
+
+
 def _parse(host: Sequence[float], layout: Layout) -> StepRead:
     """Slice the packed host values back into named fields (scalars first, then vectors)."""
     out: Dict[str, Any] = {}
     extra: Dict[str, Tuple[float, ...]] = {}
     extra_tripped: List[str] = []
-    pos = 0
-    order = layout
-    for entry in layout:
-        if entry[3]:  # a vector was put: the scalars were packed first
-            order = [e for e in layout if not e[3]] + [e for e in layout if e[3]]
-            break
     isfinite = math.isfinite
-    for name, n, is_bool, _ in order:
-        if n == 1:
-            first = host[pos]
-            pos += 1
-            if name in _NUMBERS:
-                out[name] = first
-                continue
-            vals: Tuple[float, ...] = (first,)
-        else:
-            vals = tuple(host[pos : pos + n])
-            pos += n
-            if name in _NUMBERS:
-                out[name] = sum(vals)
-                continue
-        if name in _VECTORS:
+    for name, lo, hi, role, is_bool in _plan(layout):
+        if role == _NUMBER:
+            out[name] = host[lo] if hi - lo == 1 else sum(host[lo:hi])
+        elif role == _FLAG:
+            bad = any(host[lo:hi]) if is_bool else not isfinite(host[lo] if hi - lo == 1 else sum(host[lo:hi]))
+            out[name] = out.get(name, False) or bad
+        elif role == _VECTOR:
+            vals = tuple(host[lo:hi])
             if is_bool:
                 vals = tuple(math.nan if v else 0.0 for v in vals)
             out[name] = out[name] + vals if name in out else vals
-        elif name in _ROWS:
-            out[name] = tuple(bool(v) for v in vals)
+        elif role == _ROW:
+            out[name] = tuple(bool(v) for v in host[lo:hi])
         else:
-            bad = any(vals) if is_bool else not isfinite(sum(vals))
-            if name in FLAG_KINDS:
-                out[name] = out.get(name, False) or bad
-            else:
-                extra[name] = vals
-                if bad:
-                    extra_tripped.append(name)
+            vals = tuple(host[lo:hi])
+            extra[name] = vals
+            if any(vals) if is_bool else not isfinite(sum(vals)):
+                extra_tripped.append(name)
     if "grad_norms" in out and "total_norm" not in out:
         out["total_norm"] = math.hypot(*out["grad_norms"])
     total = out.get("total_norm")
