@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import random
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from safetrain.spike import SpikeDetector
 
 
@@ -55,3 +58,30 @@ def test_converged_heavy_tailed_losses_are_not_spikes():
         d.add(0.05 if i % 16 == 0 else 0.005 + abs(rng.gauss(0, 0.0005)))  # heavy tail seen before
     assert d.check(0.08) is None, "many sigmas out, but under 2x the largest recent loss"
     assert d.check(0.5) is not None, "10x the largest recent loss: a spike"
+
+
+@given(
+    window=st.integers(1, 12),
+    losses=st.lists(st.one_of(st.floats(-5, 5), st.just(float("nan")), st.just(float("inf"))), max_size=60),
+    split=st.integers(0, 60),
+)
+def test_min_ratio_gate_uses_the_window_maximum(window, losses, split):
+    """The cheap gate (``loss < min_ratio * max``) keeps the window's maximum incrementally; it
+    must equal ``max()`` of the window after any sequence of adds, across a state round trip."""
+    d = SpikeDetector(window=window, min_history=1, zscore=0.0, min_ratio=1.0)
+    for x in losses[:split]:
+        d.add(x)
+    d2 = SpikeDetector(window=window, min_history=1, zscore=0.0, min_ratio=1.0)
+    d2.load_state_dict(d.state_dict())
+    for x in losses[split:]:
+        d.add(x)
+        d2.add(x)
+    finite = [x for x in losses if x == x and abs(x) != float("inf")][-window:]
+    if not finite:
+        return
+    top = max(finite)
+    for det in (d, d2):
+        # With zscore 0 and min_ratio 1, a loss above the median is a spike exactly when it is
+        # at least the window's maximum.
+        assert det.check(top + 1.0) is not None, f"a loss above the window max {top} was stopped by the gate"
+        assert det.check(top - 1e-3 - abs(top) * 1e-3) is None, f"a loss below the window max {top} passed the gate"
