@@ -91,7 +91,7 @@ class Guard:
         self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._by_name = dict(self._params)
         # Two parameters looked at per step for gradients left by someone else (O(1), not O(P)).
-        self._probe = [p for _, p in (self._params[:1] + self._params[-1:])]
+        self._probe = (self._params[0][1], self._params[-1][1]) if self._params else ()
         # Gradients are always checked (clipping and the scaler need the norm anyway); the
         # activation and weight checks follow detect.mode. Disabled parts are no-ops, not ifs.
         self.grads = detect.GradCheck(self._params)
@@ -197,7 +197,8 @@ class Guard:
         return self._finish()
 
     def _start_step(self) -> None:
-        if not self._grads_dropped or any(p.grad is not None for p in self._probe):
+        probe = self._probe
+        if not self._grads_dropped or (probe and (probe[0].grad is not None or probe[1].grad is not None)):
             # The first step, or gradients made outside the guard since its last step (a user's
             # own backward): dropped, or this step's backward would add to them.
             self.optimizer.zero_grad(set_to_none=True)
@@ -210,7 +211,7 @@ class Guard:
 
     def _autocast(self) -> Any:
         if self.amp_dtype is None:
-            return contextlib.nullcontext()
+            return _NO_AUTOCAST
         return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
 
     def _forward_backward(self, batch: Any) -> None:
@@ -223,7 +224,10 @@ class Guard:
         if self.scaler is not None:
             scaled = self.scaler.scale(scaled)
         scaled.backward()
-        p.loss = loss.detach().float() if p.loss is None else p.loss + loss.detach().float()
+        loss = loss.detach()
+        if loss.dtype is not torch.float32:  # an fp16/bf16 loss under autocast
+            loss = loss.float()
+        p.loss = loss if p.loss is None else p.loss + loss
 
     def _scan(self, batch: Any) -> Any:
         """Zero-fill (or replace) non-finite values on the device and keep the flags for the read."""
@@ -642,6 +646,9 @@ class Guard:
         return self.bus.emit(cls(step=c.steps, epoch=c.epoch, batch=c.batch - 1, kind=kind, action=action,
                                  message=message, detail=detail, rank=self.rank))
 
+
+#: What ``_autocast`` returns without mixed precision: one reusable no-op context, not one a step.
+_NO_AUTOCAST = contextlib.nullcontext()
 
 #: Kinds a replay can explain (the others are finite outliers or data problems).
 _REPLAYED = frozenset({"forward", "loss", "gradient"})
