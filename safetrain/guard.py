@@ -123,6 +123,9 @@ class Guard:
         self._skipped_micro = 0  # micro-batches of the step being skipped after a restore
         self._weight_flag: Optional[torch.Tensor] = None
         self.epoch_rng: Optional[torch.Tensor] = None  # torch RNG at the start of the current epoch
+        # Sum and count of this epoch's trained steps' finite losses: the epoch metric of an
+        # epoch-interval scheduler (ReduceLROnPlateau). Snapshotted, so a resume mid-epoch keeps it.
+        self._epoch_loss: Tuple[float, int] = (0.0, 0)
         self.last_loss = math.nan
         self.last_grad_norm = math.nan
         # Distributed (a process group of > 1 rank): the one read combines every rank's flags with
@@ -148,10 +151,20 @@ class Guard:
             self.store.close()
         self.phase = Phase.CLOSED
 
-    def begin_epoch(self, epoch: int) -> None:
-        """Mark the start of an epoch: counters move, and the RNG state that shuffles it is kept for resume."""
+    def begin_epoch(self, epoch: int, resumed: bool = False) -> None:
+        """Mark the start of an epoch: counters move, the RNG state that shuffles it is kept for
+        resume, and the epoch's mean loss starts afresh (kept when ``resumed``: an epoch resumed
+        mid-way from a snapshot goes on with the losses of its steps before the snapshot)."""
         self.counters.epoch, self.counters.batch = epoch, 0
         self.epoch_rng = torch.get_rng_state()
+        if not resumed:
+            self._epoch_loss = (0.0, 0)
+
+    @property
+    def epoch_loss(self) -> Optional[float]:
+        """The mean loss of this epoch's trained steps so far (non-finite losses left out), or ``None``."""
+        total, n = self._epoch_loss
+        return total / n if n else None
 
     # ----------------------------------------------------------------- the step
     def step(self, batch: Any, indices: Optional[Sequence[int]] = None) -> Optional[StepResult]:
@@ -363,6 +376,12 @@ class Guard:
         self.optimizer.zero_grad(set_to_none=True)
         self._grads_dropped = True  # the next step need not zero them again
 
+    def _count_loss(self) -> None:
+        """Add this trained step's loss to the epoch's mean (a non-finite one is left out)."""
+        if math.isfinite(self.last_loss):
+            total, n = self._epoch_loss
+            self._epoch_loss = (total + self.last_loss, n + 1)
+
     def _drop_grads(self) -> None:
         """Drop this step's gradients; the scaler is told so it starts clean (its scale is kept)."""
         if self.scaler is not None:
@@ -385,6 +404,7 @@ class Guard:
     def _healthy(self, read: detect.StepRead) -> StepResult:
         self._unverified = False  # this healthy read vouches for the newest snapshot
         self._apply_update(read.total_norm)
+        self._count_loss()  # before the snapshot below, which keeps the epoch's losses
         self.spike.add(self.last_loss)
         new_scale = None
         if not self._redo:  # a re-run of an anomalous step trains, but is not a healthy step
@@ -449,6 +469,7 @@ class Guard:
             if action == "zero_grads":
                 total = self._zero_nonfinite_grads_(finding)
             self._apply_update(total if total is not None and math.isfinite(total) else None)
+            self._count_loss()
             self.spike.add(self.last_loss)  # ignores a non-finite loss
             self.phase = Phase.READY
             return StepResult(c.steps, True, self.last_loss, self.last_grad_norm, action, tuple(events))
@@ -621,13 +642,15 @@ class Guard:
                           {"path": str(info.path) if info.path else None, "forced": force})
 
     def state_dict(self) -> Dict[str, Any]:
-        """The guard's own state, JSON-ready: counters, policy history, LR backoff, spike window, fp16 streak."""
+        """The guard's own state, JSON-ready: counters, policy history, LR backoff, spike window, fp16
+        streak, and the epoch's loss sum and count."""
         return {
             "counters": vars(self.counters).copy(),
             "history": self.history.to_dict(),
             "lr": self.backoff.state_dict(),
             "spike": self.spike.state_dict(),
             "overflows": self._overflows,
+            "epoch_loss": list(self._epoch_loss),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -637,6 +660,8 @@ class Guard:
         self.backoff.load_state_dict(state["lr"])
         self.spike.load_state_dict(state["spike"])
         self._overflows = int(state["overflows"])
+        total, n = state.get("epoch_loss", (0.0, 0))  # absent from snapshots of earlier versions
+        self._epoch_loss = (float(total), int(n))
 
     def _emit(self, cls: type, kind: str, action: str, message: str, detail: Mapping[str, Any]) -> Event:
         c = self.counters

@@ -178,7 +178,7 @@ class SafeTrainer:
                 # as it was at the start of the epoch; then go back to the snapshot's RNG.
                 now = torch.get_rng_state()
                 torch.set_rng_state(epoch_rng)
-                guard.begin_epoch(epoch)
+                guard.begin_epoch(epoch, resumed=True)
                 iterator = iter(loader)
                 skipped = _advance(iterator, skip, keeper)
                 guard.counters.batch = skipped
@@ -186,14 +186,12 @@ class SafeTrainer:
             else:
                 guard.begin_epoch(epoch)
                 iterator = iter(loader)
-            losses: List[float] = []
             def record(step: StepResult) -> None:
                 keeper.after_step(step.events)
                 if metrics is not None:
                     metrics.write(guard, step)
                 if step.trained and math.isfinite(step.loss):
                     result.final_loss = step.loss
-                    losses.append(step.loss)
                 if bar is not None:
                     bar.update(1)
                     c = guard.counters
@@ -212,7 +210,7 @@ class SafeTrainer:
                 record(step)
             keeper.end_epoch()
             if self.scheduler is not None and cfg.guard.scheduler_interval == "epoch":
-                guard.backoff.step(self.scheduler, sum(losses) / len(losses) if losses else None)
+                guard.backoff.step(self.scheduler, guard.epoch_loss)  # the whole epoch's, across a resume
 
     def _finish(self, guard: Guard, result: FitResult, started: float) -> None:
         for f in dataclasses.fields(Counters):

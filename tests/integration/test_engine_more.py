@@ -121,6 +121,44 @@ def test_resume_from_safetensors_is_bitwise(tmp_path):
         assert torch.equal(a, b)
 
 
+class _RecordingPlateau(S.ReduceLROnPlateau):
+    """ReduceLROnPlateau that records the metric of every ``step`` (class-level: not in its state)."""
+
+    seen: list = []
+
+    def step(self, metrics, epoch=None):
+        _RecordingPlateau.seen.append(float(metrics))
+        super().step(metrics)
+
+
+def test_epoch_metric_of_a_run_resumed_mid_epoch_covers_the_whole_epoch(tmp_path):
+    """An epoch-interval ReduceLROnPlateau gets the epoch's mean loss. A run stopped mid-epoch and
+    resumed from its snapshot must hand it the mean over the WHOLE epoch (the steps before the
+    snapshot included), as the uninterrupted run does, not over the resumed part only."""
+
+    def run(max_steps=None, resume=None):
+        torch.manual_seed(1)
+        model = mlp(seed=1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+        sched = _RecordingPlateau(opt, patience=0)
+        cfg = load_config(None, [*BASE, "snapshot.store=safetensors", f"snapshot.dir={tmp_path}", "snapshot.every=5",
+                                 "guard.scheduler_interval=epoch"])
+        trainer = SafeTrainer(model, opt, cfg, loss_fn=F.mse_loss, scheduler=sched)
+        _RecordingPlateau.seen = []
+        trainer.fit(torch.utils.data.DataLoader(regression_data(), batch_size=32, shuffle=True), epochs=2,
+                    max_steps=max_steps, resume=resume)
+        return _RecordingPlateau.seen, trainer.guard
+
+    full, _ = run()  # 8 batches an epoch: metrics of epochs 0 and 1
+    for f in tmp_path.iterdir():
+        f.unlink()
+    run(max_steps=13)  # stops in epoch 1 (steps 9-16); the newest snapshot is at step 10
+    resumed, guard = run(resume=tmp_path)
+    assert len(full) == 2 and len(resumed) == 1, (full, resumed)
+    assert resumed[0] == full[1], "the resumed epoch's metric must cover its steps before the snapshot too"
+    assert guard.epoch_loss == full[1]
+
+
 class TinyHF(torch.nn.Module):
     """A model with the Hugging Face convention: model(**batch) returns an object with .loss."""
 
