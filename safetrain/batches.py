@@ -79,6 +79,10 @@ def compute_loss(
     """
     if step_fn is not None:
         loss = step_fn(model, batch)
+    elif isinstance(batch, (tuple, list)) and len(batch) == 2:  # first: the common case, before the ABC check
+        if loss_fn is None:
+            raise BatchError("batch is an (inputs, targets) pair but no loss_fn was given; pass loss_fn= or step_fn=")
+        loss = loss_fn(model(batch[0]), batch[1])
     elif isinstance(batch, Mapping):
         out = model(**batch)
         loss = getattr(out, "loss", None)
@@ -89,10 +93,6 @@ def compute_loss(
                 f"model(**batch) returned {type(out).__name__} without a 'loss'; expected an output with .loss or "
                 "['loss'] (Hugging Face style), or pass step_fn=(model, batch) -> loss"
             )
-    elif isinstance(batch, (tuple, list)) and len(batch) == 2:
-        if loss_fn is None:
-            raise BatchError("batch is an (inputs, targets) pair but no loss_fn was given; pass loss_fn= or step_fn=")
-        loss = loss_fn(model(batch[0]), batch[1])
     else:
         raise BatchError(
             f"cannot train on a batch of type {type(batch).__name__}; expected an (inputs, targets) pair, a dict "

@@ -230,8 +230,11 @@ class Guard:
     def _forward_backward(self, batch: Any) -> None:
         p = self._pending
         clean = self._scan(batch)
-        with self._autocast():
+        if self.amp_dtype is None:  # no context to enter and leave: measurably cheaper in a 0.4 ms step
             loss = compute_loss(self.model, clean, self.loss_fn, self.step_fn)
+        else:
+            with self._autocast():
+                loss = compute_loss(self.model, clean, self.loss_fn, self.step_fn)
         k = self.cfg.guard.accumulate_steps
         scaled = loss / k if k > 1 else loss
         if self.scaler is not None:
@@ -245,18 +248,22 @@ class Guard:
     def _scan(self, batch: Any) -> Any:
         """Zero-fill (or replace) non-finite values on the device and keep the flags for the read."""
         s, p = self.cfg.sanitize, self._pending
-        parts = split_batch(batch)
-        if parts.style == "pair":
-            inputs, targets = parts.inputs, parts.targets
+        # A plain (inputs, targets) tuple or list, the common case, is taken apart without split_batch.
+        parts = None if type(batch) in _PLAIN_PAIRS and len(batch) == 2 else split_batch(batch)
+        if parts is None or parts.style == "pair":
+            inputs, targets = batch if parts is None else (parts.inputs, parts.targets)
+            new_inputs, new_targets = inputs, targets
             if s.inputs != "off":
                 scan = detect.scan_batch(inputs, replace=self._replace(s.inputs), clean=self._clean)
-                inputs = scan.batch
+                new_inputs = scan.batch
                 p.input_values += scan.values
             if s.targets != "off":
                 scan = detect.scan_batch(targets, replace=self._replace(s.targets), clean=self._clean)
-                targets = scan.batch
+                new_targets = scan.batch
                 p.target_values += scan.values
-            return parts.join(inputs, targets)
+            if new_inputs is inputs and new_targets is targets:
+                return batch  # nothing replaced (a model without buffers): the user's batch as it is
+            return type(batch)((new_inputs, new_targets)) if parts is None else parts.join(new_inputs, new_targets)
         if s.inputs == "off" and s.targets == "off":
             return batch
         scan = detect.scan_batch(batch, replace=self._replace(s.inputs), target_keys=TARGET_KEYS, clean=self._clean,
@@ -674,6 +681,9 @@ class Guard:
 
 #: What ``_autocast`` returns without mixed precision: one reusable no-op context, not one a step.
 _NO_AUTOCAST = contextlib.nullcontext()
+#: Batch types taken as an (inputs, targets) pair without ``split_batch`` (exact types: a named
+#: tuple or another subclass goes through it).
+_PLAIN_PAIRS = (tuple, list)
 
 #: Kinds a replay can explain (the others are finite outliers or data problems).
 _REPLAYED = frozenset({"forward", "loss", "gradient"})

@@ -256,6 +256,30 @@ def test_the_batch_is_copied_only_for_a_model_whose_forward_updates_buffers():
             assert finite_params(model) and all(torch.isfinite(b).all() for b in model.buffers())
 
 
+@pytest.mark.parametrize("kind", [tuple, list])
+def test_step_fn_gets_a_pair_of_the_users_type_cleaned_only_when_needed(kind):
+    """A plain (inputs, targets) pair skips split_batch on the hot path: a step_fn must still get
+    the user's own object when nothing was replaced, and a pair of the same type when it was
+    (zero-filled for a model with buffers)."""
+    got = []
+
+    def step_fn(model, batch):
+        got.append(batch)
+        return F.mse_loss(model(batch[0]), batch[1])
+
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    for with_bn in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), *([torch.nn.BatchNorm1d(4)] if with_bn else []))
+        with Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), load_config(None, ["log.progress=false"]),
+                   step_fn=step_fn) as guard:
+            got.clear()
+            batch = kind((x, y))
+            assert guard.step(batch).trained
+            assert type(got[0]) is kind, f"{kind.__name__} batch arrived as {type(got[0]).__name__}"
+            assert (got[0] is batch) is not with_bn, "the user's batch itself unless it was zero-filled"
+
+
 def test_gradients_made_outside_the_guard_between_steps_are_not_added_to_the_next_step():
     """The guard drops its gradients after each step and skips zero_grad at the next start; a
     user's own backward in between (a probe, an evaluation with gradients) must not leak into it."""
