@@ -25,7 +25,7 @@ from .config import TrainConfig, as_config
 from .errors import TrainingAborted
 from .events import Aborted, AnomalyFound, Event, EventBus, LRChanged, Restored, SnapshotTaken
 from .lr import LRBackoff
-from .policy import Decision, History, decide, mark_last_skipped, observe_healthy, record_step
+from .policy import Decision, History, climb_pending, decide, mark_last_skipped, observe_healthy, record_step
 from .replay import Diagnosis, Replayer
 from .replay_weights import WeightReplay
 from .spike import SpikeDetector
@@ -76,7 +76,10 @@ class Guard:
         self.loss_fn, self.step_fn = loss_fn, step_fn
         self.bus = bus if bus is not None else EventBus()
         self.counters = Counters()
-        self.history = History()
+        self._history = History()
+        # Healthy steps not yet applied to the policy's history: the history is brought up to
+        # date when read (decide, snapshot, a user), not rebuilt at every healthy step.
+        self._healthy_run = 0
         c = self.cfg
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.amp_dtype = {None: None, "float16": torch.float16, "bfloat16": torch.bfloat16}[c.amp.dtype]
@@ -136,6 +139,18 @@ class Guard:
             self._flags = detect.StepFlags(reduce=self._dist.reduce)
             self.store = self._dist.wrap_store(self.store)
             self.replayer = self._dist.wrap_replayer(self.replayer, model)
+
+    @property
+    def history(self) -> History:
+        """The recovery policy's memory (:class:`~safetrain.policy.History`), up to this step."""
+        if self._healthy_run:
+            self._history, _ = observe_healthy(self._history, self.cfg.recovery, self._healthy_run)
+            self._healthy_run = 0
+        return self._history
+
+    @history.setter
+    def history(self, value: History) -> None:
+        self._history, self._healthy_run = value, 0
 
     # ----------------------------------------------------------------- lifecycle
     def __enter__(self) -> "Guard":
@@ -416,7 +431,10 @@ class Guard:
         new_scale = None
         if not self._redo:  # a re-run of an anomalous step trains, but is not a healthy step
             self.counters.healthy_steps += 1
-            self.history, new_scale = observe_healthy(self.history, self.cfg.recovery)
+            if climb_pending(self._history, self.cfg.recovery):  # the climb is an event at its step
+                self.history, new_scale = observe_healthy(self.history, self.cfg.recovery)
+            else:
+                self._healthy_run += 1  # applied when the history is next read
         events: List[Event] = []
         if new_scale is not None:
             events.append(self._lr_changed(new_scale, "healthy run: LR scale climbs back one notch"))

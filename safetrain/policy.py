@@ -28,6 +28,7 @@ __all__ = [
     "Decision",
     "decide",
     "observe_healthy",
+    "climb_pending",
     "record_step",
     "mark_last_skipped",
     "NON_CLIMBING",
@@ -187,33 +188,51 @@ def decide(kind: str, history: History, recovery: Any, sanitize: Any) -> Tuple[D
     return decision, new
 
 
-def observe_healthy(history: History, recovery: Any) -> Tuple[History, Optional[float]]:
-    """Record a healthy step: reset the ladder after ``reset_after``, climb the LR scale back.
+def observe_healthy(history: History, recovery: Any, steps: int = 1) -> Tuple[History, Optional[float]]:
+    """Record ``steps`` healthy steps: reset the ladder after ``reset_after``, climb the LR scale back.
+
+    Several steps at once are what one step at a time would give, as long as no LR climb can
+    happen on the way (:func:`climb_pending` is false): the guard then counts healthy steps and
+    brings the history up to date only when it is read, instead of building one every step.
 
     Args:
-        history: the policy's memory before this step.
+        history: the policy's memory before these steps.
         recovery: the ``recovery`` section of the config.
+        steps: how many healthy steps in a row (>= 1).
 
     Returns:
         ``(new_history, new_lr_scale)``; ``new_lr_scale`` is ``None`` unless the LR scale
         climbed back one notch (after ``recovery.lr_restore_after`` healthy steps).
+
+    Raises:
+        ValueError: ``steps`` < 1, or ``steps`` > 1 while an LR climb is pending (each climb is
+            an event at its own step).
     """
-    streak = history.healthy_streak + 1
+    if steps < 1 or (steps > 1 and climb_pending(history, recovery)):
+        raise ValueError(f"observe_healthy: got steps={steps}; expected 1, or more only when no LR climb is pending")
+    streak = history.healthy_streak + steps
     consecutive = 0 if streak >= recovery.reset_after else history.consecutive
-    since = history.since_lr_change + 1
+    since = history.since_lr_change + steps
     lr_scale, changed = history.lr_scale, None
     after = recovery.lr_restore_after
     if after is not None and lr_scale < 1.0 and since >= after:
         lr_scale = min(1.0, lr_scale / recovery.lr_factor)
         changed, since = lr_scale, 0
+    window = recovery.skip_window
     new = History(
         consecutive=consecutive,
         healthy_streak=streak,
-        recent=_push(history.recent, False, recovery.skip_window),
+        recent=(history.recent + (0,) * min(steps, window))[-window:],
         lr_scale=lr_scale,
         since_lr_change=since,
     )
     return new, changed
+
+
+def climb_pending(history: History, recovery: Any) -> bool:
+    """Whether a run of healthy steps could climb the LR scale back (``lr_restore_after`` set and
+    the scale below 1): then :func:`observe_healthy` must see them one at a time."""
+    return recovery.lr_restore_after is not None and history.lr_scale < 1.0
 
 
 def record_step(history: History, recovery: Any, skipped: bool) -> History:

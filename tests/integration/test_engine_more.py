@@ -13,6 +13,7 @@ from torch.optim import lr_scheduler as S
 from safetrain import BatchError, SafeTrainer, load_config
 from safetrain.detect import count_host_syncs
 from safetrain.guard import Guard
+from safetrain.policy import History, decide
 from tests.conftest import PoisonRows, finite_params, loader, mlp, regression_data
 from tests.integration.test_engine import BASE, anomalies, fit
 
@@ -254,6 +255,28 @@ def test_lr_scale_climbs_back_after_healthy_steps():
     changes = [e.detail["scale"] for e in result.events if e.name == "lr_changed"]
     assert changes == [0.5, 1.0]
     assert result.lr_scale == 1.0 and opt.param_groups[0]["lr"] == pytest.approx(0.02)
+
+
+def test_deferred_healthy_steps_are_in_the_history_every_reader_sees():
+    """The guard applies healthy steps to the policy's history only when it is read. Whoever reads
+    it (a snapshot, the ladder after a fault, a user) must see every healthy step: a snapshot
+    taken mid-run restores the streak, and a fault after a long healthy run starts at rung 1."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    cfg = load_config(None, [*BASE, "snapshot.every=7", "recovery.reset_after=5", "sanitize.targets=off",
+                             "detect.replay.enabled=false", "recovery.actions.loss=skip_batch"])
+    batches = list(loader(regression_data()))
+    with Guard(model, opt, cfg, loss_fn=F.mse_loss) as guard:
+        _, history = decide("loss", History(), cfg.recovery, cfg.sanitize)
+        guard.history = history  # one fault in the past: rung 1 climbed
+        for batch in batches[:7]:
+            assert guard.step(batch).action == ""
+        saved = guard.store.latest().extra["history"]  # the snapshot taken at the 7th healthy step
+        assert saved["healthy_streak"] == 7 and saved["consecutive"] == 0 and saved["recent"][-7:] == [0] * 7
+        x, y = batches[7]
+        result = guard.step((x, y * math.nan))
+        assert result.action == "skip_batch", "after reset_after healthy steps the ladder starts again at rung 1"
+        assert guard.history.consecutive == 1 and guard.history.healthy_streak == 0
 
 
 # Regressions found in review -------------------------------------------------------------------

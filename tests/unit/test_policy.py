@@ -5,9 +5,11 @@ from __future__ import annotations
 import sys
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from safetrain import load_config
-from safetrain.policy import History, decide, observe_healthy
+from safetrain.policy import History, climb_pending, decide, observe_healthy
 
 
 def run(outcomes, overrides=()):
@@ -125,3 +127,37 @@ def test_skips_after_restore_count_toward_the_skip_fraction_but_do_not_climb():
     assert decision.action == "abort" and "3 of the last 4 steps were not trained" in decision.reason
     assert record_step(History(), cfg.recovery, skipped=False).recent == (0,)
     assert mark_last_skipped(History(recent=(0, 0))).recent == (0, 1)
+
+
+@given(
+    outcomes=st.lists(st.sampled_from(["ok", "loss", "input", "spike"]), max_size=40),
+    run_length=st.integers(1, 250),
+    reset_after=st.integers(1, 30),
+    skip_window=st.integers(1, 120),
+    restore_after=st.one_of(st.none(), st.integers(1, 20)),
+)
+def test_a_run_of_healthy_steps_at_once_equals_one_at_a_time(outcomes, run_length, reset_after, skip_window,
+                                                             restore_after):
+    """The guard defers the policy's work on healthy steps and applies them in one call when the
+    history is read; that call must give exactly what the steps one by one would have."""
+    cfg = load_config(None, [f"recovery.reset_after={reset_after}", f"recovery.skip_window={skip_window}",
+                             f"recovery.lr_restore_after={'null' if restore_after is None else restore_after}",
+                             "recovery.max_retries=1000", "recovery.max_skip_fraction=1.0",
+                             "recovery.escalate=[restore,scale_lr]"])
+    history = History()
+    for outcome in outcomes:
+        if outcome == "ok":
+            history, _ = observe_healthy(history, cfg.recovery)
+        else:
+            _, history = decide(outcome, history, cfg.recovery, cfg.sanitize)
+    if climb_pending(history, cfg.recovery):
+        if run_length > 1:
+            with pytest.raises(ValueError, match="LR climb"):
+                observe_healthy(history, cfg.recovery, run_length)
+        return
+    one_by_one = history
+    for _ in range(run_length):
+        one_by_one, changed = observe_healthy(one_by_one, cfg.recovery)
+        assert changed is None
+    at_once, changed = observe_healthy(history, cfg.recovery, run_length)
+    assert changed is None and at_once == one_by_one
