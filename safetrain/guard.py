@@ -172,6 +172,7 @@ class Guard:
         mid-way from a snapshot goes on with the losses of its steps before the snapshot)."""
         self.counters.epoch, self.counters.batch = epoch, 0
         self.epoch_rng = torch.get_rng_state()
+        self.replayer.rng_reset()  # the loader's shuffle draws from the RNG next
         if not resumed:
             self._epoch_loss = (0.0, 0)
 
@@ -615,6 +616,7 @@ class Guard:
             self.store.discard_newest()
         self._unverified = False
         info = self.store.restore(self.state)
+        self.replayer.rng_reset()  # the snapshot's RNG state is back
         self.weight_replay.clear(info.step)
         self.backoff.load_state_dict({"unscaled": info.extra["lr"]["unscaled"]})
         self.counters.restores += 1
