@@ -277,8 +277,8 @@ class Guard:
                 scan = detect.scan_batch(targets, replace=self._replace(s.targets), clean=self._clean)
                 new_targets = scan.batch
                 p.target_values += scan.values
-            if new_inputs is inputs and new_targets is targets:
-                return batch  # nothing replaced (a model without buffers): the user's batch as it is
+            if new_inputs is inputs and new_targets is targets and type(batch) is tuple:
+                return batch  # nothing replaced (a model without buffers): the user's (immutable) batch
             return type(batch)((new_inputs, new_targets)) if parts is None else parts.join(new_inputs, new_targets)
         if s.inputs == "off" and s.targets == "off":
             return batch

@@ -204,6 +204,8 @@ class first_nonfinite_op(TorchDispatchMode):
 
 #: Steps between two comparisons of the RNG state with the kept one (see ``Replayer.begin_step``).
 _RNG_LOOK_EVERY = 50
+#: A replay's note when the RNG state kept for the step may not be the step's.
+RNG_MOVED = "random numbers were drawn since the RNG state was last kept: if the step drew any, the replay's differ"
 
 
 def _same_rng(a: Tuple[torch.Tensor, List[torch.Tensor]], b: Tuple[torch.Tensor, List[torch.Tensor]]) -> bool:
@@ -231,6 +233,7 @@ class Replayer:
         self._cuda = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
         self._idle = False  # no random number was drawn between the last two looks at the RNG
         self._since = 0  # steps since the last look
+        self._look: Optional[Tuple[torch.Tensor, List[torch.Tensor]]] = None  # the state at the last look
 
     @property
     def enabled(self) -> bool:
@@ -239,7 +242,9 @@ class Replayer:
 
     @property
     def rng_state(self) -> Optional[Tuple[torch.Tensor, List[torch.Tensor]]]:
-        """The (CPU, CUDA) RNG states the current step started from; ``None`` with replays off."""
+        """The (CPU, CUDA) RNG states the current step started from: copied at its start, or, while
+        the RNG is idle, at the last look (the same state unless something drew since, which
+        :meth:`rng_moved` tells); ``None`` with replays off."""
         return self._rng
 
     def begin_step(self) -> None:
@@ -248,9 +253,10 @@ class Replayer:
         A copy costs about 10 us inside a training step (the state is 5 KB, cold by then). A
         model that draws no random numbers (no dropout) leaves the state as it was, and any
         kept copy is then the step's: so every :data:`_RNG_LOOK_EVERY` steps the state is
-        compared with the kept one (in the meantime copied every step, or not at all while the
-        last look found it unchanged). A replay checks again that it is unchanged, and notes it
-        when it is not (the model began to draw random numbers since the last look).
+        compared with the one at the previous look; while a whole such window drew nothing, no
+        copy is made until the next look (otherwise one every step). A replay checks again that
+        the state is unchanged, and says so when it is not (a model that began to draw random
+        numbers since the last look, dropout switched on late, say).
         """
         if not self.cfg.enabled:
             return
@@ -260,23 +266,24 @@ class Replayer:
                 self._rng = self._capture()
             return
         state = self._capture()
-        self._idle = self._rng is not None and _same_rng(state, self._rng)
-        self._rng, self._since = state, 0
+        self._idle = self._look is not None and _same_rng(state, self._look)
+        self._rng, self._look, self._since = state, state, 0
 
     def rng_reset(self) -> None:
         """The RNG was set or drawn from outside the steps (a restore, an epoch's shuffle): copy
-        it at every step again until the next look finds it idle."""
-        self._idle, self._since = False, 0
+        it at every step again until a whole window between two looks finds it idle."""
+        self._idle, self._since, self._look = False, 0, None
 
     def _capture(self) -> Tuple[torch.Tensor, List[torch.Tensor]]:
         return torch.get_rng_state(), (torch.cuda.get_rng_state_all() if self._cuda else [])
 
-    def _rng_moved(self) -> bool:
+    def rng_moved(self) -> bool:
         """Whether the RNG was drawn from since the state kept for this step was taken, when it
-        was not copied at the step's start (then the kept state may not be the step's)."""
+        was not copied at the step's start: then the kept state may not be the step's, and a
+        replay's random draws may differ from the step's. Copies resume at every step."""
         if not self._idle or self._rng is None or _same_rng(self._capture(), self._rng):
             return False
-        self._idle, self._since = False, 0  # copy every step again from now on
+        self.rng_reset()
         return True
 
     @contextlib.contextmanager
@@ -308,10 +315,13 @@ class Replayer:
         Returns:
             A :class:`Diagnosis`.
         """
-        moved = self._rng_moved()  # before the replay draws anything
+        moved = self.rng_moved()  # before the replay draws anything
         diagnosis = self._replay(micro, indices)
         if moved:
-            note = "random numbers were drawn since the RNG state was last kept: if the step drew any, the replay's differ"
+            note = RNG_MOVED
+            if not diagnosis.reproducible:  # not reproduced, but not shown transient: no retry, the ladder acts
+                note += "; the fault did not reproduce, which proves nothing here: not treated as transient"
+                diagnosis = replace(diagnosis, reproducible=True)
             diagnosis = replace(diagnosis, note=f"{diagnosis.note}; {note}" if diagnosis.note else note)
         return diagnosis
 

@@ -38,7 +38,7 @@ import torch
 
 from . import distributed
 from .detect import GradCheck, iter_tensors
-from .replay import Diagnosis, first_nonfinite_op, nonfinite_names
+from .replay import RNG_MOVED, Diagnosis, first_nonfinite_op, nonfinite_names
 
 __all__ = ["WeightReplay"]
 
@@ -140,6 +140,7 @@ class WeightReplay:
             return Diagnosis(reproducible=True, kind="weights", nonfinite_weights=broken, note=why_not,
                              seconds=time.perf_counter() - started)
         self.replayer.used += 1
+        moved = self.replayer.rng_moved()  # the updates kept since the last look have that look's RNG state
         try:
             live = self._set_aside()
         except Exception as exc:  # state that cannot be captured: nothing was touched yet
@@ -156,6 +157,8 @@ class WeightReplay:
         finally:
             self._put_back(live)
         found.setdefault("nonfinite_weights", broken)
+        if moved:
+            found["note"] = f"{found['note']}; {RNG_MOVED}" if found.get("note") else RNG_MOVED
         diagnosis = Diagnosis(kind="weights", seconds=time.perf_counter() - started, **found)
         logger.info("weight replay: %s", diagnosis.describe())
         return diagnosis
