@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(REPO))
 
 import overhead  # noqa: E402
-from overhead import Setup, Variant, register_variant  # noqa: E402
+from fit_overhead import guard_variant  # noqa: E402
+from overhead import register_variant  # noqa: E402
 
 
 def load_version(name: str, ref: str, into: Path) -> ModuleType:
@@ -55,25 +56,7 @@ def load_version(name: str, ref: str, into: Path) -> ModuleType:
 def register(name: str, package: ModuleType) -> None:
     """Register ``g_<name>`` and ``gl_<name>``: that version's ``Guard.step`` in eager and lazy mode."""
     for mode, variant in (("eager", f"g_{name}"), ("lazy", f"gl_{name}")):
-
-        def factory(s: Setup, mode: str = mode) -> Variant:
-            cfg = package.load_config(None, ["log.progress=false", f"detect.mode={mode}", "log.level=WARNING"])
-            guard = package.Guard(s.model, s.optimizer, cfg, loss_fn=s.loss_fn)
-            guard.monitor.detach()  # hooks only around this variant's own steps
-            batch = (s.inputs, s.targets)
-
-            def step() -> None:
-                result = guard.step(batch)
-                if result is None or result.action:
-                    raise RuntimeError(f"benchmark step was not healthy: {result}")
-
-            def start() -> None:
-                s.optimizer.zero_grad(set_to_none=True)  # the previous variant's gradients, outside the timing
-                guard.monitor.attach()
-
-            return Variant(step, start, guard.monitor.detach)
-
-        register_variant(variant)(factory)
+        register_variant(variant)(lambda s, mode=mode: guard_variant(s, mode, package))
 
 
 def main() -> int:

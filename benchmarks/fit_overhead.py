@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # before torch
 
@@ -24,12 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import overhead  # noqa: E402
 from overhead import Setup, Variant, register_variant  # noqa: E402
 
-from safetrain import Guard, load_config  # noqa: E402
+import safetrain  # noqa: E402
 
 
-def _guard(s: Setup, mode: str) -> Variant:
-    cfg = load_config(None, ["log.progress=false", f"detect.mode={mode}", "log.level=WARNING"])
-    guard = Guard(s.model, s.optimizer, cfg, loss_fn=s.loss_fn)
+def guard_variant(s: Setup, mode: str, package: Any = safetrain) -> Variant:
+    """``Guard.step`` of ``package`` (a ``safetrain``, the current one by default) in ``mode``, as a variant."""
+    cfg = package.load_config(None, ["log.progress=false", f"detect.mode={mode}", "log.level=WARNING"])
+    guard = package.Guard(s.model, s.optimizer, cfg, loss_fn=s.loss_fn)
     guard.monitor.detach()  # the model is shared with the other variants: hooks only around our steps
     batch = (s.inputs, s.targets)
 
@@ -51,12 +53,12 @@ def _guard(s: Setup, mode: str) -> Variant:
 
 @register_variant("guard")
 def guard_eager(s: Setup) -> Variant:
-    return _guard(s, "eager")
+    return guard_variant(s, "eager")
 
 
 @register_variant("guard_lazy")
 def guard_lazy(s: Setup) -> Variant:
-    return _guard(s, "lazy")
+    return guard_variant(s, "lazy")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .detect.flags import Layout, parse_read
+from .detect.flags import Layout, packed_order, parse_read
 from .errors import SnapshotError
 from .snapshot import SafetensorsStore, SnapshotInfo, load_snapshot as _load_snapshot
 from .snapshot.base import make_info
@@ -206,10 +206,9 @@ class DistributedSync:
 
 def _plan(layout: Layout) -> List[Tuple[int, int, int]]:
     """``(start, end, rule)`` segments of the packed vector, adjacent equal rules merged."""
-    order = [e for e in layout if not e[3]] + [e for e in layout if e[3]]
     plan: List[Tuple[int, int, int]] = []
     pos = 0
-    for name, count, is_bool, _ in order:
+    for name, count, is_bool, _ in packed_order(layout):
         rule = _MEAN if name == "loss" else _SUM if is_bool or name in _SUMMED else _FIRST
         if plan and plan[-1][2] == rule and plan[-1][1] == pos:
             plan[-1] = (plan[-1][0], pos + count, rule)

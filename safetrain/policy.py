@@ -118,8 +118,8 @@ def _first_action(kind: str, recovery: Any, sanitize: Any) -> str:
     return recovery.actions[kind]
 
 
-def _push(recent: Tuple[int, ...], skipped: bool, window: int) -> Tuple[int, ...]:
-    return (recent + (int(skipped),))[-window:]
+def _push(recent: Tuple[int, ...], skipped: bool, window: int, times: int = 1) -> Tuple[int, ...]:
+    return (recent + (int(skipped),) * min(times, window))[-window:]
 
 
 def decide(kind: str, history: History, recovery: Any, sanitize: Any) -> Tuple[Decision, History]:
@@ -218,11 +218,10 @@ def observe_healthy(history: History, recovery: Any, steps: int = 1) -> Tuple[Hi
     if after is not None and lr_scale < 1.0 and since >= after:
         lr_scale = min(1.0, lr_scale / recovery.lr_factor)
         changed, since = lr_scale, 0
-    window = recovery.skip_window
     new = History(
         consecutive=consecutive,
         healthy_streak=streak,
-        recent=(history.recent + (0,) * min(steps, window))[-window:],
+        recent=_push(history.recent, False, recovery.skip_window, steps),
         lr_scale=lr_scale,
         since_lr_change=since,
     )

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["StepFlags", "StepRead", "FLAG_KINDS", "Layout", "Reduce", "parse_read"]
+__all__ = ["StepFlags", "StepRead", "FLAG_KINDS", "Layout", "Reduce", "parse_read", "packed_order"]
 
 #: The kinds :class:`StepRead` knows by name, in the order a step meets them.
 FLAG_KINDS = ("input", "target", "forward", "loss", "gradient", "weights")
@@ -218,13 +218,18 @@ _PLANS: Dict[Tuple[Tuple[str, int, bool, bool], ...], Plan] = {}
 _MAX_PLANS = 64  # layouts seen in one process are few (a step's names, plus micro-batch counts)
 
 
+def packed_order(layout: Layout) -> Layout:
+    """The layout's entries in the order :meth:`StepFlags.read` packs them: every scalar entry
+    first, then every vector entry, each group in put order."""
+    return [e for e in layout if not e[3]] + [e for e in layout if e[3]]
+
+
 def _plan(layout: Layout) -> Plan:
     key = tuple(layout)
     plan = _PLANS.get(key)
     if plan is None:
-        order = [e for e in layout if not e[3]] + [e for e in layout if e[3]]  # scalars were packed first
         entries, pos = [], 0
-        for name, n, is_bool, _ in order:
+        for name, n, is_bool, _ in packed_order(layout):
             role = (_NUMBER if name in _NUMBERS else _VECTOR if name in _VECTORS else _ROW if name in _ROWS
                     else _FLAG if name in FLAG_KINDS else _EXTRA)
             entries.append((name, pos, pos + n, role, is_bool))
