@@ -1,9 +1,10 @@
 """Gradient and weight checks: one fused pass over many tensors, device-side flags, no sync.
 
 :class:`GradCheck` computes every gradient's L2 norm with ``torch._foreach_norm`` (one
-multi-tensor kernel per device and dtype), stacks them, and takes the total norm from that
-vector: the same number :func:`torch.nn.utils.clip_grad_norm_` would compute, so clipping
-reuses it through :func:`torch.nn.utils.clip_grads_with_norm_` instead of a second pass. The
+multi-tensor kernel per device and dtype; on the CPU, where that is a single-threaded loop, large
+float32/float64 gradients take a multi-threaded BLAS ``dot`` instead), and the total norm from
+them: the same number :func:`torch.nn.utils.clip_grad_norm_` would compute, so clipping reuses it
+through :func:`torch.nn.utils.clip_grads_with_norm_` instead of a second pass. The
 total norm is non-finite exactly when some gradient holds NaN/Inf (or the norms overflow float32,
 which the slow path tells apart). :class:`WeightCheck` does the same over the parameters every
 ``detect.check_weights_every`` steps. Names of the guilty parameters are worked out on the
@@ -23,6 +24,10 @@ from .findings import GradFinding, WeightFinding
 __all__ = ["GradNorms", "GradCheck", "WeightCheck", "fused_norms"]
 
 _LOW = (torch.float16, torch.bfloat16)
+_FLOATS = (torch.float32, torch.float64)
+#: Elements from which a CPU gradient's norm is a BLAS dot (faster than _foreach_norm from ~16K
+#: elements here; 64K leaves small models on the single fused call).
+_DOT_MIN = 1 << 16
 NamedParams = Union[nn.Module, Iterable[Tuple[str, Tensor]]]
 
 
@@ -145,6 +150,15 @@ class GradCheck:
             p.device == first.device and p.dtype == first.dtype for p in self._params
         )
         self._acc = torch.float32 if first is not None and first.dtype in _LOW else None
+        # Large contiguous fp32/fp64 CPU tensors: a BLAS dot (multi-threaded) is 2-2.5x faster
+        # than the CPU _foreach_norm (one thread, a per-tensor loop); on a GPU _foreach_norm is
+        # one fused kernel and stays. Same result: a sum of squares, NaN/Inf exactly when the
+        # norm is, overflowing exactly when the norm does.
+        self._big: Tuple[int, ...] = ()
+        self._small: Tuple[int, ...] = tuple(range(len(self._params)))
+        if self._uniform and first is not None and first.device.type == "cpu" and first.dtype in _FLOATS:
+            self._big = tuple(i for i, p in enumerate(self._params) if p.numel() >= _DOT_MIN and p.is_contiguous())
+            self._small = tuple(i for i in range(len(self._params)) if i not in self._big)
 
     def run(self) -> Optional[GradNorms]:
         """Compute the norms of this step's gradients, device-side, with no host sync.
@@ -163,6 +177,11 @@ class GradCheck:
             grads = [grads[i] for i in keep]
         else:
             self.names, self._with_grad = self._all_names, params
+            if self._big:
+                try:
+                    return GradNorms(self._dot_norms(grads))
+                except RuntimeError:  # a gradient laid out unlike its parameter, or on another device
+                    pass
         if not grads:
             return None
         try:
@@ -170,6 +189,17 @@ class GradCheck:
         except RuntimeError:  # sparse gradients or a gradient on another device than its parameter
             norms = fused_norms(grads)
         return GradNorms(norms if isinstance(norms, list) else list(norms))
+
+    def _dot_norms(self, grads: List[Tensor]) -> List[Tensor]:
+        """Every gradient's norm: a BLAS dot for the large ones, one ``_foreach_norm`` for the rest."""
+        out: List[Tensor] = [None] * len(grads)  # type: ignore[list-item]
+        flat = [grads[i].view(-1) for i in self._big]
+        for i, root in zip(self._big, torch._foreach_sqrt([g.dot(g) for g in flat])):
+            out[i] = root
+        if self._small:
+            for i, norm in zip(self._small, torch._foreach_norm([grads[i] for i in self._small], 2.0)):
+                out[i] = norm
+        return out
 
     def clip_(self, max_norm: float, total_norm: Union[float, Tensor]) -> None:
         """Scale the gradients so their total norm is at most ``max_norm``, reusing ``total_norm``.

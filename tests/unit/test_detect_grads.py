@@ -113,6 +113,49 @@ def test_low_precision_norms_are_taken_in_float32():
     assert [round(n.item(), 4) for n in mixed] == [2.0, 2.0, 2.0]
 
 
+def big_model_with_grads() -> nn.Module:
+    """Two weights above the dot threshold (65536 elements), biases and a small head below it."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(300, 300), nn.Tanh(), nn.Linear(300, 256), nn.Tanh(), nn.Linear(256, 3))
+    model(torch.randn(7, 300)).pow(2).sum().backward()
+    return model
+
+
+def test_large_cpu_gradients_take_the_dot_path_with_the_same_norms():
+    model = big_model_with_grads()
+    check = GradCheck(model)
+    assert check._big == (0, 2), "only the large weights go through BLAS dot"
+    with count_host_syncs() as syncs:
+        result = check.run()
+    assert syncs.count == 0, str(syncs)
+    expected = torch.stack([p.grad.norm() for p in model.parameters()])
+    assert torch.allclose(result.norms, expected, rtol=1e-5), "norms in parameter order, each as torch computes it"
+    assert torch.allclose(result.total_norm, torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]),
+                          rtol=1e-5)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_nonfinite_value_in_a_large_gradient_is_named(value):
+    model = big_model_with_grads()
+    model[2].weight.grad[17, 5] = value
+    check = GradCheck(model)
+    flags = StepFlags()
+    flags.put("grad_norms", check.run().norm_list)
+    read = flags.read()
+    assert read.gradient, "the dot's sum of squares is NaN/Inf like the norm"
+    assert check.finding(read.grad_norms).nonfinite == ("2.weight",)
+
+
+def test_gradient_laid_out_unlike_its_parameter_falls_back_to_foreach_norm():
+    model = big_model_with_grads()
+    expected = [p.grad.norm() for p in model.parameters()]
+    weight = model[0].weight
+    weight.grad = weight.grad.t().contiguous().t()  # same values, transposed strides: no flat view
+    assert not weight.grad.is_contiguous()
+    norms = GradCheck(model).run().norms
+    assert torch.allclose(norms, torch.stack(expected), rtol=1e-5)
+
+
 def test_weight_check_every_n_steps_catches_poisoned_weights():
     model = model_with_grads()
     check = WeightCheck(model, every=3)
