@@ -331,13 +331,19 @@ class Guard:
         """Name the anomaly of this step from the host-side read (the most upstream cause first)."""
         c = self.cfg
         if read.weights:
-            finding = self.weights.finding(**self._where())
+            finding = self._broken_weights(flagged=True)
             if finding is not None:
                 return "weights", {"finding": finding}
         if read.input:
             return "input", {}
         if read.target:
             return "target", {}
+        if read.forward_tripped or read.loss_tripped or read.gradient:
+            # Parameters already NaN/Inf (an earlier update, or code outside the step) make every
+            # forward trip: named here, before a replay or the ladder spends a step on a symptom.
+            finding = self._broken_weights(flagged=False)
+            if finding is not None:
+                return "weights", {"finding": finding}
         if read.forward_tripped:
             # The hooks fold a cheap sum; with a finite loss, confirm by an exact re-run (RNG and
             # buffers kept as they were) before calling it, since a finite sum can overflow.
@@ -367,6 +373,27 @@ class Guard:
         if evidence is not None:
             return "spike", evidence
         return None, {}
+
+    def _broken_weights(self, flagged: bool) -> Optional[detect.WeightFinding]:
+        """The parameters' exact check (slow path): a finding when some are NaN/Inf, on every rank
+        when on any rank (one small collective under DDP, so every rank takes the same decision).
+
+        Args:
+            flagged: the step's periodic weight check tripped; else one fused pass runs first.
+        """
+        bad = flagged
+        if not flagged:
+            value = self.weights.run(force=True)
+            bad = value is not None and not math.isfinite(value.item())  # host sync: slow path
+        finding = self.weights.finding(**self._where()) if bad else None  # None: the norms overflowed
+        if self._dist is None:
+            return finding
+        ranks = tuple(r for r, v in enumerate(self._dist.gather_int(finding is not None)) if v)
+        if not ranks:
+            return None
+        if finding is None:
+            return detect.WeightFinding(kind="weights", nonfinite=(), ranks=ranks, **self._where())
+        return dataclasses.replace(finding, ranks=ranks)
 
     def _rerun(self) -> None:
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
@@ -469,13 +496,10 @@ class Guard:
                 error = detect.batch_error(detail["rows"])
                 self._emit(AnomalyFound, kind, "raise", str(error), {"rows": [f.to_dict() for f in detail["rows"]]})
                 raise error
-        if kind in _REPLAYED and self.replayer.enabled:
+        if kind in _REPLAYED and self.replayer.enabled:  # the parameters were finite (_judge checked)
             diagnosis = self.diagnose()
             detail["diagnosis"] = diagnosis
-            if diagnosis.kind == "weights":  # non-finite before the step: an earlier update broke them
-                finding = self.weights.finding(**self._where()) or diagnosis  # None: a DDP rank's own are finite
-                kind, detail = "weights", {"finding": finding, "step_replay": diagnosis}
-            elif not diagnosis.reproducible and not self._retrying:
+            if not diagnosis.reproducible and not self._retrying:
                 return self._retry_transient(kind, detail)
         if kind == "weights" and self.replayer.enabled:  # replayed from the snapshot; never retried
             detail["diagnosis"] = self.weight_replay.replay(self.store)

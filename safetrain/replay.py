@@ -14,7 +14,8 @@ settings, with
 then tells a **reproducible** fault from a **transient** one (the replay is finite) and, when the
 loss is per-sample separable, bisects the batch to the rows that make it non-finite. Parameters
 that are already non-finite before the step are a ``weights`` fault: the step only shows it, so
-the diagnosis says so and :mod:`safetrain.replay_weights` replays the steps before it. The replay
+the diagnosis says so and :mod:`safetrain.replay_weights` replays the steps before it (the guard
+checks the parameters before it replays a step, so there it goes straight to that replay). The replay
 leaves training exactly as it was: gradients, buffers, the model's mode and every RNG stream
 are put back.
 """

@@ -297,13 +297,19 @@ class WeightFinding(Finding):
     """Parameters holding NaN or Inf at a weight check (``kind="weights"``).
 
     Attributes:
-        nonfinite: names of the poisoned parameters.
+        nonfinite: names of the poisoned parameters (on this process).
         counts: ``(name, nan, inf)`` per poisoned parameter.
+        ranks: under ``torch.distributed``, the ranks whose parameters are poisoned (this one's
+            ``nonfinite`` is empty when only others' are); empty in one process.
     """
 
     nonfinite: Tuple[str, ...]
     counts: Tuple[Tuple[str, int, int], ...] = ()
+    ranks: Tuple[int, ...] = ()
 
     def describe(self) -> str:
         """``weights: non-finite values in fc.weight``."""
-        return f"weights: non-finite values in {', '.join(self.nonfinite[:10])}{_where(self)}"
+        on = f" (rank(s) {', '.join(map(str, self.ranks))})" if self.ranks else ""
+        if not self.nonfinite:
+            return f"weights: non-finite parameters on rank(s) {', '.join(map(str, self.ranks))}{_where(self)}"
+        return f"weights: non-finite values in {', '.join(self.nonfinite[:10])}{on}{_where(self)}"

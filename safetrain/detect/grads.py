@@ -307,15 +307,19 @@ class WeightCheck:
         """``True`` when ``step`` is a multiple of ``every`` (host arithmetic, no sync)."""
         return self.enabled and step % self.every == 0
 
-    def run(self) -> Optional[Tensor]:
+    def run(self, force: bool = False) -> Optional[Tensor]:
         """Check now: one fused L2 norm per parameter, summed.
+
+        Args:
+            force: check even when the periodic check is off (``every`` 0): the guard's slow path
+                after a trip, to tell weights already broken from a fault of this step.
 
         Returns:
             A 0-dim float32 device value, NaN/Inf when some parameter is (or, rarely, when
             the norms overflow: :meth:`finding` tells them apart); ``None`` when disabled. Put it
             on :class:`~safetrain.detect.flags.StepFlags` as ``weights``.
         """
-        if not self.enabled:
+        if not (self.enabled or force) or not self._params:
             return None
         with torch.no_grad():
             return _stack(fused_norms([p.detach() for p in self._params])).sum()

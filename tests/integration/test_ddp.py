@@ -75,7 +75,8 @@ def _run(rank: int, overrides: List[str], poison: Callable[[int, torch.Tensor], 
     out: Dict[str, Any] = {"steps": [], "anomalies": [], "restored": [], "aborted_at": None}
     with Guard(model, opt, cfg, loss_fn=F.mse_loss) as guard:
         guard.bus.subscribe(lambda e: out["anomalies"].append([e.step, e.kind, e.action, e.rank, e.detail.get("ranks"),
-                                                               e.detail.get("diagnosis")]) if e.name == "anomaly" else None)
+                                                               e.detail.get("diagnosis"), e.detail.get("finding")])
+                            if e.name == "anomaly" else None)
         guard.bus.subscribe(lambda e: out["restored"].append([e.step, e.detail.get("snapshot_step"),
                                                               e.detail.get("path")]) if e.name == "restored" else None)
         guard.begin_epoch(0)
@@ -256,9 +257,13 @@ def test_abort_raises_on_both_ranks_at_the_same_step(ranks):
 
 
 def test_weights_broken_on_one_rank_are_a_weights_fault_on_both_restored_without_a_weight_replay(ranks):
-    """The step replay agrees across ranks that the parameters were non-finite before the step; the
-    weight replay is skipped with a note on every rank (no rank waits on another), and both restore."""
+    """The trip's weight check agrees across ranks that some rank's parameters are non-finite (no
+    step replay spent on it); the weight replay is skipped with a note on every rank (no rank
+    waits on another), and both restore."""
     r0, r1 = ranks[0]["weights"], ranks[1]["weights"]
+    f0, f1 = r0["anomalies"][0][6], r1["anomalies"][0][6]
+    assert (f0["nonfinite"], f0["ranks"]) == ([], [1]), "rank 0's own are finite: it names rank 1"
+    assert f1["nonfinite"] == ["module.2.weight"] and f1["ranks"] == [1], f1
     assert _decisions(r0) == _decisions(r1)
     assert [a[:3] for a in r0["anomalies"]] == [[5, "weights", "restore"]], r0["anomalies"]
     assert [a[:3] for a in r1["anomalies"]] == [[5, "weights", "restore"]], r1["anomalies"]

@@ -65,8 +65,9 @@ def poison_weights_before(k: int) -> Callable[[int, Any], None]:
 @pytest.mark.parametrize("foreach", [False, True])
 @pytest.mark.parametrize("how", ["detect.check_weights_every=1", "detect.mode=eager", "detect.mode=lazy"])
 def test_an_inf_lr_names_the_update_the_parameters_and_the_optimizer_op(how, foreach):
-    """Found by the weight check, or by the next step's forward (eager) or loss (lazy) whose replay
-    sees the parameters non-finite before the step: either way a ``weights`` fault, replayed."""
+    """Found by the weight check, or by the next step's forward (eager) or loss (lazy) trip, after
+    which the parameters are checked before anything else: either way a ``weights`` fault,
+    replayed once from the snapshot (no step replay spent on the symptom)."""
     result = run([how], inf_lr_at(4), optimizer=lambda p: torch.optim.SGD(p, lr=0.02, momentum=0.9, foreach=foreach))
     event = anomaly(result)
     assert (event.step, event.kind, event.action) == (5, "weights", "restore"), event
@@ -75,8 +76,8 @@ def test_an_inf_lr_names_the_update_the_parameters_and_the_optimizer_op(how, for
     assert d["weights_step"] == 4, d
     assert set(d["nonfinite_weights"]) == {"0.weight", "0.bias", "1.weight", "1.bias", "4.weight", "4.bias"}, d
     assert d["op"].startswith("aten._foreach_add_." if foreach else "aten.add_."), d
-    if how != "detect.check_weights_every=1":
-        assert event.detail["step_replay"]["kind"] == "weights", "the step replay saw the parameters broken first"
+    assert set(event.detail["finding"]["nonfinite"]) == set(d["nonfinite_weights"]), event.detail["finding"]
+    assert result["guard"].replayer.used == 1, "one replay: the weights', not also the tripped step's"
     assert finite_params(result["model"])
 
 
@@ -116,9 +117,34 @@ def test_a_forward_trip_from_nan_weights_is_journaled_as_weights_even_without_a_
     event = anomaly(result)
     assert event.kind == "weights" and event.action == "restore", event
     assert event.detail["finding"]["nonfinite"] == ["4.weight"], event.detail["finding"]
-    assert event.detail["step_replay"]["nonfinite_weights"] == ["4.weight"]
+    assert event.detail["diagnosis"]["nonfinite_weights"] == ["4.weight"]
+    assert result["guard"].replayer.used == 1, "the weight replay only"
     restored = next(e for e in result["events"] if e.name == "restored")
     assert restored.detail["snapshot_step"] == 0
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_broken_weights_are_restored_at_once_without_replay_or_weight_check(mode):
+    """With the replay off and no periodic weight check, a forward (eager) or loss (lazy) trip
+    from NaN weights is still named ``weights`` and restored at that step: skipping the batch would
+    only trip again at the next one (a wasted step and a misleading ``forward``/``loss`` event)."""
+    result = run([f"detect.mode={mode}", "detect.check_weights_every=0", "detect.replay.enabled=false"],
+                 poison_weights_before(6))
+    anomalies = [e for e in result["events"] if e.name == "anomaly"]
+    assert [(e.step, e.kind, e.action) for e in anomalies] == [(6, "weights", "restore")], anomalies
+    assert anomalies[0].detail["finding"]["nonfinite"] == ["4.weight"]
+    assert "diagnosis" not in anomalies[0].detail
+    assert result["guard"].counters.restores == 1 and finite_params(result["model"])
+
+
+def test_a_nan_loss_with_finite_weights_is_not_called_a_weights_fault():
+    """The check before the replay finds finite parameters: the trip keeps its own kind."""
+    def nan_target(step: int, guard: Any) -> None:
+        guard.loss_fn = (lambda out, y: F.mse_loss(out, y) * math.nan) if step == 4 else F.mse_loss
+
+    result = run(["detect.mode=lazy", "detect.replay.enabled=false", "sanitize.targets=off"], nan_target)
+    event = anomaly(result)
+    assert (event.step, event.kind, event.action) == (4, "loss", "skip_batch"), event
 
 
 @pytest.mark.parametrize("fault", ["inf_lr", "outside"])
