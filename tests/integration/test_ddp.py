@@ -18,7 +18,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Sequence
 
 import pytest
 import torch
@@ -139,16 +139,21 @@ def _abort(rank: int, tmp: str) -> Dict[str, Any]:
     return _run(rank, ["recovery.max_retries=2"], poison)
 
 
-def _weights(rank: int, tmp: str) -> Dict[str, Any]:
+def _weights(rank: int, tmp: str, overrides: Sequence[str] = ()) -> Dict[str, Any]:
     def before(step: int, guard: Any) -> None:
         if step == 5 and rank == 1:  # a weight turns NaN on rank 1 only, outside the step (a bit flip)
             with torch.no_grad():
                 guard.model.module[2].weight[0, 0] = math.nan
 
-    return _run(rank, [], lambda step, x: None, steps=7, before=before)
+    return _run(rank, list(overrides), lambda step, x: None, steps=7, before=before)
 
 
-SCENARIOS = {"skip": _skip, "drop": _drop, "restore": _restore, "abort": _abort, "weights": _weights}
+def _weights_checked(rank: int, tmp: str) -> Dict[str, Any]:
+    return _weights(rank, tmp, ["detect.check_weights_every=1"])
+
+
+SCENARIOS = {"skip": _skip, "drop": _drop, "restore": _restore, "abort": _abort, "weights": _weights,
+             "weights_checked": _weights_checked}
 
 
 def _worker(rank: int, world: int, tmp: str) -> None:
@@ -269,6 +274,16 @@ def test_weights_broken_on_one_rank_are_a_weights_fault_on_both_restored_without
     assert [a[:3] for a in r1["anomalies"]] == [[5, "weights", "restore"]], r1["anomalies"]
     for run in (r0, r1):
         assert "torch.distributed" in run["anomalies"][0][5]["note"], run["anomalies"][0][5]
+    assert r0["digest"] == r1["digest"] and r0["finite"] and r1["finite"]
+
+
+def test_weights_caught_by_the_periodic_check_on_one_rank_are_judged_alike_on_both(ranks):
+    """The weight check's flag is combined across ranks; rank 0's own parameters are finite, yet it
+    must not judge the step from its other flags (rank 1 restores: both must, together)."""
+    r0, r1 = ranks[0]["weights_checked"], ranks[1]["weights_checked"]
+    assert _decisions(r0) == _decisions(r1)
+    assert [a[:3] for a in r0["anomalies"]] == [a[:3] for a in r1["anomalies"]] == [[5, "weights", "restore"]]
+    assert r0["anomalies"][0][6]["ranks"] == [1] and r0["anomalies"][0][6]["nonfinite"] == []
     assert r0["digest"] == r1["digest"] and r0["finite"] and r1["finite"]
 
 
