@@ -95,6 +95,10 @@ class Guard:
         self._by_name = dict(self._params)
         # Two parameters looked at per step for gradients left by someone else (O(1), not O(P)).
         self._probe = (self._params[0][1], self._params[-1][1]) if self._params else ()
+        # torch's own zero_grad (not overridden by the optimizer's class or instance): _free_grads
+        # may run its set_to_none loop itself.
+        self._plain_zero_grad = (type(optimizer).zero_grad is torch.optim.Optimizer.zero_grad
+                                 and "zero_grad" not in vars(optimizer))
         # Gradients are always checked (clipping and the scaler need the norm anyway); the
         # activation and weight checks follow detect.mode. Disabled parts are no-ops, not ifs.
         self.grads = detect.GradCheck(self._params)
@@ -230,7 +234,7 @@ class Guard:
         if not self._grads_dropped or (probe and (probe[0].grad is not None or probe[1].grad is not None)):
             # The first step, or gradients made outside the guard since its last step (a user's
             # own backward): dropped, or this step's backward would add to them.
-            self.optimizer.zero_grad(set_to_none=True)
+            self._free_grads()
         self._grads_dropped = False
         self._pending = Pending()
         self.monitor.reset()
@@ -423,8 +427,19 @@ class Guard:
         self.counters.optimizer_steps += 1
         if self.scheduler is not None:
             self._step_scheduler()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._free_grads()
         self._grads_dropped = True  # the next step need not zero them again
+
+    def _free_grads(self) -> None:
+        """``optimizer.zero_grad(set_to_none=True)``. For torch's own ``zero_grad`` (not overridden)
+        and no profiler running, the same loop without the profiler range it opens (a dispatcher
+        call, about 10 us a step in the loop of a small model)."""
+        if self._plain_zero_grad and not torch.autograd._profiler_enabled():
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
 
     def _count_loss(self) -> None:
         """Add this trained step's loss to the epoch's mean (a non-finite one is left out)."""
@@ -436,7 +451,7 @@ class Guard:
         """Drop this step's gradients; the scaler is told so it starts clean (its scale is kept)."""
         if self.scaler is not None:
             self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._free_grads()
         self._grads_dropped = True
 
     def _not_applied(self) -> None:

@@ -297,3 +297,39 @@ def test_gradients_made_outside_the_guard_between_steps_are_not_added_to_the_nex
         return [p.detach().clone() for p in model.parameters()]
 
     assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))
+
+
+def test_an_optimizer_with_its_own_zero_grad_is_asked_to_clear_its_gradients():
+    """The guard frees the gradients itself only for torch's own ``zero_grad``; an optimizer that
+    overrides it (one that keeps flat gradient buffers, say) has it called after every update."""
+    class OwnZeroGrad(torch.optim.SGD):
+        calls = 0
+
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            type(self).calls += 1
+            super().zero_grad(set_to_none)
+
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    model = mlp()
+    opt = OwnZeroGrad(model.parameters(), lr=0.1)
+    with Guard(model, opt, load_config(None, ["log.progress=false"]), loss_fn=F.mse_loss) as guard:
+        for _ in range(3):
+            assert guard.step((x, y)).trained
+    assert OwnZeroGrad.calls >= 3, "once per update at least"
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_gradients_are_freed_after_each_update_and_zero_grad_shows_under_the_profiler():
+    """After a healthy step every gradient is None (what ``zero_grad(set_to_none=True)`` leaves);
+    while a profiler runs the guard goes through ``optimizer.zero_grad``, so its range is traced."""
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Guard(model, opt, load_config(None, ["log.progress=false"]), loss_fn=F.mse_loss) as guard:
+        assert guard.step((x, y)).trained
+        assert all(p.grad is None for p in model.parameters())
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            assert guard.step((x, y)).trained
+        assert all(p.grad is None for p in model.parameters())
+    names = {e.name for e in prof.events()}
+    assert any(n.startswith("Optimizer.zero_grad#") for n in names), sorted(n for n in names if "Optimizer" in n)
