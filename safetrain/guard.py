@@ -18,6 +18,7 @@ import math
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
+from torch import Tensor
 
 from . import detect, distributed, snapshot
 from .batches import TARGET_KEYS, compute_loss, row_findings, split_batch, without_rows
@@ -277,7 +278,8 @@ class Guard:
                 scan = detect.scan_batch(inputs, replace=self._replace(s.inputs), clean=self._clean)
                 new_inputs = scan.batch
                 p.input_values += scan.values
-            if s.targets != "off":
+            if s.targets != "off" and not (type(targets) is Tensor and not targets.is_floating_point()):
+                # (class indices, the usual targets, hold no NaN/Inf: nothing to scan)
                 scan = detect.scan_batch(targets, replace=self._replace(s.targets), clean=self._clean)
                 new_targets = scan.batch
                 p.target_values += scan.values
@@ -342,22 +344,23 @@ class Guard:
             return "input", {}
         if read.target:
             return "target", {}
-        if read.forward_tripped or read.loss_tripped or read.gradient:
+        forward_tripped, loss_tripped = read.forward_tripped, read.loss_tripped
+        if forward_tripped or loss_tripped or read.gradient:
             # Parameters already NaN/Inf (an earlier update, or code outside the step) make every
             # forward trip: named here, before a replay or the ladder spends a step on a symptom.
             finding = self._broken_weights(flagged=False)
             if finding is not None:
                 return "weights", {"finding": finding}
-        if read.forward_tripped:
+        if forward_tripped:
             # The hooks fold a cheap sum; with a finite loss, confirm by an exact re-run (RNG and
             # buffers kept as they were) before calling it, since a finite sum can overflow.
-            rerun = None if read.loss_tripped else self._rerun
+            rerun = None if loss_tripped else self._rerun
             finding = self.monitor.locate(read.forward, rerun=rerun, **self._where())
             if self._dist is not None and rerun is not None:  # confirmed on some rank: on all
                 finding = self._dist.agree_finding(finding, lambda: self.monitor.locate(read.forward, **self._where()))
             if finding is not None:
                 return "forward", {"finding": finding}
-        if read.loss_tripped:
+        if loss_tripped:
             return "loss", {"finding": detect.LossFinding(kind="loss", value=self.last_loss, **self._where())}
         found_inf = read.extra.get("found_inf", (0.0,))[0]
         if self.scaler is not None and found_inf:

@@ -134,7 +134,10 @@ def make_hook(index: int, ids: List[int], vals: List[Tensor], nan_only: bool, gu
     if nan_only or guard_growth:
 
         def careful_hook(module: nn.Module, args: Any, out: Any) -> None:
-            value = _reduce_nested(out, nan_only)
+            if not nan_only and out.__class__ is tensor_cls:
+                value = _reduce(out, False) if out.is_floating_point() else None
+            else:
+                value = _reduce_nested(out, nan_only)
             if value is not None:
                 vals_append(value)
                 ids_append(index)
