@@ -98,12 +98,16 @@ class Guard:
         self._probe = (self._params[0][1], self._params[-1][1]) if self._params else ()
         # torch's own zero_grad (not overridden by the optimizer's class or instance): _free_grads
         # may run its set_to_none loop itself.
-        self._plain_zero_grad = (type(optimizer).zero_grad is torch.optim.Optimizer.zero_grad
-                                 and "zero_grad" not in vars(optimizer))
+        # (decided here: a zero_grad patched in later is not seen; a wrapper without the class
+        # attribute, forwarding through __getattr__, always goes through optimizer.zero_grad)
+        self._plain_zero_grad = (getattr(type(optimizer), "zero_grad", None) is torch.optim.Optimizer.zero_grad
+                                 and "zero_grad" not in getattr(optimizer, "__dict__", {}))
         # Gradients are always checked (clipping and the scaler need the norm anyway); the
         # activation and weight checks follow detect.mode. Disabled parts are no-ops, not ifs.
         self.grads = detect.GradCheck(self._params)
         self.weights = detect.WeightCheck(self._params, c.detect.check_weights_every, enabled=c.detect.mode != "off")
+        # The exact check after a trip covers every parameter, frozen ones too (a snapshot restores them).
+        self._all_weights = detect.WeightCheck(model.named_parameters(), 0)  # run(force=True) only
         self.monitor = detect.ActivationMonitor.from_config(model, c.detect)
         self._hooks = self.monitor.attach()
         # Non-finite input values are zero-filled before the optimistic forward only where the
@@ -345,7 +349,7 @@ class Guard:
         if read.target:
             return "target", {}
         forward_tripped, loss_tripped = read.forward_tripped, read.loss_tripped
-        if forward_tripped or loss_tripped or read.gradient:
+        if forward_tripped or loss_tripped or (read.gradient and not self._overflowed(read)):
             # Parameters already NaN/Inf (an earlier update, or code outside the step) make every
             # forward trip: named here, before a replay or the ladder spends a step on a symptom.
             finding = self._broken_weights(flagged=False)
@@ -362,8 +366,7 @@ class Guard:
                 return "forward", {"finding": finding}
         if loss_tripped:
             return "loss", {"finding": detect.LossFinding(kind="loss", value=self.last_loss, **self._where())}
-        found_inf = read.extra.get("found_inf", (0.0,))[0]
-        if self.scaler is not None and found_inf:
+        if self.scaler is not None and self._overflowed(read):
             self._overflows += 1
             scale = read.extra["scale"][0]
             new_scale = scale * self.scaler.get_backoff_factor()
@@ -381,6 +384,10 @@ class Guard:
             return "spike", evidence
         return None, {}
 
+    def _overflowed(self, read: detect.StepRead) -> bool:
+        """The fp16 GradScaler found Inf/NaN gradients this step (normal: its scale was too high)."""
+        return self.scaler is not None and bool(read.extra.get("found_inf", (0.0,))[0])
+
     def _broken_weights(self, flagged: bool) -> Optional[detect.WeightFinding]:
         """The parameters' exact check (slow path): a finding when some are NaN/Inf, on every rank
         when on any rank (one small collective under DDP, so every rank takes the same decision).
@@ -388,11 +395,14 @@ class Guard:
         Args:
             flagged: the step's periodic weight check tripped; else one fused pass runs first.
         """
+        if self.cfg.detect.mode == "off":
+            return None
+        check = self._all_weights
         bad = flagged
         if not flagged:
-            value = self.weights.run(force=True)
+            value = check.run(force=True)
             bad = value is not None and not math.isfinite(value.item())  # host sync: slow path
-        finding = self.weights.finding(**self._where()) if bad else None  # None: the norms overflowed
+        finding = check.finding(**self._where()) if bad else None  # None: the norms overflowed
         if self._dist is None:
             return finding
         ranks = tuple(r for r, v in enumerate(self._dist.gather_int(finding is not None)) if v)
@@ -437,7 +447,7 @@ class Guard:
         """``optimizer.zero_grad(set_to_none=True)``. For torch's own ``zero_grad`` (not overridden)
         and no profiler running, the same loop without the profiler range it opens (a dispatcher
         call, about 10 us a step in the loop of a small model)."""
-        if self._plain_zero_grad and not torch.autograd._profiler_enabled():
+        if self._plain_zero_grad and not _profiler_enabled():
             for group in self.optimizer.param_groups:
                 for p in group["params"]:
                     p.grad = None
@@ -746,6 +756,10 @@ _NO_AUTOCAST = contextlib.nullcontext()
 #: Batch types taken as an (inputs, targets) pair without ``split_batch`` (exact types: a named
 #: tuple or another subclass goes through it).
 _PLAIN_PAIRS = (tuple, list)
+
+#: Whether a torch profiler is recording (a private torch function; if it is ever missing, assume
+#: one is, so that zero_grad's profiler range is never lost).
+_profiler_enabled: Callable[[], bool] = getattr(torch.autograd, "_profiler_enabled", lambda: True)
 
 #: Kinds a replay can explain (the others are finite outliers or data problems).
 _REPLAYED = frozenset({"forward", "loss", "gradient"})

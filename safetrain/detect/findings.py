@@ -309,7 +309,8 @@ class WeightFinding(Finding):
 
     def describe(self) -> str:
         """``weights: non-finite values in fc.weight``."""
-        on = f" (rank(s) {', '.join(map(str, self.ranks))})" if self.ranks else ""
+        ranks = ", ".join(map(str, self.ranks))
         if not self.nonfinite:
-            return f"weights: non-finite parameters on rank(s) {', '.join(map(str, self.ranks))}{_where(self)}"
+            return f"weights: non-finite parameters on rank(s) {ranks}{_where(self)}"
+        on = f" (rank(s) {ranks})" if self.ranks else ""
         return f"weights: non-finite values in {', '.join(self.nonfinite[:10])}{on}{_where(self)}"

@@ -187,8 +187,8 @@ class GradCheck:
             if self._big:
                 try:
                     return GradNorms(self._dot_norms(grads))
-                except RuntimeError:  # a gradient laid out unlike its parameter, or on another device
-                    pass
+                except RuntimeError:  # a gradient laid out unlike its parameter, sparse, or elsewhere:
+                    self._big, self._small = (), tuple(range(len(params)))  # not tried again
         if not grads:
             return None
         try:

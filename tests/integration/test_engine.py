@@ -179,6 +179,19 @@ def test_fp16_overflow_is_a_scaler_skip_not_a_failure():
     assert finite_params(model)
 
 
+def test_fp16_overflow_steps_do_not_pay_for_an_exact_weight_check(monkeypatch):
+    """An overflow makes the unscaled gradients Inf (a gradient trip), but the scaler explains it:
+    the exact check of every parameter (for weights already broken) is not run on those steps."""
+    from safetrain.detect import WeightCheck
+
+    runs = []
+    real = WeightCheck.run
+    monkeypatch.setattr(WeightCheck, "run", lambda self, force=False: runs.append(force) or real(self, force))
+    result, _, _ = fit(["amp.dtype=float16", "amp.init_scale=1048576", "detect.check_weights_every=0"], epochs=1)
+    assert anomalies(result, "scaler"), "the run had overflow steps"
+    assert runs == [], runs
+
+
 def test_persistent_fault_aborts_after_max_retries_with_model_finite():
     model = mlp()
     fault = FaultAt(model[1], calls=range(6, 10_000))  # healthy for 5 steps, then NaN for ever
@@ -333,3 +346,33 @@ def test_gradients_are_freed_after_each_update_and_zero_grad_shows_under_the_pro
         assert all(p.grad is None for p in model.parameters())
     names = {e.name for e in prof.events()}
     assert any(n.startswith("Optimizer.zero_grad#") for n in names), sorted(n for n in names if "Optimizer" in n)
+
+
+def test_a_zero_grad_set_on_the_optimizer_instance_is_called():
+    """An instance-level ``zero_grad`` (patched in by a wrapper library) is honoured like a class's."""
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = []
+    opt.zero_grad = lambda set_to_none=True: calls.append(set_to_none) or torch.optim.SGD.zero_grad(opt, set_to_none)
+    with Guard(model, opt, load_config(None, ["log.progress=false"]), loss_fn=F.mse_loss) as guard:
+        for _ in range(2):
+            assert guard.step((x, y)).trained
+    assert len(calls) >= 2 and all(calls)
+
+
+def test_an_optimizer_wrapper_that_forwards_attributes_works():
+    """A thin wrapper that is not an ``Optimizer`` and forwards everything through ``__getattr__``."""
+    class Wrapped:
+        def __init__(self, inner: torch.optim.Optimizer) -> None:
+            self.inner = inner
+
+        def __getattr__(self, name: str):
+            return getattr(self.inner, name)
+
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    model = mlp()
+    with Guard(model, Wrapped(torch.optim.SGD(model.parameters(), lr=0.1)), load_config(None, ["log.progress=false"]),
+               loss_fn=F.mse_loss) as guard:
+        assert all(guard.step((x, y)).trained for _ in range(3))
+    assert all(p.grad is None for p in model.parameters())

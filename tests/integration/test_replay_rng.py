@@ -8,8 +8,6 @@ an idle model is still exact, and that a model which begins to draw is noticed.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 

@@ -137,6 +137,32 @@ def test_broken_weights_are_restored_at_once_without_replay_or_weight_check(mode
     assert result["guard"].counters.restores == 1 and finite_params(result["model"])
 
 
+@pytest.mark.parametrize("replay", ["true", "false"])
+def test_a_frozen_parameter_gone_nan_is_a_weights_fault_restored_at_once(replay):
+    """The exact check after a trip covers every parameter, not only those that train: a frozen
+    layer's weight poked to NaN is named and restored at the trip (a snapshot holds it too)."""
+    def frozen_first_layer() -> torch.nn.Module:
+        model = dropout_mlp()
+        model[0].weight.requires_grad_(False)
+        return model
+
+    model = frozen_first_layer()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.02)
+    events = []
+    cfg = load_config(None, [*BASE, "detect.mode=lazy", f"detect.replay.enabled={replay}"])
+    with Guard(model, opt, cfg, loss_fn=F.mse_loss) as guard:
+        for step, batch in enumerate(loader(regression_data(n=16 * 8), batch_size=16), start=1):
+            if step == 6:
+                with torch.no_grad():
+                    model[0].weight[2, 1] = math.nan
+            events += guard.step(batch).events
+    found = [(e.step, e.kind, e.action) for e in events if e.name == "anomaly"]
+    assert found == [(6, "weights", "restore")], found
+    assert next(e for e in events if e.name == "anomaly").detail["finding"]["nonfinite"] == ["0.weight"]
+    assert guard.replayer.used == (1 if replay == "true" else 0)
+    assert finite_params(model)
+
+
 def test_a_nan_loss_with_finite_weights_is_not_called_a_weights_fault():
     """The check before the replay finds finite parameters: the trip keeps its own kind."""
     def nan_target(step: int, guard: Any) -> None:

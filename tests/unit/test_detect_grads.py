@@ -134,6 +134,22 @@ def test_large_cpu_gradients_take_the_dot_path_with_the_same_norms():
                           rtol=1e-5)
 
 
+def test_the_fused_norm_gets_only_the_small_gradients_and_a_failed_dot_path_is_not_retried(monkeypatch):
+    model = big_model_with_grads()
+    seen = []
+    real = torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda ts, *a, **k: seen.append(len(ts)) or real(ts, *a, **k))
+    check = GradCheck(model)
+    check.run()
+    assert seen == [4], "the two large weights went through dot, the 4 others through one _foreach_norm"
+    weight = model[0].weight
+    weight.grad = weight.grad.t().contiguous().t()  # no flat view: the dot path raises
+    seen.clear()
+    check.run()
+    check.run()
+    assert seen == [6, 6] and check._big == (), "one fused pass over all, without trying the dots again"
+
+
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
 def test_nonfinite_value_in_a_large_gradient_is_named(value):
     model = big_model_with_grads()
