@@ -106,7 +106,8 @@ class DetectConfig:
         True, "leave ReLU-like activations, dropout, pooling and reshapes unhooked (finite in, finite out: "
         "never where a NaN starts); about halves the eager hook cost of MLPs and CNNs"
     )
-    check_weights_every: int = _f(100, "check every parameter for NaN/Inf every N optimizer steps (0: never)", ge=0)
+    check_weights_every: int = _f(100, "check every parameter for NaN/Inf every N optimizer steps (0: never; a "
+                                       "forward, loss or gradient trip checks them anyway)", ge=0)
     replay: ReplayConfig = _f(doc="diagnosis by replay of a tripped step", factory=ReplayConfig)
 
 
