@@ -124,7 +124,7 @@ def big_model_with_grads() -> nn.Module:
 def test_large_cpu_gradients_take_the_dot_path_with_the_same_norms():
     model = big_model_with_grads()
     check = GradCheck(model)
-    assert check._big == (0, 2), "only the large weights go through BLAS dot"
+    assert check._dots.big == (0, 2), "only the large weights go through BLAS dot"
     with count_host_syncs() as syncs:
         result = check.run()
     assert syncs.count == 0, str(syncs)
@@ -147,7 +147,7 @@ def test_the_fused_norm_gets_only_the_small_gradients_and_a_failed_dot_path_is_n
     seen.clear()
     check.run()
     check.run()
-    assert seen == [6, 6] and check._big == (), "one fused pass over all, without trying the dots again"
+    assert seen == [6, 6] and check._dots.big == (), "one fused pass over all, without trying the dots again"
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
@@ -170,6 +170,18 @@ def test_gradient_laid_out_unlike_its_parameter_falls_back_to_foreach_norm():
     assert not weight.grad.is_contiguous()
     norms = GradCheck(model).run().norms
     assert torch.allclose(norms, torch.stack(expected), rtol=1e-5)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_weight_check_of_large_weights_takes_the_dot_path_and_catches_poison(value):
+    model = big_model_with_grads()
+    check = WeightCheck(model, every=1)
+    assert check._dots.big == (0, 2)
+    assert math.isfinite(check.run().item())
+    with torch.no_grad():
+        model[2].weight[255, 299] = value
+    assert not math.isfinite(check.run().item())
+    assert check.finding().nonfinite == ("2.weight",)
 
 
 def test_weight_check_every_n_steps_catches_poisoned_weights():
