@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING, Any, Callable, List, Mapping, Optional, Sequen
 
 import torch
 
+from .detect.walk import map_tensors
 from .errors import BatchError
 
 if TYPE_CHECKING:
     from .detect import RowFinding
 
-__all__ = ["BatchParts", "split_batch", "compute_loss", "row_findings", "without_rows", "TARGET_KEYS"]
+__all__ = ["BatchParts", "split_batch", "compute_loss", "row_findings", "without_rows", "to_device", "TARGET_KEYS"]
 
 #: Mapping keys treated as targets by the sanitizer.
 TARGET_KEYS = frozenset({"labels", "label", "targets", "target", "y"})
@@ -53,6 +54,30 @@ class BatchParts:
             except TypeError:
                 return merged
         return inputs
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """The batch with every CPU tensor copied to ``device`` (asynchronously when pinned).
+
+    Tensors already on an accelerator stay where they are (a model-parallel user placed them),
+    containers are rebuilt only when something moved, and the copies are ``non_blocking``: from a
+    ``DataLoader(pin_memory=True)`` they overlap with the previous step's work and cost no host
+    sync. A CPU ``device`` returns the batch itself.
+
+    Args:
+        batch: any nesting of tensors in tuples, lists, dicts and dataclasses.
+        device: the model's device.
+
+    Returns:
+        The batch on ``device``.
+    """
+    if device.type == "cpu":
+        return batch
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True) if t.device.type == "cpu" else t
+
+    return map_tensors(batch, move)
 
 
 def split_batch(batch: Any) -> BatchParts:

@@ -145,6 +145,9 @@ class GuardConfig:
     )
     spike: SpikeConfig = _f(doc="loss-spike detection", factory=SpikeConfig)
     accumulate_steps: int = _f(1, "micro-batches whose gradients are summed before one optimizer step", ge=1)
+    to_device: bool = _f(
+        True, "copy a batch's CPU tensors to the model's accelerator, non_blocking (pin the loader's memory)"
+    )
     scheduler_follows: Literal["optimizer", "batch"] = _f(
         "optimizer", "optimizer: the LR scheduler steps only when the optimizer did; batch: on every batch seen"
     )

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from . import detect, distributed, snapshot
-from .batches import TARGET_KEYS, compute_loss, row_findings, split_batch, without_rows
+from .batches import TARGET_KEYS, compute_loss, row_findings, split_batch, to_device, without_rows
 from .config import TrainConfig, as_config
 from .errors import TrainingAborted
 from .events import Aborted, AnomalyFound, Event, EventBus, LRChanged, Restored, SnapshotTaken
@@ -83,6 +83,8 @@ class Guard:
         self._healthy_run = 0
         c = self.cfg
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        # A CPU loader's batches follow a model on an accelerator (no-op for a CPU model).
+        self._move = c.guard.to_device and self.device.type != "cpu"
         self.amp_dtype = {None: None, "float16": torch.float16, "bfloat16": torch.bfloat16}[c.amp.dtype]
         if scaler is None and self.amp_dtype is torch.float16:
             scaler = torch.amp.GradScaler(self.device.type, init_scale=c.amp.init_scale)
@@ -199,7 +201,8 @@ class Guard:
         return ``None``; the k-th makes the single host sync and decides.
 
         Args:
-            batch: the (micro-)batch.
+            batch: the (micro-)batch. Its CPU tensors are copied to the model's accelerator
+                (``guard.to_device``), asynchronously when the loader pins memory.
             indices: the dataset index of each row, when known: a replay then names bad samples
                 by dataset index (``SafeTrainer.fit`` passes them from a :class:`QuarantineSampler`).
 
@@ -214,6 +217,8 @@ class Guard:
         self.counters.batch += 1
         if self._skip_after_restore > 0 and self.phase is Phase.READY:
             return self._skip_data()
+        if self._move:
+            batch = to_device(batch, self.device)
         if self.phase is Phase.READY:
             self._start_step()
         self._pending.micro.append(batch)
