@@ -22,7 +22,8 @@ def run_two_ranks(script: str, tmp: Path, timeout: float, what: str) -> None:
     """Run ``python script tmp`` (it spawns 2 gloo ranks) in its own session; a hang is killed,
     launcher and ranks together, and fails the test instead of blocking CI."""
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)  # keep the caller's
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
     env.setdefault("GOMP_SPINCOUNT", "10000")
     proc = subprocess.Popen([sys.executable, script, str(tmp)], cwd=root, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)

@@ -16,9 +16,13 @@ from tests.conftest import FaultAt, PoisonRows, finite_params, loader, mlp, regr
 
 BASE = ["log.progress=false", "snapshot.every=4", "guard.spike.min_history=8"]
 
+#: Where ``fit`` puts the model; ``tests/gpu`` runs these tests again with ``"cuda"`` (the loader
+#: stays on the CPU and the guard moves each batch).
+DEVICE = "cpu"
+
 
 def fit(overrides=(), model=None, dataset=None, epochs=2, seed=0, setup=None, scheduler=None, lr=0.02, **kw):
-    model = model or mlp(seed=seed)
+    model = (model or mlp(seed=seed)).to(DEVICE)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     if setup is not None:
         setup(model, opt)
@@ -30,8 +34,9 @@ def fit(overrides=(), model=None, dataset=None, epochs=2, seed=0, setup=None, sc
 
 def full_loss(model, dataset=None):
     x, y = (dataset or regression_data()).tensors
+    device = next(model.parameters()).device
     with torch.no_grad():
-        return F.mse_loss(model(x), y).item()
+        return F.mse_loss(model(x.to(device)), y.to(device)).item()
 
 
 def anomalies(result, kind=None):
@@ -207,7 +212,7 @@ def test_persistent_fault_aborts_after_max_retries_with_model_finite():
 
 def test_guard_in_a_hand_written_loop_equals_fit():
     fitted, fit_model, _ = fit(epochs=1)
-    model = mlp()
+    model = mlp().to(DEVICE)
     opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
     with Guard(model, opt, load_config(None, BASE), loss_fn=F.mse_loss) as guard:
         guard.begin_epoch(0)

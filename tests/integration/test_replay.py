@@ -14,6 +14,9 @@ from tests.conftest import FaultAt, finite_params, loader, mlp, regression_data
 
 LAZY = ["log.progress=false", "detect.mode=lazy", "snapshot.every=1000", "recovery.max_retries=9"]
 
+#: Where the layer-naming test puts its model; ``tests/gpu`` runs it again with ``"cuda"``.
+DEVICE = "cpu"
+
 
 class CNN(torch.nn.Module):
     def __init__(self):
@@ -57,7 +60,7 @@ def classification(shape, n=32, seed=0):
 def test_lazy_mode_names_the_poisoned_layer_by_replay(name):
     factory, shape, target = MODELS[name]
     torch.manual_seed(0)
-    model = factory()
+    model = factory().to(DEVICE)
     FaultAt(model.get_submodule(target), calls=range(3, 10_000))  # deterministic from the 3rd call on
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     cfg = load_config(None, [*LAZY, "recovery.actions.forward=skip_batch", "recovery.actions.loss=skip_batch",
