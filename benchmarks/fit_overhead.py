@@ -30,7 +30,8 @@ import safetrain  # noqa: E402
 
 def guard_variant(s: Setup, mode: str, package: Any = safetrain) -> Variant:
     """``Guard.step`` of ``package`` (a ``safetrain``, the current one by default) in ``mode``, as a variant."""
-    cfg = package.load_config(None, ["log.progress=false", f"detect.mode={mode}", "log.level=WARNING"])
+    amp = [f"amp.dtype={overhead.AMP}"] if overhead.AMP else []
+    cfg = package.load_config(None, ["log.progress=false", f"detect.mode={mode}", "log.level=WARNING", *amp])
     guard = package.Guard(s.model, s.optimizer, cfg, loss_fn=s.loss_fn)
     guard.monitor.detach()  # the model is shared with the other variants: hooks only around our steps
     batch = (s.inputs, s.targets)

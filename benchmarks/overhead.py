@@ -7,7 +7,8 @@ taken off around each step outside the timing. A variant's ratio in a round is i
 over the plain step's; the table gives the median over all rounds, the min-max of the medians of
 10 consecutive slices of the rounds, and, as a cross-check, the ratio of total process CPU time.
 
-Variants: ``plain`` (zero_grad, forward, loss, backward, SGD step), ``eager`` and ``lazy``
+Variants: ``plain`` (zero_grad, forward, loss, backward, SGD step), ``plain_item`` (the same
+reading ``loss.item()`` every step, one host sync like the guard's), ``eager`` and ``lazy``
 (safetrain's detectors composed as the guard composes them, one host read per step),
 ``eager_skip`` (eager without hooks on pass-through modules such as ReLU and dropout),
 ``isnan_hooks`` (per-layer ``isnan().any()``/``isinf().any()`` hooks and a per-parameter norm
@@ -27,6 +28,7 @@ import os
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # before torch: idle OpenMP threads must not spin for ms
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -88,7 +90,14 @@ def make_models() -> Dict[str, Callable[[], tuple]]:
         "transformer": lambda: (Encoder(), torch.randn(2, 128, 256), torch.randint(0, 10, (2,))),
         "cnn": lambda: (cnn(), torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))),
         "tiny": lambda: (mlp(64, 3), torch.randn(32, 64), torch.randint(0, 10, (32,))),
+        # Sizes for a GPU (named with --models; not in the default list): launch-bound no more.
+        "mlp_wide": lambda: (mlp(4096, 8), torch.randn(1024, 4096), torch.randint(0, 10, (1024,))),
+        "transformer_big": lambda: (Encoder(1024, 16, 4096, 4), torch.randn(8, 512, 1024), torch.randint(0, 10, (8,))),
     }
+
+
+#: The models run when --models is not given (the detection issue's four).
+DEFAULT_MODELS = ("mlp", "transformer", "cnn", "tiny")
 
 
 # ----------------------------------------------------------------------------- variants
@@ -104,6 +113,13 @@ class Setup:
     optimizer: torch.optim.Optimizer
     loss_fn: nn.Module = field(default_factory=nn.CrossEntropyLoss)
     steps: int = 0
+    amp: Optional[torch.dtype] = None  # autocast dtype of the forward (None: full precision)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The forward's autocast context (a no-op without ``amp``)."""
+        if self.amp is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.inputs.device.type, dtype=self.amp)
 
 
 def _nothing() -> None:
@@ -133,16 +149,31 @@ def register_variant(name: str) -> Callable[[Callable[[Setup], Variant]], Callab
     return deco
 
 
-@register_variant("plain")
-def plain(s: Setup) -> Variant:
+def _plain(s: Setup, read_loss: bool) -> Variant:
     model, x, y, opt, loss_fn = s.model, s.inputs, s.targets, s.optimizer, s.loss_fn
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        loss_fn(model(x), y).backward()
+        with s.autocast():
+            loss = loss_fn(model(x), y)
+        loss.backward()
         opt.step()
+        if read_loss:
+            loss.item()
 
     return Variant(step)
+
+
+@register_variant("plain")
+def plain(s: Setup) -> Variant:
+    return _plain(s, read_loss=False)
+
+
+@register_variant("plain_item")
+def plain_item(s: Setup) -> Variant:
+    """The plain loop reading its loss every step (``loss.item()`` for a log line or a progress
+    bar, as most loops do): one host sync per step, like the guard's, and nothing else."""
+    return _plain(s, read_loss=True)
 
 
 def _safetrain(s: Setup, eager: bool, skip_passthrough: bool = False) -> Variant:
@@ -159,7 +190,8 @@ def _safetrain(s: Setup, eager: bool, skip_passthrough: bool = False) -> Variant
         monitor.reset()
         sx = scan_batch(x, clean=clean)
         sy = scan_batch(y, batch_size=sx.batch_size, clean=clean)
-        loss = loss_fn(model(sx.batch), sy.batch)
+        with s.autocast():
+            loss = loss_fn(model(sx.batch), sy.batch)
         loss.backward()
         g = grads.run()
         s.steps += 1
@@ -242,8 +274,9 @@ def anomaly(s: Setup) -> Variant:
 # ----------------------------------------------------------------------------- runner
 
 
-def measure(factory: Callable[[], tuple], variants: List[str], seconds: float, groups: int = 10) -> Dict[str, dict]:
-    """Time every variant on one model, one step each per round, order rotated every round.
+def measure(factory: Callable[[], tuple], variants: List[str], seconds: float, groups: int = 10,
+            device: str = "cpu", amp: Optional[torch.dtype] = None, block: int = 1) -> Dict[str, dict]:
+    """Time every variant on one model, ``block`` steps each per round, order rotated every round.
 
     Each round runs one step of every variant back to back (hooks put on and taken off around
     each step, outside the timing), so a variant and the plain loop are compared within a fraction
@@ -251,10 +284,16 @@ def measure(factory: Callable[[], tuple], variants: List[str], seconds: float, g
     ``seconds`` (at least ``3 * groups`` rounds). A variant's ratio in a round is its step time
     over the plain step's; the result is the median over all rounds, and the min-max of the
     medians of ``groups`` consecutive slices of the rounds.
+
+    On a GPU a variant's time is that of ``block`` steps queued back to back, from an idle device
+    to an idle device, divided by ``block``: a plain loop runs ahead of its kernels, a guarded one
+    waits once per step for its read, and that difference is part of what is measured.
     """
     torch.manual_seed(0)
     model, x, y = factory()
-    setup = Setup(model, x, y, torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9))
+    model, x, y = model.to(device), x.to(device), y.to(device)
+    setup = Setup(model, x, y, torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9), amp=amp)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else _nothing
     built = {v: VARIANTS[v](setup) for v in variants}
     for v in variants:  # warm-up: first-call costs, the monitor's execution order
         built[v].start()
@@ -268,12 +307,15 @@ def measure(factory: Callable[[], tuple], variants: List[str], seconds: float, g
         for v in variants[r % len(variants):] + variants[: r % len(variants)]:
             variant = built[v]
             variant.start()
+            sync()
             t0, c0 = time.perf_counter(), time.process_time()
-            variant.step()
+            for _ in range(block):
+                variant.step()
+            sync()
             t1, c1 = time.perf_counter(), time.process_time()
             variant.stop()
-            times[v].append(t1 - t0)
-            cpu[v].append(c1 - c0)
+            times[v].append((t1 - t0) / block)
+            cpu[v].append((c1 - c0) / block)
         r += 1
     plain, plain_cpu = times["plain"], cpu["plain"]
     out = {}
@@ -292,27 +334,43 @@ def measure(factory: Callable[[], tuple], variants: List[str], seconds: float, g
     return out
 
 
+#: ``--amp`` as given (a config value for the guard variants), or None.
+AMP: Optional[str] = None
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name(torch.device(device)) if torch.device(device).type == "cuda" else device
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the comparison and print one markdown table per model."""
     models = make_models()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=30.0, help="time spent on each model (default 30)")
-    parser.add_argument("--models", default=",".join(models), help="comma-separated subset of " + ",".join(models))
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated subset of " + ",".join(models))
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    parser.add_argument("--device", default="cpu", help="where the model and batch live (default cpu; e.g. cuda)")
+    parser.add_argument("--amp", choices=["bfloat16", "float16"], help="autocast the forward (plain and guard variants)")
+    parser.add_argument("--block", type=int, help="steps per variant per round (default 1 on the CPU, 10 on a GPU)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    global AMP
+    AMP = args.amp
+    block = args.block or (1 if torch.device(args.device).type == "cpu" else 10)
     variants = [v for v in args.variants.split(",") if v]
     if "plain" not in variants:
         variants.insert(0, "plain")
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.seconds:g} s per model, "
+        f"device {_device_name(args.device)}, amp {args.amp}, {block} step(s) per variant per round, "
         f"load average {os.getloadavg()[0]:.2f} at start"
     )
     print("| model | variant | median step (ms) | ratio to plain | min-max of 10 slices | CPU-time ratio | rounds |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for name in args.models.split(","):
-        res = measure(models[name], variants, args.seconds)
+        amp = getattr(torch, args.amp) if args.amp else None
+        res = measure(models[name], variants, args.seconds, device=args.device, amp=amp, block=block)
         for v in variants:
             r = res[v]
             print(
