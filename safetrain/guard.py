@@ -37,6 +37,18 @@ __all__ = ["Guard", "StepResult", "Phase"]
 logger = logging.getLogger("safetrain")
 
 
+def unwrap_compiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside a ``torch.compile`` wrapper (``OptimizedModule._orig_mod``), else ``model``.
+
+    The wrapper's parameter names and ``state_dict`` keys carry an ``_orig_mod.`` prefix that the
+    module's own do not; a checkpoint saved through it does not load into the same model run
+    without ``torch.compile`` (pytorch/pytorch#101107). Both share every parameter and buffer.
+    """
+    while isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+        model = model._orig_mod
+    return model
+
+
 class Guard:
     """The per-step protocol: detect, decide and recover, around a user's model and optimizer.
 
@@ -74,6 +86,10 @@ class Guard:
     ) -> None:
         self.cfg: TrainConfig = as_config(cfg)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        # The forward runs through the user's model; names, hooks and snapshots use what a
+        # torch.compile wrapper holds, so they read as in the user's code (no "_orig_mod." prefix)
+        # and a snapshot loads into the model compiled or not.
+        named = unwrap_compiled(model)
         self.loss_fn, self.step_fn = loss_fn, step_fn
         self.bus = bus if bus is not None else EventBus()
         self.counters = Counters()
@@ -92,9 +108,9 @@ class Guard:
         self.backoff = LRBackoff(optimizer, c.recovery.min_lr)
         sp = c.guard.spike
         self.spike = SpikeDetector(sp.window, sp.min_history, sp.zscore, sp.enabled, sp.min_ratio)
-        self.state = snapshot.TrainState(model, optimizer, scheduler=scheduler, scaler=self.scaler)
+        self.state = snapshot.TrainState(named, optimizer, scheduler=scheduler, scaler=self.scaler)
         self.store = snapshot.make_store(c.snapshot, run_dir=run_dir)
-        self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._params = [(n, p) for n, p in named.named_parameters() if p.requires_grad]
         self._by_name = dict(self._params)
         # Two parameters looked at per step for gradients left by someone else (O(1), not O(P)).
         self._probe = (self._params[0][1], self._params[-1][1]) if self._params else ()
@@ -109,15 +125,15 @@ class Guard:
         self.grads = detect.GradCheck(self._params)
         self.weights = detect.WeightCheck(self._params, c.detect.check_weights_every, enabled=c.detect.mode != "off")
         # The exact check after a trip covers every parameter, frozen ones too (a snapshot restores them).
-        self._all_weights = detect.WeightCheck(model.named_parameters(), 0)  # run(force=True) only
-        self.monitor = detect.ActivationMonitor.from_config(model, c.detect)
+        self._all_weights = detect.WeightCheck(named.named_parameters(), 0)  # run(force=True) only
+        self.monitor = detect.ActivationMonitor.from_config(named, c.detect)
         self._hooks = self.monitor.attach()
         # Non-finite input values are zero-filled before the optimistic forward only where the
         # forward updates state (BatchNorm running statistics): a model without buffers changes
         # nothing until the step is judged, and saves a copy of every batch.
         self._clean = any(True for _ in model.buffers())
         self._flags = detect.StepFlags()
-        self.replayer = Replayer(model, self.monitor, c.detect.replay, autocast=self._autocast,
+        self.replayer = Replayer(named, self.monitor, c.detect.replay, autocast=self._autocast,
                                  loss_of=lambda batch: compute_loss(self.model, batch, self.loss_fn, self.step_fn))
         self.weight_replay = WeightReplay(self.state, self._params, c.detect.replay, self.replayer,
                                           prepare=self._scan_quiet, accumulate=c.guard.accumulate_steps,
@@ -144,12 +160,13 @@ class Guard:
         self.last_grad_norm = math.nan
         # Distributed (a process group of > 1 rank): the one read combines every rank's flags with
         # one collective, and snapshots and replays agree across ranks. None: one process, no cost.
-        self._dist = distributed.DistributedSync.from_environment(self.device, model)
+        self._named = named
+        self._dist = distributed.DistributedSync.from_environment(self.device, named)
         self.rank = distributed.rank()  # stamped on every event
         if self._dist is not None:
             self._flags = detect.StepFlags(reduce=self._dist.reduce)
             self.store = self._dist.wrap_store(self.store)
-            self.replayer = self._dist.wrap_replayer(self.replayer, model)
+            self.replayer = self._dist.wrap_replayer(self.replayer, named)
 
     @property
     def history(self) -> History:
@@ -419,7 +436,7 @@ class Guard:
 
     def _rerun(self) -> None:
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
-                distributed.local(self.model):
+                distributed.local(self._named):
             for batch in self._pending.micro:
                 with self._autocast():
                     compute_loss(self.model, self._scan_quiet(batch), self.loss_fn, self.step_fn)

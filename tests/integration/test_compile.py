@@ -1,0 +1,76 @@
+"""A ``torch.compile``d model: findings and snapshots use the names of the user's own module.
+
+``torch.compile(model)`` returns a wrapper whose parameter names and ``state_dict`` keys carry an
+``_orig_mod.`` prefix. Checkpoints saved through it do not load into the same model run without
+``torch.compile``: pytorch/pytorch#101107, karpathy/nanoGPT#325, huggingface/pytorch-image-models#2003
+(``Unexpected key(s) in state_dict: "_orig_mod.stem.conv1.c.weight"`` on resume). The backend is
+``eager`` here (dynamo's tracing and the wrapper, without a C++ compiler) to keep the tests fast.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from safetrain import SafeTrainer, load_config
+from tests.conftest import PoisonRows, finite_params, loader, mlp, regression_data
+from tests.integration.test_engine import BASE, anomalies
+
+
+def compiled(model: torch.nn.Module) -> torch.nn.Module:
+    torch._dynamo.reset()  # no cache or recompile limit carried over from another test
+    return torch.compile(model, backend="eager")
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_a_bad_input_row_is_traced_to_the_layer_by_its_own_name(mode):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    cfg = load_config(None, [*BASE, f"detect.mode={mode}", "sanitize.inputs=off"])
+    data = PoisonRows(regression_data(), indices=[100], where="inputs")
+    result = SafeTrainer(compiled(model), opt, cfg, loss_fn=F.mse_loss).fit(loader(data), epochs=1)
+    event = next(e for e in result.events if e.name == "anomaly")
+    assert (event.kind, event.action) == (("forward" if mode == "eager" else "loss"), "skip_batch")
+    assert event.detail["diagnosis"]["module"] == "0", event.detail["diagnosis"]
+    if mode == "eager":
+        assert event.detail["finding"]["module"] == "0", event.detail["finding"]
+    assert result.healthy_steps == result.steps - 1 and finite_params(model)
+
+
+def test_a_non_finite_gradient_names_the_parameter_as_the_model_does():
+    model = mlp()
+    calls = {"n": 0}
+
+    def hook(grad):
+        calls["n"] += 1
+        return grad * math.inf if calls["n"] in (5, 6) else grad  # the step and its replay
+
+    model[2].bias.register_hook(hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    result = SafeTrainer(compiled(model), opt, load_config(None, BASE), loss_fn=F.mse_loss).fit(
+        loader(regression_data()), epochs=1)
+    assert anomalies(result) == [("gradient", "zero_grads")]
+    event = next(e for e in result.events if e.kind == "gradient")
+    assert event.detail["diagnosis"]["nonfinite_grads"] == ["2.bias"], event.detail["diagnosis"]
+
+
+def test_a_snapshot_of_a_compiled_run_resumes_into_the_plain_model_and_back(tmp_path):
+    def run(wrap, max_steps=None, resume=None):
+        model = mlp(seed=1)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        cfg = load_config(None, [*BASE, "snapshot.store=safetensors", f"snapshot.dir={tmp_path}", "snapshot.every=5"])
+        SafeTrainer(wrap(model), opt, cfg, loss_fn=F.mse_loss).fit(
+            loader(regression_data()), epochs=2, max_steps=max_steps, resume=resume)
+        return model
+
+    full = run(lambda m: m)
+    for wrote, resumed_with in ((compiled, lambda m: m), (lambda m: m, compiled)):
+        for f in tmp_path.iterdir():
+            f.unlink()
+        run(wrote, max_steps=12)  # newest snapshot at step 10
+        resumed = run(resumed_with, resume=tmp_path)
+        for a, b in zip(full.parameters(), resumed.parameters()):
+            assert torch.equal(a, b)
