@@ -31,22 +31,11 @@ from .replay import Diagnosis, Replayer
 from .replay_weights import WeightReplay
 from .spike import SpikeDetector
 from .steps import Counters, Pending, Phase, StepResult
+from .wrappers import plain_name, unwrap_compiled
 
 __all__ = ["Guard", "StepResult", "Phase"]
 
 logger = logging.getLogger("safetrain")
-
-
-def unwrap_compiled(model: torch.nn.Module) -> torch.nn.Module:
-    """The module inside a ``torch.compile`` wrapper (``OptimizedModule._orig_mod``), else ``model``.
-
-    The wrapper's parameter names and ``state_dict`` keys carry an ``_orig_mod.`` prefix that the
-    module's own do not; a checkpoint saved through it does not load into the same model run
-    without ``torch.compile`` (pytorch/pytorch#101107). Both share every parameter and buffer.
-    """
-    while isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
-        model = model._orig_mod
-    return model
 
 
 class Guard:
@@ -110,7 +99,7 @@ class Guard:
         self.spike = SpikeDetector(sp.window, sp.min_history, sp.zscore, sp.enabled, sp.min_ratio)
         self.state = snapshot.TrainState(named, optimizer, scheduler=scheduler, scaler=self.scaler)
         self.store = snapshot.make_store(c.snapshot, run_dir=run_dir)
-        self._params = [(n, p) for n, p in named.named_parameters() if p.requires_grad]
+        self._params = [(plain_name(n), p) for n, p in named.named_parameters() if p.requires_grad]
         self._by_name = dict(self._params)
         # Two parameters looked at per step for gradients left by someone else (O(1), not O(P)).
         self._probe = (self._params[0][1], self._params[-1][1]) if self._params else ()
@@ -125,7 +114,8 @@ class Guard:
         self.grads = detect.GradCheck(self._params)
         self.weights = detect.WeightCheck(self._params, c.detect.check_weights_every, enabled=c.detect.mode != "off")
         # The exact check after a trip covers every parameter, frozen ones too (a snapshot restores them).
-        self._all_weights = detect.WeightCheck(named.named_parameters(), 0)  # run(force=True) only
+        all_params = [(plain_name(n), p) for n, p in named.named_parameters()]
+        self._all_weights = detect.WeightCheck(all_params, 0)  # run(force=True) only
         self.monitor = detect.ActivationMonitor.from_config(named, c.detect)
         self._hooks = self.monitor.attach()
         # Non-finite input values are zero-filled before the optimistic forward only where the

@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_flatten
 from .detect import ActivationMonitor, drop_rows, iter_tensors
 from .events import jsonable
 from .snapshot.tensors import nonfinite
+from .wrappers import plain_name
 
 __all__ = ["Diagnosis", "Replayer", "bad_rows", "first_nonfinite_op", "nonfinite_names"]
 
@@ -326,10 +327,14 @@ class Replayer:
             diagnosis = replace(diagnosis, note=f"{diagnosis.note}; {note}" if diagnosis.note else note)
         return diagnosis
 
+    def _named_parameters(self) -> List[Tuple[str, torch.nn.Parameter]]:
+        """Parameters by the names of the user's code (no compile wrapper's ``_orig_mod.``)."""
+        return [(plain_name(n), p) for n, p in self.model.named_parameters()]
+
     def _replay(self, micro: Sequence[Any], indices: Optional[Sequence[Sequence[int]]]) -> Diagnosis:
         self.used += 1
         started = time.perf_counter()
-        weights = nonfinite_names(self.model.named_parameters())
+        weights = nonfinite_names(self._named_parameters())
         if weights:  # an earlier update (or code outside the step) broke them: this step only shows it
             return Diagnosis(reproducible=True, kind="weights", nonfinite_weights=weights,
                              seconds=time.perf_counter() - started,
@@ -345,8 +350,7 @@ class Replayer:
                         loss = self.loss_of(batch)
                     loss_bad = not math.isfinite(float(loss.detach().float()))  # host sync: replay only
                     node, frames = self._backward(loss)
-                grads = [n for n, p in self.model.named_parameters()
-                         if p.grad is not None and _nonfinite([p.grad])]
+                grads = [n for n, p in self._named_parameters() if p.grad is not None and _nonfinite([p.grad])]
                 if seen.finding is not None or op_mode.op is not None or loss_bad or node is not None or grads:
                     f = seen.finding
                     found = dict(module=f.module if f else None, module_type=f.module_type if f else None,

@@ -43,6 +43,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
+from ..wrappers import is_compiled, plain_name
 from .findings import ModuleFinding, tensor_stats
 from .hooks import PASSTHROUGH, HookHandle, floating_tensors, make_hook
 
@@ -88,6 +89,12 @@ def _redundant_sequentials(named: List[Tuple[str, nn.Module]]) -> set:
     return redundant
 
 
+def _plain_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """``named_modules()`` without ``torch.compile`` wrappers (whose inner module runs the same
+    forward) and with names as in the user's code (``module._orig_mod.fc`` -> ``module.fc``)."""
+    return [(plain_name(name), module) for name, module in model.named_modules() if not is_compiled(module)]
+
+
 class ActivationMonitor:
     """Forward hooks that turn every monitored module's output into a device-side value.
 
@@ -129,7 +136,7 @@ class ActivationMonitor:
         skip = PASSTHROUGH if skip_passthrough else ()
         named = [
             (name, module)
-            for name, module in model.named_modules()
+            for name, module in _plain_modules(model)
             if _matches(name, include) and not _matches(name, exclude) and type(module) not in skip
         ]
         redundant = _redundant_sequentials(named)

@@ -3,7 +3,8 @@
 A capture is a flat table of *live* tensors (no copies: the stores decide where the bytes go)
 and a JSON-ready dict of everything else. Tensor names:
 
-* ``model/{name}``: every entry of ``model.state_dict()`` (parameters and persistent buffers);
+* ``model/{name}``: every entry of ``model.state_dict()`` (parameters and persistent buffers;
+  names without the ``_orig_mod.`` of ``torch.compile`` wrappers);
   a tensor shared under two names (tied weights) is stored once, the other name is an alias;
 * ``optim/state/{i}/{key}``: per-parameter optimizer state (``exp_avg``, ``step``...), ``i`` being
   the parameter's index in ``optimizer.state_dict()``; ``optim/groups/{g}/{key}`` for tensor
@@ -25,6 +26,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from ..errors import SnapshotError
+from ..wrappers import plain_name
 from .base import CorruptSnapshotError
 from .codec import decode, encode, tensor_refs
 from .optim import capture_optimizer, check_optimizer, restore_optimizer
@@ -150,10 +152,15 @@ class TrainState:
             meta["extra_tensors"].append(name)
         return Captured(tensors, meta, checked)
 
+    def _model_state(self) -> Dict[str, torch.Tensor]:
+        """``model.state_dict()`` keyed without compile wrappers' ``_orig_mod.`` segments, so a
+        snapshot of a compiled model loads into the same model compiled or not."""
+        return {plain_name(k): v for k, v in self.model.state_dict().items()}
+
     def _capture_model(self, sink: Any) -> Dict[str, str]:
         aliases: Dict[str, str] = {}
         seen: Dict[tuple, str] = {}
-        for name, t in self.model.state_dict().items():
+        for name, t in self._model_state().items():
             if not isinstance(t, torch.Tensor):
                 raise SnapshotError(
                     f"model.state_dict()[{name!r}]: is a {type(t).__name__}, not a tensor; "
@@ -192,7 +199,7 @@ class TrainState:
         for name in _referenced(meta):
             if name not in specs:
                 raise SnapshotError(f"{where}: metadata refers to tensor {name!r}, which the file lacks (corrupted?)")
-        live = self.model.state_dict()
+        live = self._model_state()
         aliases = meta["model"]["aliases"]
         saved = {n[len("model/"):] for n in specs if n.startswith("model/")} | set(aliases)
         missing, unexpected = sorted(set(live) - saved), sorted(saved - set(live))
@@ -246,7 +253,7 @@ class TrainState:
         """
         try:
             aliases = meta["model"]["aliases"]
-            live = self.model.state_dict()
+            live = self._model_state()
             copy_all_(list(live.values()), [tensors[f"model/{aliases.get(n, n)}"] for n in live])
             restore_optimizer(self.optimizer, tensors, meta["optimizer"], owned=owned, where=where, homes=homes)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:

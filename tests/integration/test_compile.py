@@ -74,3 +74,45 @@ def test_a_snapshot_of_a_compiled_run_resumes_into_the_plain_model_and_back(tmp_
         resumed = run(resumed_with, resume=tmp_path)
         for a, b in zip(full.parameters(), resumed.parameters()):
             assert torch.equal(a, b)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A one-rank gloo process group (DDP wraps a model in it; nothing is sent)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("order", ["ddp_of_compiled", "compiled_ddp", "compile_in_place"])
+def test_ddp_and_compile_in_either_order_name_and_snapshot_like_plain_ddp(order, one_rank_group, tmp_path):
+    """nanoGPT wraps DDP(torch.compile(m)); PyTorch's docs compile first in place (model.compile());
+    both must name parameters and key snapshots like DDP(m): ``module.0.weight``."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from safetrain.guard import Guard
+
+    def wrap(model):
+        if order == "ddp_of_compiled":
+            return DDP(compiled(model))
+        if order == "compiled_ddp":
+            return compiled(DDP(model))
+        model.compile(backend="eager")
+        return DDP(model)
+
+    def run(wrapper, model, max_steps, resume=None):
+        opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+        cfg = load_config(None, [*BASE, "snapshot.store=safetensors", f"snapshot.dir={tmp_path}", "snapshot.every=5"])
+        trainer = SafeTrainer(wrapper, opt, cfg, loss_fn=F.mse_loss)
+        trainer.fit(loader(regression_data()), epochs=1, max_steps=max_steps, resume=resume)
+
+    model = mlp(seed=1)
+    wrapped = wrap(model)
+    with Guard(wrapped, torch.optim.SGD(model.parameters(), lr=0.1), load_config(None, BASE)) as guard:
+        assert [n for n, _ in guard._params] == ["module.0.weight", "module.0.bias", "module.2.weight", "module.2.bias"]
+        assert "_orig_mod" not in " ".join(guard.monitor.names)
+    run(wrapped, model, max_steps=7)  # a snapshot at step 5
+    plain = mlp(seed=2)
+    run(DDP(plain), plain, max_steps=8, resume=tmp_path)  # the snapshot's keys fit DDP(m)
