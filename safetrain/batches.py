@@ -4,6 +4,8 @@
 * a mapping -> ``model(**batch)``, whose output has ``.loss`` or ``["loss"]`` (Hugging Face);
 * anything, with a user ``step_fn(model, batch) -> loss``.
 
+A model on an accelerator gets each batch's CPU tensors copied there first (:func:`to_device`).
+
 For sanitizing, a mapping's keys named like targets (``labels``, ``label``, ``targets``,
 ``target``, ``y``) are its targets and the rest its inputs; a pair's second element is its target.
 """
@@ -15,13 +17,14 @@ from typing import TYPE_CHECKING, Any, Callable, List, Mapping, Optional, Sequen
 
 import torch
 
-from .detect.walk import map_tensors
+from .detect.walk import iter_tensors, map_tensors
 from .errors import BatchError
 
 if TYPE_CHECKING:
     from .detect import RowFinding
 
-__all__ = ["BatchParts", "split_batch", "compute_loss", "row_findings", "without_rows", "to_device", "TARGET_KEYS"]
+__all__ = ["BatchParts", "split_batch", "compute_loss", "row_findings", "without_rows", "to_device",
+           "pageable_tensors", "TARGET_KEYS"]
 
 #: Mapping keys treated as targets by the sanitizer.
 TARGET_KEYS = frozenset({"labels", "label", "targets", "target", "y"})
@@ -57,27 +60,41 @@ class BatchParts:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """The batch with every CPU tensor copied to ``device`` (asynchronously when pinned).
+    """The batch with every CPU tensor copied to ``device``.
 
     Tensors already on an accelerator stay where they are (a model-parallel user placed them),
-    containers are rebuilt only when something moved, and the copies are ``non_blocking``: from a
-    ``DataLoader(pin_memory=True)`` they overlap with the previous step's work and cost no host
-    sync. A CPU ``device`` returns the batch itself.
+    and containers are rebuilt only when something moved. On CUDA the copies are
+    ``non_blocking``: from a ``DataLoader(pin_memory=True)`` the host queues them without waiting
+    (they run on the current stream, before the forward that reads them); from pageable memory
+    the driver stages them first. Other accelerators copy synchronously, since a ``non_blocking``
+    copy from pageable memory to MPS can read the source after it was freed.
 
     Args:
         batch: any nesting of tensors in tuples, lists, dicts and dataclasses.
         device: the model's device.
 
     Returns:
-        The batch on ``device``.
+        The batch on ``device``; a CPU ``device`` returns the batch itself.
+
+    Example::
+
+        >>> batch = {"x": torch.ones(2, 3), "n": 4}
+        >>> to_device(batch, torch.device("cpu")) is batch
+        True
     """
     if device.type == "cpu":
         return batch
+    non_blocking = device.type == "cuda"
 
     def move(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device, non_blocking=True) if t.device.type == "cpu" else t
+        return t.to(device, non_blocking=non_blocking) if t.device.type == "cpu" else t
 
     return map_tensors(batch, move)
+
+
+def pageable_tensors(batch: Any) -> List[str]:
+    """Paths of the batch's CPU tensors that are not in pinned memory (``batch[0]``...)."""
+    return [path for path, t in iter_tensors(batch) if t.device.type == "cpu" and not t.is_pinned()]
 
 
 def split_batch(batch: Any) -> BatchParts:

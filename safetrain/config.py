@@ -146,7 +146,9 @@ class GuardConfig:
     spike: SpikeConfig = _f(doc="loss-spike detection", factory=SpikeConfig)
     accumulate_steps: int = _f(1, "micro-batches whose gradients are summed before one optimizer step", ge=1)
     to_device: bool = _f(
-        True, "copy a batch's CPU tensors to the model's accelerator, non_blocking (pin the loader's memory)"
+        True,
+        "copy each batch's CPU tensors to the model's accelerator before the forward (not for a step_fn, "
+        "which places its batch); non_blocking on CUDA (pin the loader's memory)",
     )
     scheduler_follows: Literal["optimizer", "batch"] = _f(
         "optimizer", "optimizer: the LR scheduler steps only when the optimizer did; batch: on every batch seen"

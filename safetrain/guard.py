@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from . import detect, distributed, snapshot
-from .batches import TARGET_KEYS, compute_loss, row_findings, split_batch, to_device, without_rows
+from .batches import TARGET_KEYS, compute_loss, pageable_tensors, row_findings, split_batch, to_device, without_rows
 from .config import TrainConfig, as_config
 from .errors import TrainingAborted
 from .events import Aborted, AnomalyFound, Event, EventBus, LRChanged, Restored, SnapshotTaken
@@ -88,8 +88,10 @@ class Guard:
         self._healthy_run = 0
         c = self.cfg
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        # A CPU loader's batches follow a model on an accelerator (no-op for a CPU model).
-        self._move = c.guard.to_device and self.device.type != "cpu"
+        # A CPU loader's batches follow a model on an accelerator (no-op for a CPU model); a
+        # step_fn gets the batch as the loader gave it (it may need CPU tensors, such as lengths).
+        self._move = c.guard.to_device and self.device.type != "cpu" and step_fn is None
+        self._pinned_checked = False
         self.amp_dtype = {None: None, "float16": torch.float16, "bfloat16": torch.bfloat16}[c.amp.dtype]
         if scaler is None and self.amp_dtype is torch.float16:
             scaler = torch.amp.GradScaler(self.device.type, init_scale=c.amp.init_scale)
@@ -208,8 +210,8 @@ class Guard:
         return ``None``; the k-th makes the single host sync and decides.
 
         Args:
-            batch: the (micro-)batch. Its CPU tensors are copied to the model's accelerator
-                (``guard.to_device``), asynchronously when the loader pins memory.
+            batch: the (micro-)batch. Without a ``step_fn``, its CPU tensors are copied to the
+                model's accelerator (``guard.to_device``), asynchronously when the loader pins memory.
             indices: the dataset index of each row, when known: a replay then names bad samples
                 by dataset index (``SafeTrainer.fit`` passes them from a :class:`QuarantineSampler`).
 
@@ -225,6 +227,8 @@ class Guard:
         if self._skip_after_restore > 0 and self.phase is Phase.READY:
             return self._skip_data()
         if self._move:
+            if not self._pinned_checked:
+                self._check_pinned(batch)
             batch = to_device(batch, self.device)
         if self.phase is Phase.READY:
             self._start_step()
@@ -235,6 +239,15 @@ class Guard:
             self.phase = Phase.ACCUMULATING
             return None
         return self._finish()
+
+    def _check_pinned(self, batch: Any) -> None:
+        """Say once when the first moved batch comes from pageable memory (its copies are staged
+        by the host instead of queued); ``DataLoader(pin_memory=True)`` avoids it."""
+        self._pinned_checked = True
+        pageable = pageable_tensors(batch)
+        if pageable and self.device.type == "cuda":
+            logger.info("batches come from pageable host memory (%s): each copy to %s is staged by the host; "
+                        "DataLoader(pin_memory=True) makes it asynchronous", ", ".join(pageable[:3]), self.device)
 
     def flush(self) -> Optional[StepResult]:
         """Take the step of a partial accumulation now (at the end of an epoch or of the data).

@@ -175,3 +175,22 @@ def test_safe_ops_keep_values_and_gradients_finite_on_cuda():
     out.backward()
     assert math.isfinite(out.item())
     assert torch.isfinite(x.grad).all() and torch.isfinite(d.grad).all()
+
+
+def test_a_step_fn_places_its_own_batch_and_a_pageable_loader_is_mentioned_once(caplog):
+    model = mlp().cuda()
+    seen = []
+
+    def step_fn(m, batch):
+        x, y = batch
+        seen.append(x.device.type)  # a packed sequence's lengths, say, must stay on the CPU
+        return F.mse_loss(m(x.cuda(non_blocking=True)), y.cuda(non_blocking=True))
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    SafeTrainer(model, opt, load_config(None, engine.BASE), step_fn=step_fn).fit(loader(regression_data()), epochs=1)
+    assert seen and set(seen) == {"cpu"}
+    with caplog.at_level("INFO", logger="safetrain"):
+        SafeTrainer(model, opt, load_config(None, engine.BASE), loss_fn=F.mse_loss).fit(
+            loader(regression_data()), epochs=1)  # not pinned
+    notes = [r.getMessage() for r in caplog.records if "pageable host memory" in r.getMessage()]
+    assert len(notes) == 1 and "batch[0]" in notes[0], notes

@@ -33,3 +33,40 @@ def test_a_cpu_model_gets_the_batch_itself_and_device_tensors_stay_put():
     assert to_device(batch, torch.device("cpu")) is batch
     on_device = (torch.empty(4, 3, device=META), torch.empty(4, device=META))
     assert to_device(on_device, META) is on_device  # nothing moved: not even the tuple is rebuilt
+
+
+def test_pageable_tensors_names_the_cpu_tensors_a_copy_would_stage():
+    from safetrain.batches import pageable_tensors
+
+    batch = {"x": torch.randn(4, 3), "on_device": torch.empty(4, device=META), "n": 1}
+    assert pageable_tensors(batch) == ['batch["x"]']
+
+
+def test_the_guard_trains_on_the_moved_batch_and_does_not_move_a_skipped_one(monkeypatch):
+    """The wiring in ``Guard.step`` (CI has no accelerator: the move is a spy that copies)."""
+    import torch.nn.functional as F
+
+    import safetrain.guard as guard_module
+    from safetrain import load_config
+    from safetrain.guard import Guard
+    from tests.conftest import loader, mlp, regression_data
+
+    moved = []
+
+    def spy(batch, device):
+        copy = tuple(t.clone() for t in batch)
+        moved.append((batch, copy))
+        return copy
+
+    monkeypatch.setattr(guard_module, "to_device", spy)
+    model = mlp()
+    batches = list(loader(regression_data()))
+    with Guard(model, torch.optim.SGD(model.parameters(), lr=0.01), load_config(None, ["log.progress=false"]),
+               loss_fn=F.mse_loss) as guard:
+        guard._move = True  # as for a model on an accelerator
+        result = guard.step(batches[0])
+        assert result.action == "" and len(moved) == 1 and moved[0][0] is batches[0]
+        assert guard._pending.micro == [moved[0][1]], "the moved copy is what was trained and kept for a replay"
+        guard._skip_after_restore = 1  # as after a restore with recovery.skip_batches_after_restore
+        assert guard.step(batches[1]).action == "skip_batch"
+        assert len(moved) == 1, "a batch skipped unseen is not copied to the device"
