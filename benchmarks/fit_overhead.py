@@ -30,7 +30,7 @@ import safetrain  # noqa: E402
 
 def guard_variant(s: Setup, mode: str, package: Any = safetrain) -> Variant:
     """``Guard.step`` of ``package`` (a ``safetrain``, the current one by default) in ``mode``, as a variant."""
-    amp = [f"amp.dtype={overhead.AMP}"] if overhead.AMP else []
+    amp = [f"amp.dtype={str(s.amp).replace('torch.', '')}"] if s.amp is not None else []
     cfg = package.load_config(None, ["log.progress=false", f"detect.mode={mode}", "log.level=WARNING", *amp])
     guard = package.Guard(s.model, s.optimizer, cfg, loss_fn=s.loss_fn)
     guard.monitor.detach()  # the model is shared with the other variants: hooks only around our steps
