@@ -280,11 +280,17 @@ class Guard:
     def _forward_backward(self, batch: Any) -> None:
         p = self._pending
         clean = self._scan(batch)
-        if self.amp_dtype is None:  # no context to enter and leave: measurably cheaper in a 0.4 ms step
-            loss = compute_loss(self.model, clean, self.loss_fn, self.step_fn)
-        else:
-            with self._autocast():
+        # Every forward starts with empty record lists (a compiled graph depends on their length).
+        held = self.monitor.set_aside() if len(p.micro) > 1 else None
+        try:
+            if self.amp_dtype is None:  # no context to enter and leave: measurably cheaper in a 0.4 ms step
                 loss = compute_loss(self.model, clean, self.loss_fn, self.step_fn)
+            else:
+                with self._autocast():
+                    loss = compute_loss(self.model, clean, self.loss_fn, self.step_fn)
+        finally:
+            if held is not None:
+                self.monitor.put_back(held)
         k = self.cfg.guard.accumulate_steps
         scaled = loss / k if k > 1 else loss
         if self.scaler is not None:

@@ -218,6 +218,23 @@ class ActivationMonitor:
         self._ids.clear()
         self._vals.clear()
 
+    def set_aside(self) -> Tuple[List[int], List[Tensor]]:
+        """Take the records made so far this step out of the lists the hooks append to, so the
+        next forward starts from empty ones; give them back with :meth:`put_back` after it.
+
+        Under ``torch.compile`` the hooks are traced into the graph, which depends on how many
+        records those lists hold: a second micro-batch of one step would compile a graph of its own.
+        """
+        held = (self._ids[:], self._vals[:])
+        self._ids.clear()
+        self._vals.clear()
+        return held
+
+    def put_back(self, held: Tuple[List[int], List[Tensor]]) -> None:
+        """Put records taken by :meth:`set_aside` back, before those made since (call order kept)."""
+        self._ids[:0] = held[0]
+        self._vals[:0] = held[1]
+
     def _order_of(self, ids: Sequence[int]) -> Tuple[str, ...]:
         seen = dict.fromkeys(ids)
         return tuple(self._modules[i][0] for i in seen)

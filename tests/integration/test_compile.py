@@ -116,3 +116,26 @@ def test_ddp_and_compile_in_either_order_name_and_snapshot_like_plain_ddp(order,
     run(wrapped, model, max_steps=7)  # a snapshot at step 5
     plain = mlp(seed=2)
     run(DDP(plain), plain, max_steps=8, resume=tmp_path)  # the snapshot's keys fit DDP(m)
+
+
+def test_accumulated_micro_batches_share_one_graph_and_a_fault_in_the_third_is_found():
+    """Eager mode's hooks are traced into the graph; each micro-batch's forward must start from
+    empty record lists, or every micro-batch of a step compiles its own graph."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from tests.conftest import FaultAt
+
+    model = mlp()
+    net = compiled(model)
+    dynamo_utils.counters.clear()
+    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    cfg = load_config(None, [*BASE, "guard.accumulate_steps=4", "detect.replay.enabled=false"])
+    result = SafeTrainer(net, opt, cfg, loss_fn=F.mse_loss).fit(loader(regression_data()), epochs=1)
+    assert result.steps == 4 and result.healthy_steps == 4
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1, dict(dynamo_utils.counters["stats"])
+
+    fault = FaultAt(model[2], calls=[7])  # the third micro-batch of the second step
+    result = SafeTrainer(net, opt, cfg, loss_fn=F.mse_loss).fit(loader(regression_data()), epochs=1)
+    event = next(e for e in result.events if e.name == "anomaly")
+    assert (event.kind, event.detail["finding"]["module"], event.step) == ("forward", "2", 2), event
+    assert fault.count >= 7
