@@ -147,8 +147,8 @@ class GuardConfig:
     accumulate_steps: int = _f(1, "micro-batches whose gradients are summed before one optimizer step", ge=1)
     to_device: bool = _f(
         True,
-        "copy each batch's CPU tensors to the model's accelerator before the forward (not for a step_fn, "
-        "which places its batch); non_blocking on CUDA (pin the loader's memory)",
+        "copy each batch's CPU tensors to the model's accelerator before the forward, non_blocking on CUDA "
+        "(pin the loader's memory); false: the model or step_fn places them",
     )
     scheduler_follows: Literal["optimizer", "batch"] = _f(
         "optimizer", "optimizer: the LR scheduler steps only when the optimizer did; batch: on every batch seen"

@@ -31,7 +31,7 @@ from .replay import Diagnosis, Replayer
 from .replay_weights import WeightReplay
 from .spike import SpikeDetector
 from .steps import Counters, Pending, Phase, StepResult
-from .wrappers import plain_name, unwrap_compiled
+from .wrappers import eager_only, plain_namer, unwrap_compiled
 
 __all__ = ["Guard", "StepResult", "Phase"]
 
@@ -88,9 +88,8 @@ class Guard:
         self._healthy_run = 0
         c = self.cfg
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        # A CPU loader's batches follow a model on an accelerator (no-op for a CPU model); a
-        # step_fn gets the batch as the loader gave it (it may need CPU tensors, such as lengths).
-        self._move = c.guard.to_device and self.device.type != "cpu" and step_fn is None
+        # A CPU loader's batches follow a model on an accelerator (no-op for a CPU model).
+        self._move = c.guard.to_device and self.device.type != "cpu"
         self._pinned_checked = False
         self.amp_dtype = {None: None, "float16": torch.float16, "bfloat16": torch.bfloat16}[c.amp.dtype]
         if scaler is None and self.amp_dtype is torch.float16:
@@ -101,7 +100,8 @@ class Guard:
         self.spike = SpikeDetector(sp.window, sp.min_history, sp.zscore, sp.enabled, sp.min_ratio)
         self.state = snapshot.TrainState(named, optimizer, scheduler=scheduler, scaler=self.scaler)
         self.store = snapshot.make_store(c.snapshot, run_dir=run_dir)
-        self._params = [(plain_name(n), p) for n, p in named.named_parameters() if p.requires_grad]
+        plain = plain_namer(named)
+        self._params = [(plain(n), p) for n, p in named.named_parameters() if p.requires_grad]
         self._by_name = dict(self._params)
         # Two parameters looked at per step for gradients left by someone else (O(1), not O(P)).
         self._probe = (self._params[0][1], self._params[-1][1]) if self._params else ()
@@ -116,7 +116,7 @@ class Guard:
         self.grads = detect.GradCheck(self._params)
         self.weights = detect.WeightCheck(self._params, c.detect.check_weights_every, enabled=c.detect.mode != "off")
         # The exact check after a trip covers every parameter, frozen ones too (a snapshot restores them).
-        all_params = [(plain_name(n), p) for n, p in named.named_parameters()]
+        all_params = [(plain(n), p) for n, p in named.named_parameters()]
         self._all_weights = detect.WeightCheck(all_params, 0)  # run(force=True) only
         self.monitor = detect.ActivationMonitor.from_config(named, c.detect)
         self._hooks = self.monitor.attach()
@@ -125,8 +125,7 @@ class Guard:
         # nothing until the step is judged, and saves a copy of every batch.
         self._clean = any(True for _ in model.buffers())
         self._flags = detect.StepFlags()
-        self.replayer = Replayer(named, self.monitor, c.detect.replay, autocast=self._autocast,
-                                 loss_of=lambda batch: compute_loss(self.model, batch, self.loss_fn, self.step_fn))
+        self.replayer = Replayer(named, self.monitor, c.detect.replay, autocast=self._autocast, loss_of=self._eager_loss)
         self.weight_replay = WeightReplay(self.state, self._params, c.detect.replay, self.replayer,
                                           prepare=self._scan_quiet, accumulate=c.guard.accumulate_steps,
                                           clip=c.guard.clip_grad_norm)
@@ -210,8 +209,8 @@ class Guard:
         return ``None``; the k-th makes the single host sync and decides.
 
         Args:
-            batch: the (micro-)batch. Without a ``step_fn``, its CPU tensors are copied to the
-                model's accelerator (``guard.to_device``), asynchronously when the loader pins memory.
+            batch: the (micro-)batch. Its CPU tensors are copied to the model's accelerator
+                (``guard.to_device``), asynchronously when the loader pins memory.
             indices: the dataset index of each row, when known: a replay then names bad samples
                 by dataset index (``SafeTrainer.fit`` passes them from a :class:`QuarantineSampler`).
 
@@ -244,8 +243,8 @@ class Guard:
         """Say once when the first moved batch comes from pageable memory (its copies are staged
         by the host instead of queued); ``DataLoader(pin_memory=True)`` avoids it."""
         self._pinned_checked = True
-        pageable = pageable_tensors(batch)
-        if pageable and self.device.type == "cuda":
+        pageable = pageable_tensors(batch) if self.device.type == "cuda" else ()
+        if pageable:
             logger.info("batches come from pageable host memory (%s): each copy to %s is staged by the host; "
                         "DataLoader(pin_memory=True) makes it asynchronous", ", ".join(pageable[:3]), self.device)
 
@@ -281,7 +280,7 @@ class Guard:
         p = self._pending
         clean = self._scan(batch)
         # Every forward starts with empty record lists (a compiled graph depends on their length).
-        held = self.monitor.set_aside() if len(p.micro) > 1 else None
+        held = self.monitor.set_aside() if len(p.micro) > 1 and self.monitor.enabled else None
         try:
             if self.amp_dtype is None:  # no context to enter and leave: measurably cheaper in a 0.4 ms step
                 loss = compute_loss(self.model, clean, self.loss_fn, self.step_fn)
@@ -448,7 +447,13 @@ class Guard:
                 distributed.local(self._named):
             for batch in self._pending.micro:
                 with self._autocast():
-                    compute_loss(self.model, self._scan_quiet(batch), self.loss_fn, self.step_fn)
+                    self._eager_loss(self._scan_quiet(batch))
+
+    def _eager_loss(self, batch: Any) -> torch.Tensor:
+        """The loss of one micro-batch, run eagerly (a replay or re-run, under hooks or a dispatch
+        mode that a torch.compile'd model must not trace: the run stays compiled after it)."""
+        with eager_only():
+            return compute_loss(self.model, batch, self.loss_fn, self.step_fn)
 
     def _scan_quiet(self, batch: Any) -> Any:
         pending = self._pending

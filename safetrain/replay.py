@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten
 from .detect import ActivationMonitor, drop_rows, iter_tensors
 from .events import jsonable
 from .snapshot.tensors import nonfinite
-from .wrappers import plain_name
+from .wrappers import plain_namer
 
 __all__ = ["Diagnosis", "Replayer", "bad_rows", "first_nonfinite_op", "nonfinite_names"]
 
@@ -329,7 +329,8 @@ class Replayer:
 
     def _named_parameters(self) -> List[Tuple[str, torch.nn.Parameter]]:
         """Parameters by the names of the user's code (no compile wrapper's ``_orig_mod.``)."""
-        return [(plain_name(n), p) for n, p in self.model.named_parameters()]
+        plain = plain_namer(self.model)
+        return [(plain(n), p) for n, p in self.model.named_parameters()]
 
     def _replay(self, micro: Sequence[Any], indices: Optional[Sequence[Sequence[int]]]) -> Diagnosis:
         self.used += 1

@@ -43,7 +43,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from ..wrappers import is_compiled, plain_name
+from ..wrappers import is_compiled, plain_namer
 from .findings import ModuleFinding, tensor_stats
 from .hooks import PASSTHROUGH, HookHandle, floating_tensors, make_hook
 
@@ -92,7 +92,8 @@ def _redundant_sequentials(named: List[Tuple[str, nn.Module]]) -> set:
 def _plain_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     """``named_modules()`` without ``torch.compile`` wrappers (whose inner module runs the same
     forward) and with names as in the user's code (``module._orig_mod.fc`` -> ``module.fc``)."""
-    return [(plain_name(name), module) for name, module in model.named_modules() if not is_compiled(module)]
+    plain = plain_namer(model)
+    return [(plain(name), module) for name, module in model.named_modules() if not is_compiled(module)]
 
 
 class ActivationMonitor:

@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from ..errors import SnapshotError
-from ..wrappers import plain_name
+from ..wrappers import plain_namer
 from .base import CorruptSnapshotError
 from .codec import decode, encode, tensor_refs
 from .optim import capture_optimizer, check_optimizer, restore_optimizer
@@ -155,7 +155,13 @@ class TrainState:
     def _model_state(self) -> Dict[str, torch.Tensor]:
         """``model.state_dict()`` keyed without compile wrappers' ``_orig_mod.`` segments, so a
         snapshot of a compiled model loads into the same model compiled or not."""
-        return {plain_name(k): v for k, v in self.model.state_dict().items()}
+        plain = plain_namer(self.model)
+        state = self.model.state_dict()
+        named = {plain(k): v for k, v in state.items()}
+        if len(named) < len(state):  # two names the same once the wrappers' segments are gone
+            raise SnapshotError(f"model.state_dict(): names clash once torch.compile's '_orig_mod' segments are "
+                                f"dropped: {_few(sorted(k for k in state if plain(k) != k))}")
+        return named
 
     def _capture_model(self, sink: Any) -> Dict[str, str]:
         aliases: Dict[str, str] = {}

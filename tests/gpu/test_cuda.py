@@ -177,7 +177,7 @@ def test_safe_ops_keep_values_and_gradients_finite_on_cuda():
     assert torch.isfinite(x.grad).all() and torch.isfinite(d.grad).all()
 
 
-def test_a_step_fn_places_its_own_batch_and_a_pageable_loader_is_mentioned_once(caplog):
+def test_a_step_fn_gets_the_moved_batch_unless_to_device_is_off_and_pageable_batches_are_noted(caplog):
     model = mlp().cuda()
     seen = []
 
@@ -187,8 +187,11 @@ def test_a_step_fn_places_its_own_batch_and_a_pageable_loader_is_mentioned_once(
         return F.mse_loss(m(x.cuda(non_blocking=True)), y.cuda(non_blocking=True))
 
     opt = torch.optim.SGD(model.parameters(), lr=0.02)
-    SafeTrainer(model, opt, load_config(None, engine.BASE), step_fn=step_fn).fit(loader(regression_data()), epochs=1)
-    assert seen and set(seen) == {"cpu"}
+    for overrides, device in (([], "cuda"), (["guard.to_device=false"], "cpu")):
+        seen.clear()
+        cfg = load_config(None, [*engine.BASE, *overrides])
+        SafeTrainer(model, opt, cfg, step_fn=step_fn).fit(loader(regression_data()), epochs=1)
+        assert seen and set(seen) == {device}, (overrides, set(seen))
     with caplog.at_level("INFO", logger="safetrain"):
         SafeTrainer(model, opt, load_config(None, engine.BASE), loss_fn=F.mse_loss).fit(
             loader(regression_data()), epochs=1)  # not pinned

@@ -139,3 +139,27 @@ def test_accumulated_micro_batches_share_one_graph_and_a_fault_in_the_third_is_f
     event = next(e for e in result.events if e.name == "anomaly")
     assert (event.kind, event.detail["finding"]["module"], event.step) == ("forward", "2", 2), event
     assert fault.count >= 7
+
+
+def test_the_model_runs_compiled_after_a_replay():
+    """The replay runs the model under a dispatch mode with every module hooked; traced by dynamo,
+    that left the model's code marked as not compilable, and every later step ran eagerly."""
+    runs = {"compiled": 0}
+
+    def counting_backend(gm, example_inputs):
+        def run(*args):
+            runs["compiled"] += 1
+            return gm.forward(*args)
+
+        return run
+
+    model = mlp()
+    torch._dynamo.reset()
+    net = torch.compile(model, backend=counting_backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    cfg = load_config(None, [*BASE, "sanitize.inputs=off"])
+    data = PoisonRows(regression_data(), indices=[40])  # the third batch
+    result = SafeTrainer(net, opt, cfg, loss_fn=F.mse_loss).fit(loader(data, shuffle=False), epochs=1)
+    event = next(e for e in result.events if e.name == "anomaly")
+    assert event.step == 3 and event.detail["diagnosis"]["module"] == "0", event
+    assert runs["compiled"] == result.steps == 16, (runs, result.steps)  # replays eager, training compiled
