@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from ..wrappers import is_compiled, plain_namer
 from .findings import ModuleFinding, tensor_stats
+from .flags import gather_device
 from .hooks import PASSTHROUGH, HookHandle, floating_tensors, make_hook
 
 __all__ = ["ActivationMonitor", "Inspection"]
@@ -276,8 +277,8 @@ class ActivationMonitor:
             return None
         try:
             return torch.stack(vals)
-        except RuntimeError:  # values on several devices (model parallel): gather on the first
-            device = vals[0].device
+        except RuntimeError:  # values on several devices (model parallel): gather on an accelerator
+            device = gather_device(vals)
             return torch.stack([v.to(device, non_blocking=True) for v in vals])
 
     @property

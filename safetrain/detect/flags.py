@@ -187,8 +187,8 @@ class StepFlags:
             packed = torch.stack(scalars) if scalars else None
             if vectors:
                 packed = torch.cat(([packed] if packed is not None else []) + vectors)
-        except RuntimeError:  # values on several devices: gather on the first, device to device
-            device = (scalars or vectors)[0].device
+        except RuntimeError:  # values on several devices: gather on an accelerator, read once from there
+            device = gather_device([*scalars, *vectors])
             moved = [t.to(device, non_blocking=True) for t in scalars]
             packed = torch.stack(moved) if moved else None
             if vectors:
@@ -203,6 +203,17 @@ class StepFlags:
         read = _parse(host, self._layout)
         self.clear()
         return read
+
+
+def gather_device(tensors: Sequence[Tensor]) -> torch.device:
+    """Where to gather values that live on several devices: an accelerator holding one of them,
+    else the CPU. Never the host when an accelerator is involved: a ``non_blocking`` copy to the
+    host is not waited for by a later host read, which could see the memory before the copy lands;
+    copies towards the accelerator are ordered on its stream, and its read waits for them."""
+    for t in tensors:
+        if t.device.type != "cpu":
+            return t.device
+    return tensors[0].device
 
 
 def parse_read(host: Sequence[float], layout: Layout) -> StepRead:

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from .findings import GradFinding, WeightFinding
+from .flags import gather_device
 
 __all__ = ["GradNorms", "GradCheck", "WeightCheck", "fused_norms"]
 
@@ -116,8 +117,8 @@ class _DotPlan:
 def _stack(norms: List[Tensor]) -> Tensor:
     try:
         return torch.stack(norms).float()
-    except RuntimeError:  # norms on several devices: gather on the first
-        device = norms[0].device
+    except RuntimeError:  # norms on several devices: gather on an accelerator (see gather_device)
+        device = gather_device(norms)
         return torch.stack([n.to(device, torch.float32, non_blocking=True) for n in norms])
 
 

@@ -192,8 +192,25 @@ def test_a_step_fn_gets_the_moved_batch_unless_to_device_is_off_and_pageable_bat
         cfg = load_config(None, [*engine.BASE, *overrides])
         SafeTrainer(model, opt, cfg, step_fn=step_fn).fit(loader(regression_data()), epochs=1)
         assert seen and set(seen) == {device}, (overrides, set(seen))
+    caplog.clear()  # (the step_fn runs above read the same loader)
     with caplog.at_level("INFO", logger="safetrain"):
         SafeTrainer(model, opt, load_config(None, engine.BASE), loss_fn=F.mse_loss).fit(
             loader(regression_data()), epochs=1)  # not pinned
     notes = [r.getMessage() for r in caplog.records if "pageable host memory" in r.getMessage()]
     assert len(notes) == 1 and "batch[0]" in notes[0], notes
+
+
+def test_a_read_of_values_on_the_host_and_the_gpu_waits_for_the_gpu():
+    """A batch scanned on the CPU (``guard.to_device: false``) and a loss on the GPU: the read must
+    gather on the GPU. Gathered on the host, the loss's ``non_blocking`` copy would be read before
+    it lands, behind the queue of kernels that computes it."""
+    from safetrain.detect import StepFlags
+
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):  # a long queue of kernels before the loss is known
+        a = torch.tanh(a @ a)
+    loss = a.sum() * 0 + 3.0
+    flags = StepFlags()
+    flags.put("input", [torch.zeros(())])  # on the host, and first
+    flags.put("loss", loss)
+    assert flags.read().loss == 3.0

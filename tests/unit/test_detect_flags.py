@@ -116,3 +116,15 @@ def test_count_host_syncs_counts_each_kind_once_and_restores():
     assert all("test_detect_flags.py" in where for _, where in syncs.calls)
     for name, fn in originals.items():
         assert getattr(torch.Tensor, name) is fn, f"{name} restored"
+
+
+def test_values_on_the_host_and_an_accelerator_are_gathered_on_the_accelerator():
+    """A non_blocking copy to the host is not waited for by the host's read of it, so a step whose
+    values sit on the CPU and a GPU (a CPU batch scanned, a CUDA loss) must gather on the GPU."""
+    from safetrain.detect.flags import gather_device
+
+    meta = torch.device("meta")  # an accelerator stand-in
+    host, device = torch.zeros(()), torch.zeros((), device=meta)
+    assert gather_device([host, device]) == meta
+    assert gather_device([device, host]) == meta
+    assert gather_device([host, host]) == torch.device("cpu")
