@@ -31,7 +31,7 @@ from .replay import Diagnosis, Replayer
 from .replay_weights import WeightReplay
 from .spike import SpikeDetector
 from .steps import Counters, Pending, Phase, StepResult
-from .wrappers import eager_only, plain_namer, unwrap_compiled
+from .wrappers import can_force_eager, plain_namer, run_eagerly, unwrap_compiled
 
 __all__ = ["Guard", "StepResult", "Phase"]
 
@@ -451,9 +451,10 @@ class Guard:
 
     def _eager_loss(self, batch: Any) -> torch.Tensor:
         """The loss of one micro-batch, run eagerly (a replay or re-run, under hooks or a dispatch
-        mode that a torch.compile'd model must not trace: the run stays compiled after it)."""
-        with eager_only():
-            return compute_loss(self.model, batch, self.loss_fn, self.step_fn)
+        mode that a torch.compile'd model must not trace: the run stays compiled after it). A torch
+        without compile stances (before 2.6) runs the module inside a compile wrapper instead."""
+        model = self.model if can_force_eager() else self._named
+        return run_eagerly(lambda: compute_loss(model, batch, self.loss_fn, self.step_fn))
 
     def _scan_quiet(self, batch: Any) -> Any:
         pending = self._pending

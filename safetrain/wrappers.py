@@ -5,18 +5,19 @@ an ``_orig_mod.`` segment that the module's own do not, so a checkpoint saved th
 load into the same model run without ``torch.compile`` (pytorch/pytorch#101107,
 karpathy/nanoGPT#325). The guard names things through :func:`unwrap_compiled` and
 :func:`plain_namer`, and snapshots key the model's tensors by the plain names, so names and
-snapshots are the same compiled or not. :func:`eager_only` keeps the replays out of dynamo.
+snapshots are the same compiled or not. :func:`run_eagerly` keeps the replays out of dynamo.
 """
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from typing import Callable, Iterator, List, Optional, Type
+from typing import Any, Callable, List, Optional, Type, TypeVar
 
 import torch
 
-__all__ = ["unwrap_compiled", "is_compiled", "plain_namer", "eager_only"]
+__all__ = ["unwrap_compiled", "is_compiled", "plain_namer", "run_eagerly", "can_force_eager"]
+
+_T = TypeVar("_T")
 
 _SEGMENT = "_orig_mod"
 
@@ -68,7 +69,8 @@ def plain_namer(model: torch.nn.Module) -> Callable[[str], str]:
     Returns:
         The translation (the identity when ``model`` holds no compile wrapper).
     """
-    wrappers = {name for name, module in model.named_modules() if is_compiled(module)}
+    # every path of a wrapper registered twice (one compiled block reused in several places)
+    wrappers = {name for name, module in model.named_modules(remove_duplicate=False) if is_compiled(module)}
     if not wrappers:
         return _same
 
@@ -88,18 +90,45 @@ def _same(name: str) -> str:
     return name
 
 
-@contextlib.contextmanager
-def eager_only() -> Iterator[None]:
-    """Run ``torch.compile``d code eagerly inside the block (``torch.compiler.set_stance``).
+def can_force_eager() -> bool:
+    """Whether this torch has compile stances (2.6 and later), so :func:`run_eagerly` can make
+    ``torch.compile``d code run eagerly; before, it only keeps dynamo from tracing the call."""
+    return hasattr(torch.compiler, "set_stance")
+
+
+def run_eagerly(fn: Callable[[], _T]) -> _T:
+    """``fn()`` with every ``torch.compile``d model or function inside it run eagerly.
 
     The replays run the model under a ``TorchDispatchMode`` and with every module hooked; traced
     by dynamo, such a forward would compile a graph of its own or leave the model's code marked
-    as not compilable, and the run would go on uncompiled. A no-op when dynamo was never imported
-    or the torch is older than 2.6 (no stances).
+    as not compilable, and the run would go on uncompiled. The call is also kept out of dynamo's
+    tracing when it is made from compiled code (a user's compiled train step that calls the guard).
+
+    Args:
+        fn: the work, without arguments.
+
+    Returns:
+        What ``fn`` returns. Without dynamo ever imported (nothing compiled), a plain call.
     """
+    if "torch._dynamo" not in sys.modules:
+        return fn()
+    return _eager_runner()(fn)
+
+
+def _forced_eager(fn: Callable[[], _T]) -> _T:
     set_stance = getattr(torch.compiler, "set_stance", None)
-    if set_stance is None or "torch._dynamo" not in sys.modules:
-        yield
-        return
+    if set_stance is None:
+        return fn()
     with set_stance("force_eager"):
-        yield
+        return fn()
+
+
+_runner: Optional[Callable[[Callable[[], Any]], Any]] = None
+
+
+def _eager_runner() -> Callable[[Callable[[], Any]], Any]:
+    """:func:`_forced_eager` out of dynamo's reach, built on first use (dynamo's import is slow)."""
+    global _runner
+    if _runner is None:
+        _runner = torch.compiler.disable(_forced_eager)
+    return _runner

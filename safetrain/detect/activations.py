@@ -279,7 +279,7 @@ class ActivationMonitor:
             return torch.stack(vals)
         except RuntimeError:  # values on several devices (model parallel): gather on an accelerator
             device = gather_device(vals)
-            return torch.stack([v.to(device, non_blocking=True) for v in vals])
+            return torch.stack([v.to(device, non_blocking=device.type == "cuda") for v in vals])
 
     @property
     def flag(self) -> Optional[Tensor]:

@@ -189,10 +189,10 @@ class StepFlags:
                 packed = torch.cat(([packed] if packed is not None else []) + vectors)
         except RuntimeError:  # values on several devices: gather on an accelerator, read once from there
             device = gather_device([*scalars, *vectors])
-            moved = [t.to(device, non_blocking=True) for t in scalars]
+            moved = [t.to(device, non_blocking=device.type == "cuda") for t in scalars]
             packed = torch.stack(moved) if moved else None
             if vectors:
-                parts = [v.to(device, non_blocking=True) for v in vectors]
+                parts = [v.to(device, non_blocking=device.type == "cuda") for v in vectors]
                 packed = torch.cat(([packed] if packed is not None else []) + parts)
         if packed.dtype not in _FLOATS:  # type: ignore[union-attr]
             packed = packed.float()  # type: ignore[union-attr]

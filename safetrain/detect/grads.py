@@ -119,7 +119,7 @@ def _stack(norms: List[Tensor]) -> Tensor:
         return torch.stack(norms).float()
     except RuntimeError:  # norms on several devices: gather on an accelerator (see gather_device)
         device = gather_device(norms)
-        return torch.stack([n.to(device, torch.float32, non_blocking=True) for n in norms])
+        return torch.stack([n.to(device, torch.float32, non_blocking=device.type == "cuda") for n in norms])
 
 
 class GradNorms:

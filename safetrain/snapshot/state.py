@@ -159,8 +159,9 @@ class TrainState:
         state = self.model.state_dict()
         named = {plain(k): v for k, v in state.items()}
         if len(named) < len(state):  # two names the same once the wrappers' segments are gone
+            clash = {plain(k) for k in state if sum(plain(j) == plain(k) for j in state) > 1}
             raise SnapshotError(f"model.state_dict(): names clash once torch.compile's '_orig_mod' segments are "
-                                f"dropped: {_few(sorted(k for k in state if plain(k) != k))}")
+                                f"dropped: {_few(sorted(k for k in state if plain(k) in clash))}")
         return named
 
     def _capture_model(self, sink: Any) -> Dict[str, str]:

@@ -192,7 +192,7 @@ def test_a_step_fn_gets_the_moved_batch_unless_to_device_is_off_and_pageable_bat
         cfg = load_config(None, [*engine.BASE, *overrides])
         SafeTrainer(model, opt, cfg, step_fn=step_fn).fit(loader(regression_data()), epochs=1)
         assert seen and set(seen) == {device}, (overrides, set(seen))
-    caplog.clear()  # (the step_fn runs above read the same loader)
+    caplog.clear()  # only this run's records
     with caplog.at_level("INFO", logger="safetrain"):
         SafeTrainer(model, opt, load_config(None, engine.BASE), loss_fn=F.mse_loss).fit(
             loader(regression_data()), epochs=1)  # not pinned

@@ -141,6 +141,7 @@ def test_accumulated_micro_batches_share_one_graph_and_a_fault_in_the_third_is_f
     assert fault.count >= 7
 
 
+@pytest.mark.skipif(not hasattr(torch.compiler, "set_stance"), reason="compile stances: torch 2.6 and later")
 def test_the_model_runs_compiled_after_a_replay():
     """The replay runs the model under a dispatch mode with every module hooked; traced by dynamo,
     that left the model's code marked as not compilable, and every later step ran eagerly."""

@@ -45,3 +45,20 @@ def test_the_monitor_names_a_regionally_compiled_block_as_the_user_does():
     monitor = ActivationMonitor(torch.compile(Net(), backend="eager"), nan_only=["block"])
     assert monitor.names == ("", "block", "block.fc", "_orig_mod"), monitor.names
     assert [nan_only for name, _, nan_only in monitor._modules if name == "block"] == [True]
+
+
+def test_a_compiled_block_reused_in_several_places_is_named_plainly_everywhere():
+    block = Block()
+    net = nn.Sequential(torch.compile(block, backend="eager"), nn.ReLU())
+    net.append(net[0])  # the same compiled block under a second name
+    plain = plain_namer(net)
+    assert [plain(k) for k in net.state_dict()] == list(nn.Sequential(block, nn.ReLU(), block).state_dict())
+
+
+def test_run_eagerly_can_be_called_from_compiled_code():
+    """A user's compiled train step that reaches the guard's replay: dynamo must not trace the
+    stance switch (it refuses to, with an AssertionError)."""
+    from safetrain.wrappers import run_eagerly
+
+    step = torch.compile(lambda x: run_eagerly(lambda: x * 2) + 1, backend="eager")
+    assert step(torch.ones(2)).tolist() == [3.0, 3.0]
