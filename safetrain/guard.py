@@ -78,7 +78,7 @@ class Guard:
         # The forward runs through the user's model; names, hooks and snapshots use what a
         # torch.compile wrapper holds, so they read as in the user's code (no "_orig_mod." prefix)
         # and a snapshot loads into the model compiled or not.
-        named = unwrap_compiled(model)
+        self._named = named = unwrap_compiled(model)
         self.loss_fn, self.step_fn = loss_fn, step_fn
         self.bus = bus if bus is not None else EventBus()
         self.counters = Counters()
@@ -101,7 +101,9 @@ class Guard:
         self.state = snapshot.TrainState(named, optimizer, scheduler=scheduler, scaler=self.scaler)
         self.store = snapshot.make_store(c.snapshot, run_dir=run_dir)
         plain = plain_namer(named)
-        self._params = [(plain(n), p) for n, p in named.named_parameters() if p.requires_grad]
+        # Every parameter, frozen ones too, for the exact check after a trip (a snapshot restores them).
+        all_params = [(plain(n), p) for n, p in named.named_parameters()]
+        self._params = [(n, p) for n, p in all_params if p.requires_grad]
         self._by_name = dict(self._params)
         # Two parameters looked at per step for gradients left by someone else (O(1), not O(P)).
         self._probe = (self._params[0][1], self._params[-1][1]) if self._params else ()
@@ -115,8 +117,6 @@ class Guard:
         # activation and weight checks follow detect.mode. Disabled parts are no-ops, not ifs.
         self.grads = detect.GradCheck(self._params)
         self.weights = detect.WeightCheck(self._params, c.detect.check_weights_every, enabled=c.detect.mode != "off")
-        # The exact check after a trip covers every parameter, frozen ones too (a snapshot restores them).
-        all_params = [(plain(n), p) for n, p in named.named_parameters()]
         self._all_weights = detect.WeightCheck(all_params, 0)  # run(force=True) only
         self.monitor = detect.ActivationMonitor.from_config(named, c.detect)
         self._hooks = self.monitor.attach()
@@ -151,7 +151,6 @@ class Guard:
         self.last_grad_norm = math.nan
         # Distributed (a process group of > 1 rank): the one read combines every rank's flags with
         # one collective, and snapshots and replays agree across ranks. None: one process, no cost.
-        self._named = named
         self._dist = distributed.DistributedSync.from_environment(self.device, named)
         self.rank = distributed.rank()  # stamped on every event
         if self._dist is not None:

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from ..wrappers import is_compiled, plain_namer
 from .findings import ModuleFinding, tensor_stats
-from .flags import gather_device
+from .flags import gathered
 from .hooks import PASSTHROUGH, HookHandle, floating_tensors, make_hook
 
 __all__ = ["ActivationMonitor", "Inspection"]
@@ -278,8 +278,7 @@ class ActivationMonitor:
         try:
             return torch.stack(vals)
         except RuntimeError:  # values on several devices (model parallel): gather on an accelerator
-            device = gather_device(vals)
-            return torch.stack([v.to(device, non_blocking=device.type == "cuda") for v in vals])
+            return torch.stack(gathered(vals))
 
     @property
     def flag(self) -> Optional[Tensor]:

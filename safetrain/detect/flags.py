@@ -189,11 +189,9 @@ class StepFlags:
                 packed = torch.cat(([packed] if packed is not None else []) + vectors)
         except RuntimeError:  # values on several devices: gather on an accelerator, read once from there
             device = gather_device([*scalars, *vectors])
-            moved = [t.to(device, non_blocking=device.type == "cuda") for t in scalars]
-            packed = torch.stack(moved) if moved else None
+            packed = torch.stack(gathered(scalars, device)) if scalars else None
             if vectors:
-                parts = [v.to(device, non_blocking=device.type == "cuda") for v in vectors]
-                packed = torch.cat(([packed] if packed is not None else []) + parts)
+                packed = torch.cat(([packed] if packed is not None else []) + gathered(vectors, device))
         if packed.dtype not in _FLOATS:  # type: ignore[union-attr]
             packed = packed.float()  # type: ignore[union-attr]
         if self._reduce is None:
@@ -214,6 +212,14 @@ def gather_device(tensors: Sequence[Tensor]) -> torch.device:
         if t.device.type != "cpu":
             return t.device
     return tensors[0].device
+
+
+def gathered(tensors: Sequence[Tensor], device: Optional[torch.device] = None) -> List[Tensor]:
+    """``tensors`` copied to one device (``device``, else :func:`gather_device`'s choice), ready
+    to stack: asynchronously towards CUDA, which orders the copies before its read."""
+    device = device if device is not None else gather_device(tensors)
+    non_blocking = device.type == "cuda"
+    return [t.to(device, non_blocking=non_blocking) for t in tensors]
 
 
 def parse_read(host: Sequence[float], layout: Layout) -> StepRead:

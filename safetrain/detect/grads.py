@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from .findings import GradFinding, WeightFinding
-from .flags import gather_device
+from .flags import gathered
 
 __all__ = ["GradNorms", "GradCheck", "WeightCheck", "fused_norms"]
 
@@ -118,8 +118,7 @@ def _stack(norms: List[Tensor]) -> Tensor:
     try:
         return torch.stack(norms).float()
     except RuntimeError:  # norms on several devices: gather on an accelerator (see gather_device)
-        device = gather_device(norms)
-        return torch.stack([n.to(device, torch.float32, non_blocking=device.type == "cuda") for n in norms])
+        return torch.stack(gathered(norms)).float()
 
 
 class GradNorms:
