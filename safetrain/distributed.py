@@ -19,7 +19,8 @@ model, the guard builds a :class:`DistributedSync` once, at construction; all be
   safetensors store is written by rank 0 only and read by every rank. That file holds rank 0's
   random generators: on restore and resume the other ranks keep their own (see :func:`keep_rng`).
 
-The single-process path never sees any of this: the guard's ``_dist`` is ``None``.
+One process uses :class:`LocalSync` instead: the same methods, each a no-op that returns its
+input, so the guard never asks whether it is distributed.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from .snapshot.base import make_info
 from .snapshot.state import Captured
 from .snapshot.tensors import nonfinite
 
-__all__ = ["DistributedSync", "DistributedStore", "active", "rank", "local", "keep_rng", "load_snapshot"]
+__all__ = ["LocalSync", "DistributedSync", "make_sync", "DistributedStore", "active", "rank", "local", "keep_rng", "load_snapshot"]
 
 logger = logging.getLogger("safetrain")
 
@@ -98,6 +99,53 @@ def keep_rng(enabled: bool = True) -> Iterator[None]:
         finally:
             np.random.set_state(np_state)
             random.setstate(py_state)
+
+
+class LocalSync:
+    """One process: every agreement is the rank's own answer, at no cost (the same methods as
+    :class:`DistributedSync`, so the guard never branches on being distributed)."""
+
+    world = 1
+    #: No hook on the step's read (see :class:`~safetrain.detect.StepFlags`).
+    reduce = None
+
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank  # a rank deciding on its own still stamps its events with its rank
+
+    def annotate(self, detail: Dict[str, Any], kind: str) -> Dict[str, Any]:
+        """An anomaly event's detail, as it is (one rank: no ``ranks`` map)."""
+        return detail
+
+    def agree_finding(self, finding: Any, fallback: Callable[[], Any]) -> Any:
+        """This rank's finding."""
+        return finding
+
+    def agree_weights(self, finding: Any, empty: Callable[[Tuple[int, ...]], Any]) -> Any:
+        """This rank's weight finding."""
+        return finding
+
+    def total(self, count: int) -> int:
+        """This rank's ``count``."""
+        return count
+
+    def same_count(self, count: int) -> bool:
+        """One rank always agrees with itself."""
+        return True
+
+    def wrap_store(self, store: Any) -> Any:
+        """The store, as it is."""
+        return store
+
+    def wrap_replayer(self, replayer: Any, model: torch.nn.Module) -> Any:
+        """The replayer, as it is."""
+        return replayer
+
+
+def make_sync(device: torch.device, model: Optional[torch.nn.Module] = None) -> "LocalSync | DistributedSync":
+    """The guard's sync: a :class:`DistributedSync` under a process group of more than one rank
+    with a DDP model, else a :class:`LocalSync`."""
+    sync = DistributedSync.from_environment(device, model)
+    return sync if sync is not None else LocalSync(rank())
 
 
 class DistributedSync:
@@ -189,6 +237,24 @@ class DistributedSync:
         if not any(votes):
             return None
         return finding if finding is not None else fallback()
+
+    def annotate(self, detail: Dict[str, Any], kind: str) -> Dict[str, Any]:
+        """An anomaly event's detail with ``ranks``: which ranks' own values tripped (for ``kind``
+        when it tripped, else every kind that did)."""
+        ranks = self.tripped_ranks()
+        return {**detail, "ranks": {kind: ranks[kind]} if kind in ranks else ranks}
+
+    def agree_weights(self, finding: Any, empty: Callable[[Tuple[int, ...]], Any]) -> Any:
+        """A weight finding on every rank when some rank has one, naming those ranks (``empty(ranks)``
+        makes it where this rank's parameters are finite), else ``None`` everywhere."""
+        ranks = tuple(r for r, v in enumerate(self.gather_int(finding is not None)) if v)
+        if not ranks:
+            return None
+        return empty(ranks) if finding is None else dataclasses.replace(finding, ranks=ranks)
+
+    def total(self, count: int) -> int:
+        """The sum of ``count`` over ranks (one small collective)."""
+        return sum(self.gather_int(count))
 
     def same_count(self, count: int) -> bool:
         """Whether every rank has the same ``count`` (micro-batches left to re-run, say)."""

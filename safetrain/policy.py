@@ -1,8 +1,8 @@
-"""The recovery policy: a pure state machine from (anomaly kind, history) to an action.
+"""The recovery policy: a pure state machine from (anomaly, diagnosis, history, rules) to a decision.
 
-No torch and no I/O here: :func:`decide` and :func:`observe_healthy` take the history and the
-configuration and return a new history with the decision, so every path is a table test that
-runs in microseconds. The guard carries the decisions out.
+No torch and no I/O: :func:`decide` and :func:`observe_healthy` take the history and the rules and
+return a new history with the decision, so every path is a table test that runs in microseconds.
+The guard's recovery executor carries the decisions out.
 
 The ladder. The n-th anomalous step in a row (n = 1, 2, ...) gets:
 
@@ -16,30 +16,90 @@ input and target anomalies never climb it (bad data is not fixed by rolling the 
 ``recovery.reset_after`` healthy steps in a row put it back at the first rung. Independently, a
 run aborts when more than ``recovery.max_skip_fraction`` of the last ``recovery.skip_window``
 steps were not trained, so it never reaches its end by skipping.
+
+Rules beside the ladder: an fp16 overflow is normal (skip the step) until the scale would fall
+below ``amp.min_scale`` or ``amp.max_overflows`` come in a row (then it is a ``scaler`` anomaly);
+a forward, loss or gradient fault whose replay was finite (transient) is retried once; a restore
+passes over the newest snapshot when no healthy step has vouched for it since it was taken.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Any, Dict, Mapping, Optional, Tuple
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Protocol, Tuple
+
+from .kinds import DATA_KINDS, NON_CLIMBING, REPLAYED_KINDS, RESTORING, TRAINING_ACTIONS, Action, Kind
+
+if TYPE_CHECKING:  # config imports no torch either; only its types are needed here
+    from .config import RecoveryConfig, TrainConfig
 
 __all__ = [
+    "Anomaly",
+    "Rules",
     "History",
     "Decision",
     "decide",
+    "raises",
     "observe_healthy",
     "climb_pending",
     "record_step",
     "mark_last_skipped",
-    "NON_CLIMBING",
-    "TRAINING_ACTIONS",
+    "vouch",
+    "newest_taken",
 ]
 
-#: Actions after which the step's update is still applied.
-TRAINING_ACTIONS = frozenset({"warn", "drop_rows", "replace", "zero_grads"})
-#: Actions that do not count as a failed attempt on the ladder.
-NON_CLIMBING = frozenset({"warn", "drop_rows", "replace"})
-_DATA_KINDS = frozenset({"input", "target"})
+
+@dataclass(frozen=True)
+class Anomaly:
+    """What the judge found in a step's read: the most upstream kind, and its evidence.
+
+    Attributes:
+        kind: what went wrong (:class:`~safetrain.kinds.Kind`).
+        detail: the evidence for the journal (a finding, rows, a scale...); the policy reads
+            ``new_scale`` of an ``overflow`` only.
+        retried: found in the retry of a transient fault (it is not retried again).
+    """
+
+    kind: Kind
+    detail: Mapping[str, Any] = field(default_factory=dict)
+    retried: bool = False
+
+
+class Diagnosed(Protocol):
+    """What the policy reads of a replay's diagnosis: whether the fault came back."""
+
+    reproducible: bool
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The parts of the configuration the policy decides by, typed and read once.
+
+    Attributes:
+        recovery: the ``recovery`` section (first actions, ladder, limits).
+        inputs: ``sanitize.inputs``: the first action for bad input rows.
+        targets: ``sanitize.targets``: the first action for bad target rows.
+        min_scale: ``amp.min_scale``: an fp16 loss scale below this is a ``scaler`` anomaly.
+        max_overflows: ``amp.max_overflows``: this many overflows in a row are a ``scaler`` anomaly.
+    """
+
+    recovery: "RecoveryConfig"
+    inputs: str = "drop_rows"
+    targets: str = "skip_batch"
+    min_scale: float = 0.0
+    max_overflows: int = 10
+
+    @classmethod
+    def of(cls, cfg: "TrainConfig") -> "Rules":
+        """The rules of a whole configuration."""
+        return cls(cfg.recovery, cfg.sanitize.inputs, cfg.sanitize.targets, cfg.amp.min_scale, cfg.amp.max_overflows)
+
+    def first_action(self, kind: Kind) -> str:
+        """The kind's first action (``sanitize`` for data kinds, where ``raise`` decides ``abort``)."""
+        if kind in DATA_KINDS:
+            first = self.inputs if kind is Kind.INPUT else self.targets
+            return Action.ABORT if first == "raise" else first
+        return self.recovery.actions[kind]
 
 
 @dataclass(frozen=True)
@@ -53,6 +113,9 @@ class History:
         recent: for the last ``skip_window`` steps, 1 if the step was not trained, else 0.
         lr_scale: the product of every LR backoff still in force (1.0: none).
         since_lr_change: healthy steps since ``lr_scale`` last changed.
+        overflows: fp16 overflows in a row.
+        unverified: the newest snapshot was taken after an update and no healthy step has read
+            clean since (it may hold the update that broke the run); not part of a snapshot.
     """
 
     consecutive: int = 0
@@ -60,6 +123,8 @@ class History:
     recent: Tuple[int, ...] = ()
     lr_scale: float = 1.0
     since_lr_change: int = 0
+    overflows: int = 0
+    unverified: bool = False
 
     def to_dict(self) -> Dict[str, Any]:
         """JSON-ready form, for snapshots and the journal."""
@@ -69,17 +134,19 @@ class History:
             "recent": list(self.recent),
             "lr_scale": self.lr_scale,
             "since_lr_change": self.since_lr_change,
+            "overflows": self.overflows,
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "History":
-        """Inverse of :meth:`to_dict`."""
+        """Inverse of :meth:`to_dict` (``overflows`` defaults to 0 for snapshots that lack it)."""
         return cls(
             consecutive=int(data["consecutive"]),
             healthy_streak=int(data["healthy_streak"]),
             recent=tuple(int(x) for x in data["recent"]),
             lr_scale=float(data["lr_scale"]),
             since_lr_change=int(data["since_lr_change"]),
+            overflows=int(data.get("overflows", 0)),
         )
 
     def skipped_fraction(self, window: int) -> float:
@@ -92,44 +159,49 @@ class Decision:
     """What to do about one anomalous step.
 
     Attributes:
-        kind: the anomaly kind that was decided on.
-        action: one of ``warn skip_batch drop_rows replace zero_grads restore scale_lr abort``.
-        rung: 1-based position on the ladder (1: the kind's first action).
+        kind: the anomaly kind that was decided on (``scaler`` for an overflow too many).
+        action: an :class:`~safetrain.kinds.Action`.
+        rung: 1-based position on the ladder (1: the kind's first action; 0: off the ladder).
         restore: roll back to the last good snapshot (true for ``restore`` and ``scale_lr``).
         lr_scale: the LR scale in force after this decision.
         trains: whether the step's update is still applied.
         reason: one line for the journal.
+        pass_over_newest: restore from the snapshot before the newest (see ``History.unverified``).
     """
 
-    kind: str
-    action: str
+    kind: Kind
+    action: Action
     rung: int
     restore: bool
     lr_scale: float
     trains: bool
     reason: str
-
-
-def _first_action(kind: str, recovery: Any, sanitize: Any) -> str:
-    if kind == "input":
-        return "abort" if sanitize.inputs == "raise" else sanitize.inputs
-    if kind == "target":
-        return "abort" if sanitize.targets == "raise" else sanitize.targets
-    return recovery.actions[kind]
+    pass_over_newest: bool = False
 
 
 def _push(recent: Tuple[int, ...], skipped: bool, window: int, times: int = 1) -> Tuple[int, ...]:
     return (recent + (int(skipped),) * min(times, window))[-window:]
 
 
-def decide(kind: str, history: History, recovery: Any, sanitize: Any) -> Tuple[Decision, History]:
+def _off_ladder(kind: Kind, action: Action, history: History, reason: str) -> Decision:
+    return Decision(kind, action, 0, False, history.lr_scale, action in TRAINING_ACTIONS, reason)
+
+
+def raises(kind: Kind, rules: Rules) -> bool:
+    """Whether bad rows of ``kind`` raise :class:`~safetrain.errors.BatchError` (``sanitize.*: raise``)
+    before any decision: the step is not applied and the history does not move."""
+    return kind in DATA_KINDS and (rules.inputs if kind is Kind.INPUT else rules.targets) == "raise"
+
+
+def decide(anomaly: Anomaly, history: History, rules: Rules,
+           diagnosis: Optional[Diagnosed] = None) -> Tuple[Decision, History]:
     """Decide what to do about an anomalous step, and how the history moves on.
 
     Args:
-        kind: the anomaly kind (see ``safetrain.config.ANOMALY_KINDS``).
+        anomaly: what the judge found (kind and evidence).
         history: the policy's memory before this step.
-        recovery: the ``recovery`` section of the config.
-        sanitize: the ``sanitize`` section (first actions for input and target).
+        rules: the configuration's recovery rules.
+        diagnosis: the step replay's verdict, when one ran (a transient fault is retried once).
 
     Returns:
         ``(decision, new_history)``.
@@ -137,30 +209,55 @@ def decide(kind: str, history: History, recovery: Any, sanitize: Any) -> Tuple[D
     Example::
 
         >>> from safetrain import load_config
-        >>> cfg = load_config()
-        >>> d, h = decide("loss", History(), cfg.recovery, cfg.sanitize)
+        >>> d, h = decide(Anomaly(Kind.LOSS), History(), Rules.of(load_config()))
         >>> d.action, h.consecutive
-        ('skip_batch', 1)
+        (<Action.SKIP_BATCH: 'skip_batch'>, 1)
     """
-    first = _first_action(kind, recovery, sanitize)
-    climbs = kind not in _DATA_KINDS and first not in NON_CLIMBING
+    kind = Kind(anomaly.kind)
+    if kind is Kind.OVERFLOW:
+        history = replace(history, overflows=history.overflows + 1)
+        if anomaly.detail["new_scale"] >= rules.min_scale and history.overflows < rules.max_overflows:
+            return _off_ladder(kind, Action.SKIP_BATCH, history, "fp16 overflow: GradScaler skips the step"), history
+        kind = Kind.SCALER
+    elif kind in (Kind.GRADIENT, Kind.GRAD_NORM, Kind.SPIKE):  # judged after the scaler's check passed
+        history = replace(history, overflows=0)
+    if kind in REPLAYED_KINDS and diagnosis is not None and not diagnosis.reproducible and not anomaly.retried:
+        decision = _off_ladder(kind, Action.RETRY, history, "transient (the replay from the same state was finite): "
+                               "retrying the step once")
+        return decision, record_step(history, rules.recovery, skipped=False)
+    return _climb(kind, history, rules)
+
+
+def _climb(kind: Kind, history: History, rules: Rules) -> Tuple[Decision, History]:
+    recovery = rules.recovery
+    first = Action(rules.first_action(kind))
+    climbs = kind not in DATA_KINDS and first not in NON_CLIMBING
     n = history.consecutive + 1 if climbs else 1
     if not climbs:
         action, reason = first, f"{kind}: {first}"
     elif n > recovery.max_retries + 1:
-        action, reason = "abort", f"{kind}: {n} anomalous steps in a row, more than recovery.max_retries={recovery.max_retries} retries"
+        action = Action.ABORT
+        reason = f"{kind}: {n} anomalous steps in a row, more than recovery.max_retries={recovery.max_retries} retries"
     elif n == 1:
         action, reason = first, f"{kind}: first action {first}"
     else:
         ladder = recovery.escalate or (first,)
-        action = ladder[min(n - 2, len(ladder) - 1)]
+        action = Action(ladder[min(n - 2, len(ladder) - 1)])
         reason = f"{kind}: anomalous step {n} in a row, escalated to {action}"
 
     lr_scale, since = history.lr_scale, history.since_lr_change
-    if action == "scale_lr":
+    if action is Action.SCALE_LR:
         lr_scale, since = lr_scale * recovery.lr_factor, 0
     trains = action in TRAINING_ACTIONS
     recent = _push(history.recent, not trains, recovery.skip_window)
+    if action is not Action.ABORT and sum(recent) / recovery.skip_window > recovery.max_skip_fraction:
+        action = Action.ABORT
+        reason = (
+            f"{kind}: {sum(recent)} of the last {recovery.skip_window} steps were not trained, more than "
+            f"recovery.max_skip_fraction={recovery.max_skip_fraction}"
+        )
+        trains = False
+    restoring = action in RESTORING
     new = replace(
         history,
         consecutive=n if climbs else history.consecutive,
@@ -168,32 +265,28 @@ def decide(kind: str, history: History, recovery: Any, sanitize: Any) -> Tuple[D
         recent=recent,
         lr_scale=lr_scale,
         since_lr_change=since,
+        unverified=history.unverified and not restoring,
     )
-    if action != "abort" and sum(recent) / recovery.skip_window > recovery.max_skip_fraction:
-        action = "abort"
-        reason = (
-            f"{kind}: {sum(recent)} of the last {recovery.skip_window} steps were not trained, more than "
-            f"recovery.max_skip_fraction={recovery.max_skip_fraction}"
-        )
-        trains = False
     decision = Decision(
         kind=kind,
         action=action,
         rung=n,
-        restore=action in ("restore", "scale_lr"),
+        restore=action in (Action.RESTORE, Action.SCALE_LR),
         lr_scale=lr_scale,
         trains=trains,
         reason=reason,
+        pass_over_newest=restoring and history.unverified,
     )
     return decision, new
 
 
-def observe_healthy(history: History, recovery: Any, steps: int = 1) -> Tuple[History, Optional[float]]:
+def observe_healthy(history: History, recovery: "RecoveryConfig", steps: int = 1) -> Tuple[History, Optional[float]]:
     """Record ``steps`` healthy steps: reset the ladder after ``reset_after``, climb the LR scale back.
 
-    Several steps at once are what one step at a time would give, as long as no LR climb can
-    happen on the way (:func:`climb_pending` is false): the guard then counts healthy steps and
-    brings the history up to date only when it is read, instead of building one every step.
+    A healthy step also ends an fp16 overflow streak and vouches for the newest snapshot. Several
+    steps at once are what one step at a time would give, as long as no LR climb can happen on the
+    way (:func:`climb_pending` is false): the guard then counts healthy steps and brings the
+    history up to date only when it is read, instead of building one every step.
 
     Args:
         history: the policy's memory before these steps.
@@ -228,13 +321,13 @@ def observe_healthy(history: History, recovery: Any, steps: int = 1) -> Tuple[Hi
     return new, changed
 
 
-def climb_pending(history: History, recovery: Any) -> bool:
+def climb_pending(history: History, recovery: "RecoveryConfig") -> bool:
     """Whether a run of healthy steps could climb the LR scale back (``lr_restore_after`` set and
     the scale below 1): then :func:`observe_healthy` must see them one at a time."""
     return recovery.lr_restore_after is not None and history.lr_scale < 1.0
 
 
-def record_step(history: History, recovery: Any, skipped: bool) -> History:
+def record_step(history: History, recovery: "RecoveryConfig", skipped: bool) -> History:
     """Record a step outside the ladder: a batch skipped after a restore (``skipped=True``), or a
     transient fault retried and trained (``skipped=False``).
 
@@ -246,3 +339,13 @@ def record_step(history: History, recovery: Any, skipped: bool) -> History:
 def mark_last_skipped(history: History) -> History:
     """The step :func:`decide` recorded as trained was not (``drop_rows`` found every row bad)."""
     return replace(history, recent=history.recent[:-1] + (1,)) if history.recent else history
+
+
+def vouch(history: History) -> History:
+    """A step read clean (a re-run of an anomalous step included): the newest snapshot is sound."""
+    return replace(history, unverified=False) if history.unverified else history
+
+
+def newest_taken(history: History) -> History:
+    """A snapshot was taken after an update: unverified until the next step reads clean."""
+    return replace(history, unverified=True)

@@ -165,11 +165,12 @@ def _worker(rank: int, world: int, tmp: str) -> None:
     results: Dict[str, Any] = {}
     for name, scenario in SCENARIOS.items():
         results[name] = scenario(rank, tmp)
+    from safetrain.distributed import LocalSync
     from safetrain.guard import Guard
 
     plain = torch.nn.Linear(4, 1)  # not DDP: each rank keeps deciding on its own flags
     with Guard(plain, torch.optim.SGD(plain.parameters(), lr=0.1)) as guard:
-        results["plain_model_is_local"] = guard._dist is None and guard.rank == rank
+        results["plain_model_is_local"] = isinstance(guard.sync, LocalSync) and guard.rank == rank
     with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     gc.collect()  # free the DDP models (they hold the process group) before the group is destroyed
@@ -342,11 +343,12 @@ def test_one_process_has_no_distributed_state():
     import torch.nn.functional as F
 
     from safetrain import distributed
+    from safetrain.distributed import LocalSync
     from safetrain.guard import Guard
 
     model = torch.nn.Linear(4, 2)
     with Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.mse_loss) as guard:
-        assert guard._dist is None and guard.rank == 0 and guard._flags._reduce is None
+        assert isinstance(guard.sync, LocalSync) and guard.rank == 0 and guard._flags._reduce is None
     assert not distributed.active() and distributed.rank() == 0
     with distributed.local(model):  # a no-op for a plain module
         model(torch.ones(1, 4))

@@ -13,7 +13,7 @@ from torch.optim import lr_scheduler as S
 from safetrain import BatchError, SafeTrainer, load_config
 from safetrain.detect import count_host_syncs
 from safetrain.guard import Guard
-from safetrain.policy import History, decide
+from safetrain.policy import Anomaly, History, Rules, decide
 from tests.conftest import PoisonRows, finite_params, loader, mlp, regression_data
 from tests.integration.test_engine import BASE, anomalies, fit
 
@@ -267,7 +267,7 @@ def test_deferred_healthy_steps_are_in_the_history_every_reader_sees():
                              "detect.replay.enabled=false", "recovery.actions.loss=skip_batch"])
     batches = list(loader(regression_data()))
     with Guard(model, opt, cfg, loss_fn=F.mse_loss) as guard:
-        _, history = decide("loss", History(), cfg.recovery, cfg.sanitize)
+        _, history = decide(Anomaly("loss"), History(), Rules.of(cfg))
         guard.history = history  # one fault in the past: rung 1 climbed
         for batch in batches[:7]:
             assert guard.step(batch).action == ""

@@ -46,7 +46,7 @@ def test_the_guard_trains_on_the_moved_batch_and_does_not_move_a_skipped_one(mon
     """The wiring in ``Guard.step`` (CI has no accelerator: the move is a spy that copies)."""
     import torch.nn.functional as F
 
-    import safetrain.guard as guard_module
+    import safetrain.guard.plumbing as guard_module
     from safetrain import load_config
     from safetrain.guard import Guard
     from tests.conftest import loader, mlp, regression_data
@@ -63,10 +63,10 @@ def test_the_guard_trains_on_the_moved_batch_and_does_not_move_a_skipped_one(mon
     batches = list(loader(regression_data()))
     with Guard(model, torch.optim.SGD(model.parameters(), lr=0.01), load_config(None, ["log.progress=false"]),
                loss_fn=F.mse_loss) as guard:
-        guard._move = True  # as for a model on an accelerator
+        guard.plumbing.moves = True  # as for a model on an accelerator
         result = guard.step(batches[0])
         assert result.action == "" and len(moved) == 1 and moved[0][0] is batches[0]
-        assert guard._pending.micro == [moved[0][1]], "the moved copy is what was trained and kept for a replay"
-        guard._skip_after_restore = 1  # as after a restore with recovery.skip_batches_after_restore
+        assert guard.pending.micro == [moved[0][1]], "the moved copy is what was trained and kept for a replay"
+        guard.recovery_state.skip_after_restore = 1  # as after a restore with recovery.skip_batches_after_restore
         assert guard.step(batches[1]).action == "skip_batch"
         assert len(moved) == 1, "a batch skipped unseen is not copied to the device"

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from safetrain import load_config
-from safetrain.policy import History, climb_pending, decide, observe_healthy
+from safetrain.policy import Anomaly, History, Rules, climb_pending, decide, observe_healthy
 
 
 def run(outcomes, overrides=()):
@@ -21,7 +21,7 @@ def run(outcomes, overrides=()):
             history, changed = observe_healthy(history, cfg.recovery)
             actions.append("ok" if changed is None else f"lr->{changed:g}")
         else:
-            decision, history = decide(outcome, history, cfg.recovery, cfg.sanitize)
+            decision, history = decide(Anomaly(outcome), history, Rules.of(cfg))
             actions.append(decision.action)
     return actions, history
 
@@ -82,7 +82,7 @@ def test_lr_scale_compounds_and_is_in_the_decision():
     cfg = load_config(None, ["recovery.escalate=[scale_lr]", "recovery.lr_factor=0.1", "recovery.max_retries=9"])
     history, scales = History(), []
     for _ in range(3):
-        decision, history = decide("loss", history, cfg.recovery, cfg.sanitize)
+        decision, history = decide(Anomaly("loss"), history, Rules.of(cfg))
         scales.append(decision.lr_scale)
         assert decision.restore == (decision.action in ("restore", "scale_lr")), decision
     assert scales == pytest.approx([1.0, 0.1, 0.01])
@@ -93,8 +93,8 @@ def test_decision_says_why():
     cfg = load_config(None, ["recovery.max_retries=1"])
     history = History()
     for _ in range(2):
-        _, history = decide("loss", history, cfg.recovery, cfg.sanitize)
-    decision, _ = decide("loss", history, cfg.recovery, cfg.sanitize)
+        _, history = decide(Anomaly("loss"), history, Rules.of(cfg))
+    decision, _ = decide(Anomaly("loss"), history, Rules.of(cfg))
     assert decision.action == "abort" and decision.rung == 3
     assert "3 anomalous steps in a row, more than recovery.max_retries=1" in decision.reason
 
@@ -105,14 +105,19 @@ def test_history_round_trips_through_json_form():
     assert history.lr_scale == 0.5 and history.consecutive == 2
 
 
-def test_policy_imports_no_torch():
+@pytest.mark.parametrize("module", ["kinds", "policy"])
+def test_module_imports_no_torch(module):
+    """The vocabulary and the policy load without torch (the package's __init__ is bypassed: a
+    bare parent package, then the module and whatever it imports)."""
     import subprocess
     from pathlib import Path
 
-    policy = Path(__file__).resolve().parents[2] / "safetrain" / "policy.py"
-    code = f"import runpy, sys; runpy.run_path({str(policy)!r}); sys.exit(int('torch' in sys.modules))"
+    root = Path(__file__).resolve().parents[2] / "safetrain"
+    code = (f"import sys, types; sys.modules['torch'] = None; pkg = types.ModuleType('safetrain'); "
+            f"pkg.__path__ = [{str(root)!r}]; sys.modules['safetrain'] = pkg; "
+            f"import importlib; importlib.import_module('safetrain.{module}')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert proc.returncode == 0, f"policy.py imported torch: {proc.stderr}"
+    assert proc.returncode == 0, f"{module}.py imported torch: {proc.stderr}"
 
 
 def test_skips_after_restore_count_toward_the_skip_fraction_but_do_not_climb():
@@ -123,7 +128,7 @@ def test_skips_after_restore_count_toward_the_skip_fraction_but_do_not_climb():
     for _ in range(2):
         history = record_step(history, cfg.recovery, skipped=True)
     assert history.consecutive == 1 and history.recent == (1, 1)
-    decision, _ = decide("loss", history, cfg.recovery, cfg.sanitize)
+    decision, _ = decide(Anomaly("loss"), history, Rules.of(cfg))
     assert decision.action == "abort" and "3 of the last 4 steps were not trained" in decision.reason
     assert record_step(History(), cfg.recovery, skipped=False).recent == (0,)
     assert mark_last_skipped(History(recent=(0, 0))).recent == (0, 1)
@@ -149,7 +154,7 @@ def test_a_run_of_healthy_steps_at_once_equals_one_at_a_time(outcomes, run_lengt
         if outcome == "ok":
             history, _ = observe_healthy(history, cfg.recovery)
         else:
-            _, history = decide(outcome, history, cfg.recovery, cfg.sanitize)
+            _, history = decide(Anomaly(outcome), history, Rules.of(cfg))
     if climb_pending(history, cfg.recovery):
         if run_length > 1:
             with pytest.raises(ValueError, match="LR climb"):

@@ -1,0 +1,12 @@
+"""The guard: one training step's protocol, usable from any loop (``from safetrain import Guard``).
+
+``protocol`` (the step and its decision loop), ``judge`` (a read -> its anomaly), ``recovery``
+(carries out decisions), ``forward`` (one micro-batch through the model), ``plumbing`` (device,
+autocast, scaler, gradients), ``state`` (what recovery remembers).
+"""
+
+from ..steps import Phase, StepResult
+from .protocol import Guard
+from .state import RecoveryState
+
+__all__ = ["Guard", "StepResult", "Phase", "RecoveryState"]

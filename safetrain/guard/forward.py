@@ -1,0 +1,127 @@
+"""One micro-batch through the model: scan the batch, forward under autocast, backward (scaled).
+
+The healthy path's own work. Non-finite input values are zero-filled on the device only when the
+forward updates state (a model with buffers, such as BatchNorm's running statistics); the scan's
+values join the step's one read. Re-runs for the slow path run eagerly and without DDP's syncs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import detect, distributed
+from ..batches import TARGET_KEYS, compute_loss, split_batch
+from ..config import SanitizeConfig
+from ..steps import Pending
+from ..wrappers import can_force_eager, run_eagerly
+from .plumbing import Plumbing
+
+__all__ = ["Forward"]
+
+#: Batch types taken as an (inputs, targets) pair without ``split_batch`` (exact types: a named
+#: tuple or another subclass goes through it).
+_PLAIN_PAIRS = (tuple, list)
+
+
+class Forward:
+    """Runs micro-batches through the user's model and collects what the step's read needs.
+
+    Args:
+        model: the user's model (compiled or not: the forward runs through it).
+        named: the module inside a compile wrapper (replays run it eagerly on an old torch).
+        monitor: the activation monitor whose hooks record each forward.
+        plumbing: device, autocast and scaler.
+        sanitize: the ``sanitize`` section (what to scan, what to replace with).
+        accumulate: ``guard.accumulate_steps`` (each micro-batch's loss is divided by it).
+        loss_fn: ``loss_fn(model(inputs), targets)`` for pair batches.
+        step_fn: ``step_fn(model, batch) -> loss`` for any other batch.
+    """
+
+    def __init__(self, model: torch.nn.Module, named: torch.nn.Module, monitor: detect.ActivationMonitor,
+                 plumbing: Plumbing, sanitize: SanitizeConfig, accumulate: int,
+                 loss_fn: Optional[Callable[..., Tensor]], step_fn: Optional[Callable[[torch.nn.Module, Any], Tensor]]):
+        self.model, self.named, self.monitor, self.plumbing = model, named, monitor, plumbing
+        self.sanitize, self.accumulate = sanitize, accumulate
+        self.loss_fn, self.step_fn = loss_fn, step_fn
+        # Zero-fill bad input values before the optimistic forward only where the forward updates
+        # state: a model without buffers changes nothing until the step is judged.
+        self.clean = any(True for _ in model.buffers())
+        self._replace_inputs = self._replacement(sanitize.inputs)
+        self._replace_targets = self._replacement(sanitize.targets)
+
+    def _replacement(self, action: str) -> Optional[Tuple[float, float, float]]:
+        s = self.sanitize
+        return (s.nan, s.posinf, s.neginf) if action == "replace" else None
+
+    def run(self, batch: Any, pending: Pending) -> None:
+        """Scan, forward and backward one micro-batch; its loss and scan values go to ``pending``."""
+        clean = self.scan(batch, pending)
+        # Every forward starts with empty record lists (a compiled graph depends on their length).
+        held = self.monitor.set_aside() if len(pending.micro) > 1 and self.monitor.enabled else None
+        try:
+            if self.plumbing.amp_dtype is None:  # no context to enter and leave: cheaper in a small step
+                loss = compute_loss(self.model, clean, self.loss_fn, self.step_fn)
+            else:
+                with self.plumbing.autocast():
+                    loss = compute_loss(self.model, clean, self.loss_fn, self.step_fn)
+        finally:
+            if held is not None:
+                self.monitor.put_back(held)
+        k = self.accumulate
+        self.plumbing.scale(loss / k if k > 1 else loss).backward()
+        loss = loss.detach()
+        if loss.dtype is not torch.float32:  # an fp16/bf16 loss under autocast
+            loss = loss.float()
+        pending.loss = loss if pending.loss is None else pending.loss + loss
+
+    def scan(self, batch: Any, pending: Optional[Pending] = None) -> Any:
+        """Zero-fill (or replace) non-finite values on the device; keep the flags in ``pending``
+        (``None``: a quiet scan for a replay, nothing kept)."""
+        s = self.sanitize
+        p = pending if pending is not None else Pending()
+        # A plain (inputs, targets) tuple or list, the common case, is taken apart without split_batch.
+        parts = None if type(batch) in _PLAIN_PAIRS and len(batch) == 2 else split_batch(batch)
+        if parts is None or parts.style == "pair":
+            inputs, targets = batch if parts is None else (parts.inputs, parts.targets)
+            new_inputs, new_targets = inputs, targets
+            if s.inputs != "off":
+                scan = detect.scan_batch(inputs, replace=self._replace_inputs, clean=self.clean)
+                new_inputs = scan.batch
+                p.input_values += scan.values
+            if s.targets != "off" and not (type(targets) is Tensor and not targets.is_floating_point()):
+                # (class indices, the usual targets, hold no NaN/Inf: nothing to scan)
+                scan = detect.scan_batch(targets, replace=self._replace_targets, clean=self.clean)
+                new_targets = scan.batch
+                p.target_values += scan.values
+            if new_inputs is inputs and new_targets is targets and type(batch) is tuple:
+                return batch  # nothing replaced (a model without buffers): the user's (immutable) batch
+            return type(batch)((new_inputs, new_targets)) if parts is None else parts.join(new_inputs, new_targets)
+        if s.inputs == "off" and s.targets == "off":
+            return batch
+        scan = detect.scan_batch(batch, replace=self._replace_inputs, target_keys=TARGET_KEYS, clean=self.clean,
+                                 target_replace=self._replace_targets)
+        if s.inputs != "off":
+            p.input_values += scan.values
+        if s.targets != "off":
+            p.target_values += scan.target_values
+        return scan.batch
+
+    def eager_loss(self, batch: Any) -> Tensor:
+        """The loss of one micro-batch, run eagerly (a replay or re-run, under hooks or a dispatch
+        mode that a torch.compile'd model must not trace: the run stays compiled after it). A torch
+        without compile stances (before 2.6) runs the module inside a compile wrapper instead."""
+        model = self.model if can_force_eager() else self.named
+        return run_eagerly(lambda: compute_loss(model, batch, self.loss_fn, self.step_fn))
+
+    def rerun(self, micro: Sequence[Any]) -> None:
+        """Run the step's forwards again, exactly and quietly (RNG forked, no DDP sync): the
+        monitor's exact re-run that confirms an activation flag."""
+        device = self.plumbing.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                distributed.local(self.named):
+            for batch in micro:
+                with self.plumbing.autocast():
+                    self.eager_loss(self.scan(batch))

@@ -1,0 +1,137 @@
+"""The judge: a step's host-side read -> the most upstream anomaly, or ``None`` for a healthy step.
+
+Reading the flags costs nothing more (the read is the step's one host sync); only a tripped flag
+pays for the exact look that confirms and names it: the bad rows, the first non-finite module
+(confirmed by an exact re-run when the loss is finite), the parameters, the gradients.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Callable, Dict, List, Optional
+
+from .. import detect
+from ..batches import row_findings
+from ..config import SanitizeConfig, TrainConfig
+from ..kinds import Kind
+from ..policy import Anomaly
+from ..spike import SpikeDetector
+from ..steps import Counters, Pending
+from .plumbing import Plumbing
+
+__all__ = ["Judge", "micro_rows"]
+
+logger = logging.getLogger("safetrain")
+
+
+def micro_rows(micro: List[Any], sanitize: SanitizeConfig) -> List[List[Any]]:
+    """Each micro-batch's exact non-finite rows (slow path: host syncs), named ``batch[...]`` in a
+    step of one micro-batch, else ``micro[i][...]``."""
+    many = len(micro) > 1
+    return [row_findings(batch, sanitize, f"micro[{i}]" if many else "batch") for i, batch in enumerate(micro)]
+
+
+class Judge:
+    """Names a step's anomaly from its read, the most upstream cause first.
+
+    Order: weights the periodic check found broken, input rows, target rows, then (parameters
+    checked exactly first, so a symptom is not blamed) a module's output, the loss, an fp16
+    overflow, gradients, the gradient norm, a loss spike.
+
+    Args:
+        cfg: the configuration (``detect.mode``, ``sanitize``, ``guard.grad_norm_threshold``).
+        counters: the guard's counters (findings say where: step, epoch, batch).
+        monitor, grads, all_weights, spike: the detectors whose values the read holds.
+        plumbing: the scaler's backoff factor.
+        sync: agreement across ranks on the slow path (a no-op in one process).
+        rerun: ``rerun(micro)`` runs the step's forwards again exactly (confirms an activation flag).
+    """
+
+    def __init__(self, cfg: TrainConfig, counters: Counters, monitor: detect.ActivationMonitor, grads: detect.GradCheck,
+                 all_weights: detect.WeightCheck, spike: SpikeDetector, plumbing: Plumbing, sync: Any,
+                 rerun: Callable[[List[Any]], None]) -> None:
+        self.counters, self.monitor, self.grads, self.all_weights = counters, monitor, grads, all_weights
+        self.spike, self.plumbing, self.sync, self._rerun = spike, plumbing, sync, rerun
+        self.sanitize = cfg.sanitize
+        self.threshold = cfg.guard.grad_norm_threshold
+        self.weights_checked = cfg.detect.mode != "off"
+
+    def where(self) -> Dict[str, int]:
+        """The current step, epoch and batch index, as findings name them."""
+        c = self.counters
+        return {"step": c.steps, "epoch": c.epoch, "batch_index": c.batch - 1}
+
+    def __call__(self, read: detect.StepRead, pending: Pending, loss: float) -> Optional[Anomaly]:
+        """The step's anomaly, or ``None``.
+
+        Args:
+            read: the step's host-side read.
+            pending: the step's micro-batches (for the exact looks of the slow path).
+            loss: the step's mean loss as read.
+        """
+        if read.weights:
+            finding = self.broken_weights(flagged=True)
+            if finding is not None:
+                return Anomaly(Kind.WEIGHTS, {"finding": finding})
+        for kind, tripped in ((Kind.INPUT, read.input), (Kind.TARGET, read.target)):
+            if tripped:
+                rows = self.bad_rows(kind, pending)
+                if self.sync.total(len(rows)):
+                    return Anomaly(kind, {"rows": rows})
+                # a finite sum overflowed (on every rank): no value is NaN/Inf, judge the rest
+                logger.debug("step %d: %s flag tripped but every value is finite (sum overflow)",
+                             self.counters.steps, kind)
+        overflowed = self.plumbing.scaler is not None and bool(read.extra.get("found_inf", (0.0,))[0])
+        forward_tripped, loss_tripped = read.forward_tripped, read.loss_tripped
+        if forward_tripped or loss_tripped or (read.gradient and not overflowed):
+            # Parameters already NaN/Inf (an earlier update, or code outside the step) make every
+            # forward trip: named here, before a replay or the ladder spends a step on a symptom.
+            finding = self.broken_weights(flagged=False)
+            if finding is not None:
+                return Anomaly(Kind.WEIGHTS, {"finding": finding})
+        if forward_tripped:
+            # The hooks fold a cheap sum; with a finite loss, confirm by an exact re-run (RNG and
+            # buffers kept as they were) before calling it, since a finite sum can overflow.
+            rerun = None if loss_tripped else (lambda: self._rerun(pending.micro))
+            finding = self.monitor.locate(read.forward, rerun=rerun, **self.where())
+            if rerun is not None:  # confirmed on some rank: on all
+                finding = self.sync.agree_finding(finding, lambda: self.monitor.locate(read.forward, **self.where()))
+            if finding is not None:
+                return Anomaly(Kind.FORWARD, {"finding": finding})
+        if loss_tripped:
+            return Anomaly(Kind.LOSS, {"finding": detect.LossFinding(kind="loss", value=loss, **self.where())})
+        if overflowed:
+            scale = read.extra["scale"][0]
+            return Anomaly(Kind.OVERFLOW, {"scale": scale, "new_scale": scale * self.plumbing.backoff_factor()})
+        if read.gradient:
+            return Anomaly(Kind.GRADIENT, {"finding": self.grads.finding(read.grad_norms, self.threshold,
+                                                                         **self.where())})
+        if self.threshold is not None and read.total_norm is not None and read.total_norm > self.threshold:
+            return Anomaly(Kind.GRAD_NORM, {"finding": self.grads.finding(read.grad_norms, self.threshold,
+                                                                          **self.where())})
+        evidence = self.spike.check(loss)
+        if evidence is not None:
+            return Anomaly(Kind.SPIKE, evidence)
+        return None
+
+    def bad_rows(self, kind: Kind, pending: Pending) -> List[Any]:
+        """The exact non-finite rows of ``kind`` in the step's micro-batches (slow path)."""
+        return [f for rows in micro_rows(pending.micro, self.sanitize) for f in rows if f.kind == kind]
+
+    def broken_weights(self, flagged: bool) -> Optional[detect.WeightFinding]:
+        """The parameters' exact check (slow path): a finding when some are NaN/Inf, on every rank
+        when on any rank (one small collective under DDP, so every rank takes the same decision).
+
+        Args:
+            flagged: the step's periodic weight check tripped; else one fused pass runs first.
+        """
+        if not self.weights_checked:
+            return None
+        bad = flagged
+        if not flagged:
+            value = self.all_weights.run(force=True)
+            bad = value is not None and not math.isfinite(value.item())  # host sync: slow path
+        finding = self.all_weights.finding(**self.where()) if bad else None  # None: the norms overflowed
+        return self.sync.agree_weights(
+            finding, lambda ranks: detect.WeightFinding(kind="weights", nonfinite=(), ranks=ranks, **self.where()))

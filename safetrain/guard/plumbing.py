@@ -1,0 +1,131 @@
+"""The guard's torch plumbing: device moves, autocast, freeing gradients and the fp16 scaler.
+
+Everything here runs on the healthy path, so each piece is the cheapest form of what it does:
+no context entered without mixed precision, torch's own ``set_to_none`` loop without the
+profiler range ``Optimizer.zero_grad`` opens, the scaler's values read as device tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable, ContextManager, Optional
+
+import torch
+
+from ..batches import pageable_tensors, to_device
+from ..config import AmpConfig
+
+__all__ = ["Plumbing"]
+
+logger = logging.getLogger("safetrain")
+
+#: What :meth:`Plumbing.autocast` returns without mixed precision: one reusable no-op context.
+_NO_AUTOCAST = contextlib.nullcontext()
+_DTYPES = {None: None, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+#: Whether a torch profiler is recording (a private torch function; if it is ever missing, assume
+#: one is, so that zero_grad's profiler range is never lost).
+_profiler_enabled: Callable[[], bool] = getattr(torch.autograd, "_profiler_enabled", lambda: True)
+
+
+class Plumbing:
+    """Device placement, mixed precision and gradient bookkeeping for one model and optimizer.
+
+    Args:
+        model: the user's model (its first parameter's device is the step's device).
+        optimizer: its optimizer.
+        amp: the ``amp`` section: autocast dtype, and the GradScaler made for float16.
+        scaler: the user's ``GradScaler``, if any (a disabled one counts as none).
+        to_device: copy a CPU loader's batches to the model's accelerator (``guard.to_device``).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, amp: AmpConfig,
+                 scaler: Optional[torch.amp.GradScaler] = None, to_device: bool = True) -> None:
+        self.optimizer = optimizer
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.amp_dtype = _DTYPES[amp.dtype]
+        if scaler is None and self.amp_dtype is torch.float16:
+            scaler = torch.amp.GradScaler(self.device.type, init_scale=amp.init_scale)
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        self.moves = to_device and self.device.type != "cpu"  # a CPU model gets the batch itself
+        self._pinned_checked = False
+        # torch's own zero_grad (not overridden by the optimizer's class or instance): free_grads
+        # may run its set_to_none loop itself. Decided here: a zero_grad patched in later is not
+        # seen; a wrapper forwarding through __getattr__ always goes through optimizer.zero_grad.
+        self._plain_zero_grad = (getattr(type(optimizer), "zero_grad", None) is torch.optim.Optimizer.zero_grad
+                                 and "zero_grad" not in getattr(optimizer, "__dict__", {}))
+        self.grads_dropped = False  # set_to_none done at the end of the last step
+
+    # ------------------------------------------------------------------ batches
+    def move(self, batch: Any) -> Any:
+        """The batch on the model's accelerator (``non_blocking`` on CUDA), or the batch itself."""
+        if not self.moves:
+            return batch
+        if not self._pinned_checked:
+            self._check_pinned(batch)
+        return to_device(batch, self.device)
+
+    def _check_pinned(self, batch: Any) -> None:
+        """Say once when the first moved batch comes from pageable memory (its copies are staged
+        by the host instead of queued); ``DataLoader(pin_memory=True)`` avoids it."""
+        self._pinned_checked = True
+        pageable = pageable_tensors(batch) if self.device.type == "cuda" else ()
+        if pageable:
+            logger.info("batches come from pageable host memory (%s): each copy to %s is staged by the host; "
+                        "DataLoader(pin_memory=True) makes it asynchronous", ", ".join(pageable[:3]), self.device)
+
+    def autocast(self) -> ContextManager[Any]:
+        """The step's autocast context (a shared no-op without mixed precision)."""
+        if self.amp_dtype is None:
+            return _NO_AUTOCAST
+        return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
+
+    # ------------------------------------------------------------------ the scaler
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call ``backward`` on (scaled in fp16)."""
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    def unscale_(self) -> None:
+        """Unscale the gradients in place before they are checked and clipped (fp16 only)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+
+    def scaler_values(self) -> tuple:
+        """``(found_inf, scale)`` as device tensors for the step's one read, or ``(None, None)``.
+
+        GradScaler keeps them on the device; reading them inside the one sync avoids the extra
+        ``.item()`` that ``scaler.step()`` and ``get_scale()`` would make.
+        """
+        if self.scaler is None:
+            return None, None
+        per_device = self.scaler._per_optimizer_states[id(self.optimizer)]["found_inf_per_device"]
+        return (sum(per_device.values()) if per_device else None), self.scaler._scale
+
+    def backoff_factor(self) -> float:
+        """How the scaler lowers its scale after an overflow."""
+        return self.scaler.get_backoff_factor() if self.scaler is not None else 1.0
+
+    def step_optimizer(self) -> None:
+        """``optimizer.step()``, and the scaler's update in fp16."""
+        self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.update()
+
+    # ------------------------------------------------------------------ gradients
+    def free_grads(self) -> None:
+        """``optimizer.zero_grad(set_to_none=True)``; for torch's own ``zero_grad`` and no profiler,
+        the same loop without the profiler range it opens (a dispatcher call a step)."""
+        if self._plain_zero_grad and not _profiler_enabled():
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def drop_grads(self) -> None:
+        """Drop the step's gradients; the scaler is told so it starts clean (its scale is kept)."""
+        if self.scaler is not None:
+            self.scaler.update()
+        self.free_grads()
+        self.grads_dropped = True

@@ -1,0 +1,455 @@
+"""The guard: one training step's protocol around a user's model and optimizer, usable from any loop.
+
+scan -> forward (autocast) -> loss -> backward (scaled) -> unscale -> gradient check -> ONE host
+sync -> judge. A healthy step clips, steps and snapshots; otherwise the decision loop runs:
+diagnose, decide (the policy), carry out (the recovery executor), and a re-run is its next turn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+
+import torch
+
+from .. import detect, distributed, snapshot
+from ..config import TrainConfig, as_config
+from ..events import AnomalyFound, Event, EventBus, SnapshotTaken
+from ..kinds import REPLAYED_KINDS, Action, Kind
+from ..lr import LRBackoff
+from ..policy import Anomaly, History, Rules, decide, newest_taken, raises, vouch
+from ..replay import Diagnosis, Replayer
+from ..replay_weights import WeightReplay
+from ..spike import SpikeDetector
+from ..steps import Counters, Pending, Phase, StepResult
+from ..wrappers import plain_namer, unwrap_compiled
+from .forward import Forward
+from .judge import Judge
+from .plumbing import Plumbing
+from .recovery import Outcome, Recovery, Rerun
+from .state import RecoveryState
+
+__all__ = ["Guard"]
+
+logger = logging.getLogger("safetrain")
+
+
+class Guard:
+    """The per-step protocol: detect, decide and recover, around a user's model and optimizer.
+
+    Args:
+        model: the module to train.
+        optimizer: its optimizer.
+        cfg: anything :func:`safetrain.as_config` accepts (path, dict, DictConfig, TrainConfig, None).
+        loss_fn: ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches.
+        step_fn: ``step_fn(model, batch) -> loss`` for any other batch.
+        scheduler: an LR scheduler, stepped as ``guard.scheduler_interval`` says.
+        scaler: a ``torch.amp.GradScaler``; made from ``amp.*`` when ``amp.dtype`` is float16 and none is given.
+        bus: where events go; a new :class:`EventBus` (logging only) when omitted.
+        run_dir: directory for safetensors snapshots when ``snapshot.dir`` is not set.
+
+    Example::
+
+        guard = Guard(model, optimizer, "configs/default.yaml", loss_fn=F.cross_entropy)
+        with guard:
+            for batch in loader:
+                result = guard.step(batch)
+    """
+
+    # What the guard is made of (a table of contents; each part takes its own config section).
+    cfg: TrainConfig
+    counters: Counters  # read by FitResult, the progress bar and the journal
+    recovery_state: RecoveryState  # the policy's history and what recovery remembers
+    plumbing: Plumbing  # device, autocast, scaler, freeing gradients
+    forward: Forward  # one micro-batch through the model
+    monitor: detect.ActivationMonitor  # forward hooks (detect.mode)
+    grads: detect.GradCheck  # the fused gradient norms
+    weights: detect.WeightCheck  # the periodic weight check
+    spike: SpikeDetector  # loss spikes
+    judge: Judge  # a step's read -> its anomaly
+    recovery: Recovery  # carries out decisions
+    state: snapshot.TrainState  # the whole training state, for snapshots
+    store: Any  # where snapshots go
+    backoff: LRBackoff  # the LR scale on top of the schedule
+    sync: Any  # distributed.LocalSync or DistributedSync
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        cfg: Any = None,
+        *,
+        loss_fn: Optional[Callable[..., torch.Tensor]] = None,
+        step_fn: Optional[Callable[[torch.nn.Module, Any], torch.Tensor]] = None,
+        scheduler: Any = None,
+        scaler: Optional[torch.amp.GradScaler] = None,
+        bus: Optional[EventBus] = None,
+        run_dir: Optional[str] = None,
+    ) -> None:
+        self.cfg = c = as_config(cfg)
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        # The forward runs through the user's model; names, hooks and snapshots use what a
+        # torch.compile wrapper holds, so they read as in the user's code (no "_orig_mod." prefix)
+        # and a snapshot loads into the model compiled or not.
+        self._named = named = unwrap_compiled(model)
+        self.bus = bus if bus is not None else EventBus()
+        self.counters = Counters()
+        self.rules = Rules.of(c)
+        self.recovery_state = RecoveryState(c.recovery)
+        self.plumbing = Plumbing(model, optimizer, c.amp, scaler, c.guard.to_device)
+        self.device, self.scaler = self.plumbing.device, self.plumbing.scaler
+        self.backoff = LRBackoff(optimizer, c.recovery.min_lr)
+        sp = c.guard.spike
+        self.spike = SpikeDetector(sp.window, sp.min_history, sp.zscore, sp.enabled, sp.min_ratio)
+        self.state = snapshot.TrainState(named, optimizer, scheduler=scheduler, scaler=self.scaler)
+        plain = plain_namer(named)
+        # Every parameter, frozen ones too, for the exact check after a trip (a snapshot restores them).
+        all_params = [(plain(n), p) for n, p in named.named_parameters()]
+        self._params = [(n, p) for n, p in all_params if p.requires_grad]
+        # Two parameters looked at per step for gradients left by someone else (O(1), not O(P)).
+        self._probe = (self._params[0][1], self._params[-1][1]) if self._params else ()
+        # Gradients are always checked (clipping and the scaler need the norm anyway); the
+        # activation and weight checks follow detect.mode. Disabled parts are no-ops, not ifs.
+        self.grads = detect.GradCheck(self._params)
+        self.weights = detect.WeightCheck(self._params, c.detect.check_weights_every, enabled=c.detect.mode != "off")
+        self.monitor = detect.ActivationMonitor.from_config(named, c.detect)
+        self.monitor.attach()
+        self.forward = Forward(model, named, self.monitor, self.plumbing, c.sanitize, c.guard.accumulate_steps,
+                               loss_fn, step_fn)
+        # Distributed (a process group of > 1 rank and a DDP model): the one read combines every
+        # rank's flags with one collective, and snapshots and replays agree across ranks.
+        self.sync = distributed.make_sync(self.device, named)
+        self.rank = self.sync.rank  # stamped on every event
+        self._flags = detect.StepFlags(reduce=self.sync.reduce)
+        self.store = self.sync.wrap_store(snapshot.make_store(c.snapshot, run_dir=run_dir))
+        self.replayer = self.sync.wrap_replayer(
+            Replayer(named, self.monitor, c.detect.replay, autocast=self.plumbing.autocast,
+                     loss_of=self.forward.eager_loss), named)
+        self.weight_replay = WeightReplay(self.state, self._params, c.detect.replay, self.replayer,
+                                          prepare=self.forward.scan, accumulate=c.guard.accumulate_steps,
+                                          clip=c.guard.clip_grad_norm)
+        self.judge = Judge(c, self.counters, self.monitor, self.grads, detect.WeightCheck(all_params, 0), self.spike,
+                           self.plumbing, self.sync, self.forward.rerun)
+        self.recovery = Recovery(c, self.counters, self.recovery_state, self.store, self.state, self.backoff,
+                                 self.grads, dict(self._params), self._emit, self._not_applied, self._after_restore,
+                                 self.sync)
+        self.phase = Phase.READY
+        self._pending = Pending()
+        self._weight_flag: Optional[torch.Tensor] = None
+        self.epoch_rng: Optional[torch.Tensor] = None  # torch RNG at the start of the current epoch
+        self.last_loss = math.nan
+        self.last_grad_norm = math.nan
+
+    @property
+    def loss_fn(self) -> Optional[Callable[..., torch.Tensor]]:
+        """``loss_fn(model(inputs), targets)`` for pair batches (may be swapped between steps)."""
+        return self.forward.loss_fn
+
+    @loss_fn.setter
+    def loss_fn(self, fn: Optional[Callable[..., torch.Tensor]]) -> None:
+        self.forward.loss_fn = fn
+
+    @property
+    def step_fn(self) -> Optional[Callable[[torch.nn.Module, Any], torch.Tensor]]:
+        """``step_fn(model, batch) -> loss`` for any other batch (may be swapped between steps)."""
+        return self.forward.step_fn
+
+    @step_fn.setter
+    def step_fn(self, fn: Optional[Callable[[torch.nn.Module, Any], torch.Tensor]]) -> None:
+        self.forward.step_fn = fn
+
+    @property
+    def pending(self) -> Pending:
+        """The step being accumulated: its micro-batches (as trained), their indices, its loss."""
+        return self._pending
+
+    @property
+    def history(self) -> History:
+        """The recovery policy's memory (:class:`~safetrain.policy.History`), up to this step."""
+        return self.recovery_state.history
+
+    @history.setter
+    def history(self, value: History) -> None:
+        self.recovery_state.history = value
+
+    # ----------------------------------------------------------------- lifecycle
+    def __enter__(self) -> "Guard":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove every hook and release the snapshot store; idempotent."""
+        self.monitor.detach()
+        if self.phase is not Phase.CLOSED:
+            self.store.close()
+        self.phase = Phase.CLOSED
+
+    def begin_epoch(self, epoch: int, resumed: bool = False) -> None:
+        """Mark the start of an epoch: counters move, the RNG state that shuffles it is kept for
+        resume, and the epoch's mean loss starts afresh (kept when ``resumed``: an epoch resumed
+        mid-way from a snapshot goes on with the losses of its steps before the snapshot)."""
+        self.counters.epoch, self.counters.batch = epoch, 0
+        self.epoch_rng = torch.get_rng_state()
+        self.replayer.rng_reset()  # the loader's shuffle draws from the RNG next
+        if not resumed:
+            self.recovery_state.epoch_loss = (0.0, 0)
+
+    @property
+    def epoch_loss(self) -> Optional[float]:
+        """The mean loss of this epoch's trained steps so far (non-finite losses left out), or ``None``."""
+        total, n = self.recovery_state.epoch_loss
+        return total / n if n else None
+
+    # ----------------------------------------------------------------- the step
+    def step(self, batch: Any, indices: Optional[Sequence[int]] = None) -> Optional[StepResult]:
+        """Feed one (micro-)batch; returns the :class:`StepResult` when an optimizer step was decided.
+
+        With ``guard.accumulate_steps`` = k, the first k - 1 calls only accumulate gradients and
+        return ``None``; the k-th makes the single host sync and decides.
+
+        Args:
+            batch: the (micro-)batch. Its CPU tensors are copied to the model's accelerator
+                (``guard.to_device``), asynchronously when the loader pins memory.
+            indices: the dataset index of each row, when known: a replay then names bad samples
+                by dataset index (``SafeTrainer.fit`` passes them from a :class:`QuarantineSampler`).
+
+        Raises:
+            TrainingAborted: the policy aborted; the model and optimizer are at the last good snapshot.
+            BatchError: the batch fits no convention, or ``sanitize.*: raise`` met a bad row.
+        """
+        if self.phase is Phase.CLOSED:
+            raise RuntimeError("Guard.step() after close(); make a new Guard")
+        if self.counters.steps == 0 and self.phase is Phase.READY and len(self.store) == 0:
+            self.snapshot(force=True)
+        self.counters.batch += 1
+        if self.recovery_state.skip_after_restore > 0 and self.phase is Phase.READY:
+            return self._skip_data()
+        batch = self.plumbing.move(batch)
+        if self.phase is Phase.READY:
+            self._start_step()
+        self._feed(batch, list(indices) if indices is not None else [])
+        if len(self._pending.micro) < self.cfg.guard.accumulate_steps:
+            self.phase = Phase.ACCUMULATING
+            return None
+        return self._finish()
+
+    def flush(self) -> Optional[StepResult]:
+        """Take the step of a partial accumulation now (at the end of an epoch or of the data).
+
+        With ``guard.accumulate_steps`` = k and fewer than k micro-batches pending, their summed
+        gradients (each scaled by 1/k) make one step; returns ``None`` when nothing is pending.
+        """
+        if self.phase is not Phase.ACCUMULATING:
+            return None
+        return self._finish()
+
+    def _start_step(self) -> None:
+        probe = self._probe
+        if not self.plumbing.grads_dropped or (probe and (probe[0].grad is not None or probe[1].grad is not None)):
+            # The first step, or gradients made outside the guard since its last step (a user's
+            # own backward): dropped, or this step's backward would add to them.
+            self.plumbing.free_grads()
+        self.plumbing.grads_dropped = False
+        self._pending = Pending()
+        self.monitor.reset()
+        self.replayer.begin_step()
+        steps = self.counters.optimizer_steps
+        self._weight_flag = self.weights.maybe_run(steps) if steps > 0 else None
+
+    def _feed(self, batch: Any, indices: List[int]) -> None:
+        self._pending.micro.append(batch)
+        self._pending.indices.append(indices)
+        self.forward.run(batch, self._pending)
+
+    def _read(self) -> detect.StepRead:
+        """Unscale, check the gradients, and read every flag, the loss and the norms at once."""
+        p, flags = self._pending, self._flags
+        self.counters.steps += 1
+        self.plumbing.unscale_()
+        found_inf, scale = self.plumbing.scaler_values()
+        if found_inf is not None or scale is not None:
+            flags.put("found_inf", found_inf)
+            flags.put("scale", scale)
+        grads = self.grads.run()
+        flags.put("loss", p.loss)  # the sum over micro-batches; the mean is taken on the host
+        flags.put("grad_norms", grads.norm_list if grads is not None else None)
+        flags.put("input", p.input_values)
+        flags.put("target", p.target_values)
+        flags.put("forward", self.monitor.records)
+        flags.put("weights", self._weight_flag)
+        read = flags.read()  # host sync: the one per step (flags, loss and norms together)
+        self.last_loss = read.loss / len(p.micro) if read.loss is not None else math.nan
+        self.last_grad_norm = read.total_norm if read.total_norm is not None else math.nan
+        return read
+
+    def _finish(self) -> StepResult:
+        """The step's one read, then the decision loop: each turn judges, diagnoses, decides and
+        carries out; a re-run (drop_rows, replace, retry) is the next turn, never a call back."""
+        read = self._read()
+        events: List[Event] = []
+        rerun_action, retried = "", False
+        while (anomaly := self.judge(read, self._pending, self.last_loss)) is not None:
+            anomaly = dataclasses.replace(anomaly, retried=retried)
+            if raises(anomaly.kind, self.rules):
+                self._raise_rows(anomaly)
+            diagnosis = self._explain(anomaly)
+            decision, self.history = decide(anomaly, self.history, self.rules, diagnosis)
+            outcome = self.recovery.carry_out(anomaly, decision, read, self._pending, diagnosis)
+            events += outcome.events
+            if outcome.rerun is None:
+                return self._settle(outcome, events, rerun_action)
+            rerun_action, retried = str(outcome.action), retried or decision.action is Action.RETRY
+            read = self._run_again(outcome.rerun, read)
+        return self._healthy(read, events, rerun_action)
+
+    def _explain(self, anomaly: Anomaly) -> Optional[Diagnosis]:
+        """The slow path's replay, when the budget allows: the step's for forward, loss and
+        gradient faults, the updates' since the newest snapshot for weights."""
+        if not self.replayer.enabled:
+            return None
+        if anomaly.kind in REPLAYED_KINDS:  # the parameters were finite (the judge checked)
+            return self.diagnose()
+        if anomaly.kind is Kind.WEIGHTS:  # replayed from the snapshot; never retried
+            return self.weight_replay.replay(self.store)
+        return None
+
+    def _run_again(self, rerun: Rerun, read: detect.StepRead) -> detect.StepRead:
+        """The next turn's read: the step run again on ``rerun.batches`` (its gradients dropped
+        first; it counts as the same step), or the same read with the replaced rows' flags cleared."""
+        if rerun.batches is None:
+            return dataclasses.replace(read, input=False, target=False)
+        self.plumbing.drop_grads()
+        self.counters.steps -= 1
+        self._start_step()
+        for i, batch in enumerate(rerun.batches):
+            self._feed(batch, rerun.indices[i] if rerun.indices else [])
+        return self._read()
+
+    def _settle(self, outcome: Outcome, events: List[Event], rerun_action: str) -> StepResult:
+        """The end of an anomalous step: apply its update when the outcome says so."""
+        trained = outcome.apply
+        if trained:
+            self._apply_update(outcome.total_norm)
+            self.recovery_state.count_loss(self.last_loss)
+            self.spike.add(self.last_loss)  # ignores a non-finite loss
+        self.phase = Phase.READY
+        return StepResult(self.counters.steps, trained, self.last_loss, self.last_grad_norm,
+                          str(outcome.action) or rerun_action, tuple(events))
+
+    def _raise_rows(self, anomaly: Anomaly) -> None:
+        """``sanitize.*: raise``: the step is not applied, the rows are journaled, BatchError."""
+        self._not_applied()
+        self.phase = Phase.READY
+        rows = anomaly.detail["rows"]
+        error = detect.batch_error(rows)
+        self._emit(AnomalyFound, anomaly.kind, Action.RAISE, str(error), {"rows": [f.to_dict() for f in rows]})
+        raise error
+
+    def diagnose(self) -> Diagnosis:
+        """Replay the pending step from its pre-step state and say where it goes non-finite.
+
+        Runs on its own when a step trips (``detect.replay``); call it yourself between
+        micro-batches to look at a step. Training is left exactly as it was: parameters,
+        buffers, gradients and every RNG stream.
+        """
+        micro = [self.forward.scan(batch) for batch in self._pending.micro]
+        return self.replayer.replay(micro, self._pending.indices)
+
+    # ----------------------------------------------------------------- outcomes
+    def _healthy(self, read: detect.StepRead, events: List[Event], rerun_action: str) -> StepResult:
+        """Apply a step that read clean; a re-run of an anomalous step trains but is not healthy."""
+        rs = self.recovery_state
+        self._apply_update(read.total_norm)
+        rs.count_loss(self.last_loss)  # before the snapshot below, which keeps the epoch's losses
+        self.spike.add(self.last_loss)
+        if rerun_action:
+            rs.history = vouch(rs.history)  # this clean read vouches for the newest snapshot
+        else:
+            self.counters.healthy_steps += 1
+            new_scale = rs.healthy()  # also vouches for the newest snapshot
+            if new_scale is not None:  # the climb is an event at its step
+                events.append(self.recovery.lr_changed(new_scale, "healthy run: LR scale climbs back one notch"))
+        rs.since_snapshot += 1
+        if rs.since_snapshot >= self.cfg.snapshot.every:
+            events.append(self.snapshot())
+        self.phase = Phase.READY
+        return StepResult(self.counters.steps, True, self.last_loss, self.last_grad_norm, rerun_action, tuple(events))
+
+    def _apply_update(self, total: Optional[float]) -> None:
+        """Clip with the norm already read, step the optimizer (and scaler), then the scheduler."""
+        clip = self.cfg.guard.clip_grad_norm
+        if clip is not None and total is not None:
+            self.grads.clip_(clip, total)
+        self.weight_replay.record(self.counters.steps, self._pending.micro, total)  # references only
+        self.plumbing.step_optimizer()
+        self.counters.optimizer_steps += 1
+        self._step_scheduler()
+        self.plumbing.free_grads()
+        self.plumbing.grads_dropped = True  # the next step need not zero them again
+
+    def _not_applied(self) -> None:
+        """The step's update is not applied: drop the gradients, count it, and step the scheduler
+        only when it follows batches (``guard.scheduler_follows: batch``)."""
+        self.plumbing.drop_grads()
+        self.counters.skipped_batches += 1
+        if self.cfg.guard.scheduler_follows == "batch":
+            self._step_scheduler()
+
+    def _step_scheduler(self) -> None:
+        if self.scheduler is not None and self.cfg.guard.scheduler_interval == "step":
+            self.backoff.step(self.scheduler, self.last_loss)
+
+    def _skip_data(self) -> Optional[StepResult]:
+        """Skip the data that led into a restore, a whole step at a time."""
+        event = self.recovery.skip_data(self._step_scheduler)
+        if event is None:
+            return None
+        return StepResult(self.counters.steps, False, math.nan, math.nan, str(Action.SKIP_BATCH), (event,))
+
+    def _after_restore(self, step: int) -> None:
+        self.replayer.rng_reset()  # the snapshot's RNG state is back
+        self.weight_replay.clear(step)
+        self._weight_flag = None
+
+    def snapshot(self, force: bool = False) -> Event:
+        """Snapshot the whole training state now (the guard also does it every ``snapshot.every`` healthy steps).
+
+        Returns:
+            The :class:`SnapshotTaken` event (``action`` ``"saved"`` or ``"refused"`` when not finite).
+        """
+        self.recovery_state.since_snapshot = 0
+        tensors = {"epoch_rng": self.epoch_rng} if self.epoch_rng is not None else {}
+        info = self.store.save(self.state, counters={"step": self.counters.steps, **vars(self.counters)},
+                               extra=self.state_dict(), extra_tensors=tensors)
+        if info is None:
+            return self._emit(SnapshotTaken, "snapshot", "refused",
+                              "snapshot refused: the state is not finite; the previous one stays", {})
+        # taken after an update: unverified until the next step reads clean (a forced one is sound)
+        self.history = newest_taken(self.history) if not force else vouch(self.history)
+        self.weight_replay.clear(self.counters.steps)
+        return self._emit(SnapshotTaken, "snapshot", "saved", f"snapshot of step {self.counters.steps}",
+                          {"path": str(info.path) if info.path else None, "forced": force})
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The guard's own state, JSON-ready: counters, policy history (with the fp16 overflow
+        streak), LR backoff, spike window, and the epoch's loss sum and count."""
+        return {"counters": vars(self.counters).copy(), "lr": self.backoff.state_dict(),
+                "spike": self.spike.state_dict(), **self.recovery_state.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Put back what :meth:`state_dict` returned (on resume)."""
+        vars(self.counters).update(vars(Counters(**state["counters"])))  # in place: the parts hold it
+        self.backoff.load_state_dict(state["lr"])
+        self.spike.load_state_dict(state["spike"])
+        self.recovery_state.load_state_dict(state)
+
+    def _emit(self, cls: type, kind: str, action: str, message: str, detail: Mapping[str, Any]) -> Event:
+        c, kind = self.counters, str(kind)  # the journal holds plain strings
+        if cls is AnomalyFound:  # under DDP: which ranks' own values tripped
+            detail = self.sync.annotate(detail, kind)
+        return self.bus.emit(cls(step=c.steps, epoch=c.epoch, batch=c.batch - 1, kind=kind, action=str(action),
+                                 message=message, detail=detail, rank=self.rank))

@@ -1,0 +1,240 @@
+"""The recovery executor: carries out the policy's decision and says what came of it.
+
+Slow path only: skip the step, zero non-finite gradients, put bad rows right (skip, replace,
+drop and re-run), restore the last good snapshot (passing over the newest when the policy says
+so), scale the LR, abort. Applying an update and re-running a step are the protocol's: an
+:class:`Outcome` asks for them, so the executor never calls back into the step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+import torch
+
+from ..batches import without_rows
+from ..config import TrainConfig
+from ..errors import TrainingAborted
+from ..events import Aborted, AnomalyFound, Event, LRChanged, Restored
+from ..kinds import Action, Kind
+from ..lr import LRBackoff
+from ..policy import Anomaly, Decision, mark_last_skipped, record_step
+from ..steps import Counters, Pending
+from .judge import micro_rows
+from .state import RecoveryState
+
+__all__ = ["Recovery", "Outcome", "Rerun", "Emit"]
+
+#: How the executor journals: ``emit(event_class, kind, action, message, detail) -> event``.
+Emit = Callable[[type, str, str, str, Mapping[str, Any]], Event]
+
+
+@dataclass(frozen=True)
+class Rerun:
+    """Run the same step again, as the next turn of the decision loop.
+
+    Attributes:
+        batches: the micro-batches to run forward and backward again; ``None``: judge the step's
+            read again without running anything (bad values were replaced before the forward).
+        indices: each micro-batch's dataset indices (empty lists when unknown).
+    """
+
+    batches: Optional[List[Any]] = None
+    indices: Optional[List[List[int]]] = None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What carrying out a decision came to.
+
+    Attributes:
+        action: what was done (a downgrade is possible: ``drop_rows`` with every row bad skips).
+        events: the events it emitted, in order.
+        apply: the protocol applies the step's update (``warn``, ``zero_grads``).
+        total_norm: the gradient norm to clip with when ``apply`` (``None``: not finite).
+        rerun: run the step again (``drop_rows``, ``replace``, ``retry``), else ``None``.
+    """
+
+    action: str
+    events: Tuple[Event, ...] = ()
+    apply: bool = False
+    total_norm: Optional[float] = None
+    rerun: Optional[Rerun] = None
+
+
+@dataclass
+class Recovery:
+    """Carries out decisions on the training state; each method is one action.
+
+    Attributes:
+        cfg: the configuration (``recovery.skip_batches_after_restore``, ``guard.*``, ``sanitize``).
+        counters: the guard's counters (every action is counted).
+        state: the recovery state (history, data to skip after a restore).
+        store: the snapshot store; ``train_state`` is what it restores into.
+        backoff: the LR scale kept on top of the schedule.
+        grads: the gradient check (the norm of what is left after zeroing).
+        params: trained parameters by name.
+        emit: journals an event.
+        not_applied: drops the step's gradients and counts it as skipped.
+        after_restore: called with the restored step (replays forget what came after it).
+        sync: agreement across ranks (the micro-batches left after ``drop_rows``).
+    """
+
+    cfg: TrainConfig
+    counters: Counters
+    state: RecoveryState
+    store: Any
+    train_state: Any
+    backoff: LRBackoff
+    grads: Any
+    params: Dict[str, torch.Tensor]
+    emit: Emit
+    not_applied: Callable[[], None]
+    after_restore: Callable[[int], None]
+    sync: Any
+
+    def carry_out(self, anomaly: Anomaly, decision: Decision, read: Any, pending: Pending,
+                  diagnosis: Any = None) -> Outcome:
+        """Carry out ``decision`` about ``anomaly`` (found in ``read``, for the step in ``pending``).
+
+        Raises:
+            TrainingAborted: the decision was ``abort``; the state is at the last good snapshot.
+        """
+        action, kind = decision.action, decision.kind
+        if action is Action.RETRY:
+            event = self.emit(AnomalyFound, kind, action, f"{kind} anomaly: {summary(kind, anomaly.detail)} -> "
+                              "transient (the replay from the same state was finite): retrying the step once",
+                              _payload(anomaly.detail, diagnosis))
+            return Outcome(action, (event,), rerun=Rerun(list(pending.micro), list(pending.indices)))
+        if anomaly.kind is Kind.OVERFLOW and kind is Kind.OVERFLOW:  # normal in fp16: the scaler backs off
+            self.not_applied()
+            self.counters.scaler_skips += 1
+            event = self.emit(AnomalyFound, Kind.SCALER, Action.SKIP_BATCH, "fp16 overflow: GradScaler skipped the "
+                              f"step and lowered the scale to {anomaly.detail['new_scale']:g} (normal)", anomaly.detail)
+            return Outcome(Action.SKIP_BATCH, (event,))
+        detail = dict(anomaly.detail)
+        if anomaly.kind is Kind.OVERFLOW:  # escalated: too many in a row, or the scale too low
+            detail = {"scale": detail["new_scale"], "overflows_in_a_row": self.state.history.overflows}
+        if kind in (Kind.INPUT, Kind.TARGET) and action is not Action.ABORT:
+            return self.bad_rows(kind, decision, detail["rows"], pending)
+        replayed = f"; replay: {diagnosis.describe()}" if diagnosis is not None else ""
+        message = f"{kind} anomaly: {summary(kind, detail)}{replayed} -> {action} ({decision.reason})"
+        events: List[Event] = [self.emit(AnomalyFound, kind, action, message,
+                                         {**_payload(detail, diagnosis), "rung": decision.rung})]
+        if action in (Action.WARN, Action.ZERO_GRADS):
+            total = read.total_norm
+            if action is Action.ZERO_GRADS:
+                total = self.zero_nonfinite_grads_(detail.get("finding"))
+            return Outcome(action, tuple(events), apply=True,
+                           total_norm=total if total is not None and math.isfinite(total) else None)
+        self.not_applied()
+        if action in (Action.RESTORE, Action.SCALE_LR, Action.ABORT):
+            events.append(self.restore(decision))
+        if action is Action.SCALE_LR:
+            events.append(self.lr_changed(decision.lr_scale, f"backoff after {kind}"))
+        if action is Action.ABORT:
+            aborted = self.emit(Aborted, kind, Action.ABORT, f"training aborted: {decision.reason}; "
+                                "model and optimizer left at the last good snapshot", {"reason": decision.reason})
+            raise TrainingAborted(decision.reason, result=None, event=aborted)
+        return Outcome(action, tuple(events))
+
+    def zero_nonfinite_grads_(self, finding: Any) -> Optional[float]:
+        """Zero the gradients named non-finite; returns the total norm of what is left (slow path)."""
+        names = getattr(finding, "nonfinite", ()) if finding is not None else ()
+        for name in names:
+            grad = self.params[name].grad
+            if grad is not None:
+                grad.zero_()
+        self.counters.zeroed_grads += len(names)
+        grads = self.grads.run()
+        if not grads:
+            return None
+        return math.hypot(*(float(n) for n in torch.stack(grads.norm_list).tolist()))  # host sync: slow path
+
+    def bad_rows(self, kind: Kind, decision: Decision, rows: List[Any], pending: Pending) -> Outcome:
+        """Non-finite input or target rows: skip the step, replace (already done before the
+        forward: judge the rest), or drop them and run the step again on what is left."""
+        action = decision.action
+        n_rows = len({(f.path.split("]")[0], r) for f in rows for r in f.rows})
+        kept: List[Any] = []
+        if action is Action.DROP_ROWS:  # each micro-batch without its bad rows, to run the step again
+            cleaned = [without_rows(b, found) for b, found in zip(pending.micro, micro_rows(pending.micro,
+                                                                                             self.cfg.sanitize))]
+            kept = [b for b, _ in cleaned if b is not None]
+            if not self.sync.same_count(len(kept)) or not kept:  # all ranks or none
+                action, kept = Action.SKIP_BATCH, []
+                self.state.history = mark_last_skipped(self.state.history)
+            else:
+                self.counters.dropped_rows += sum(d for _, d in cleaned)
+        where = "; ".join(f.describe() for f in rows[:4])
+        why = " (every row is bad)" if action is not decision.action else ""
+        event = self.emit(AnomalyFound, kind, action, f"non-finite {kind} rows: {where} -> {action}{why}",
+                          {"rows": [f.to_dict() for f in rows], "count": n_rows, "rung": decision.rung})
+        if action is Action.SKIP_BATCH:
+            self.not_applied()
+            return Outcome(action, (event,))
+        if action is Action.REPLACE:
+            self.counters.replaced_rows += n_rows
+            return Outcome(action, (event,), rerun=Rerun())
+        return Outcome(action, (event,), rerun=Rerun(kept))
+
+    def restore(self, decision: Decision) -> Event:
+        """Put the last good snapshot back, keeping the LR scale and policy history in force now."""
+        if decision.pass_over_newest and len(self.store) > 1:
+            # No healthy step has run since the newest snapshot: it may hold the update that broke
+            # the run (an LR blow-up leaves finite but ruined weights). Drop it; go one further back.
+            self.store.discard_newest()
+        info = self.store.restore(self.train_state)
+        self.after_restore(info.step)
+        self.backoff.load_state_dict({"unscaled": info.extra["lr"]["unscaled"]})
+        self.counters.restores += 1
+        self.state.since_snapshot = 0
+        self.state.skip_after_restore = self.cfg.recovery.skip_batches_after_restore
+        return self.emit(Restored, decision.kind, decision.action,
+                         f"restored the snapshot of step {info.step} after {decision.kind}",
+                         {"snapshot_step": info.step, "path": str(info.path) if info.path else None})
+
+    def skip_data(self, step_scheduler: Callable[[], None]) -> Optional[Event]:
+        """Skip the data that led into a restore, a whole step (``accumulate_steps`` micro-batches)
+        at a time; returns the event when a whole step was skipped, else ``None``."""
+        s = self.state
+        s.skipped_micro += 1
+        if s.skipped_micro < self.cfg.guard.accumulate_steps:
+            return None
+        s.skipped_micro = 0
+        s.skip_after_restore -= 1
+        self.counters.steps += 1
+        self.counters.skipped_batches += 1
+        s.history = record_step(s.history, self.cfg.recovery, skipped=True)
+        if self.cfg.guard.scheduler_follows == "batch":
+            step_scheduler()
+        return self.emit(Restored, "restore", Action.SKIP_BATCH, "skipped a step's batches after a restore "
+                         "(recovery.skip_batches_after_restore)", {"remaining": s.skip_after_restore})
+
+    def lr_changed(self, scale: float, why: str) -> Event:
+        """Set the LR scale and journal the change."""
+        old = self.backoff.lrs()
+        self.backoff.set_scale(scale)
+        return self.emit(LRChanged, "lr", Action.SCALE_LR, f"LR scale {scale:g} ({why}); lr {old} -> {self.backoff.lrs()}",
+                         {"scale": scale, "old_lr": old, "new_lr": self.backoff.lrs()})
+
+
+def _payload(detail: Mapping[str, Any], diagnosis: Any) -> Dict[str, Any]:
+    out = {k: (v.to_dict() if hasattr(v, "to_dict") else v) for k, v in detail.items()}
+    if diagnosis is not None:
+        out["diagnosis"] = diagnosis.to_dict()
+    return out
+
+
+def summary(kind: str, detail: Mapping[str, Any]) -> str:
+    """One line for an anomaly's evidence: its finding, or the spike's or loss's numbers."""
+    finding = detail.get("finding")
+    if finding is not None and hasattr(finding, "describe"):
+        return finding.describe()
+    if kind == "spike":
+        return f"loss {detail['loss']:.4g} is {detail['z']:.1f} robust sigmas above the median {detail['median']:.4g}"
+    if kind == "loss":
+        return f"loss is {detail['loss']}"
+    return ", ".join(f"{k}={v}" for k, v in detail.items() if not isinstance(v, (list, dict)))

@@ -1,0 +1,81 @@
+"""The guard's recovery state: one object instead of flags spread over the guard.
+
+What the policy remembers (its :class:`~safetrain.policy.History`, brought up to date lazily: a
+healthy step only counts, the history is rebuilt when read), the data to skip after a restore,
+the steps since the last snapshot and the epoch's loss. Tests and users read it here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+from ..config import RecoveryConfig
+from ..policy import History, climb_pending, observe_healthy
+
+__all__ = ["RecoveryState"]
+
+
+@dataclass
+class RecoveryState:
+    """Everything the guard's recovery remembers between steps.
+
+    Attributes:
+        recovery: the ``recovery`` section the history moves by.
+        skip_after_restore: steps of data still to skip after a restore
+            (``recovery.skip_batches_after_restore``).
+        skipped_micro: micro-batches of the step being skipped after a restore.
+        since_snapshot: healthy steps since the last snapshot.
+        epoch_loss: sum and count of this epoch's trained steps' finite losses (the epoch metric of
+            an epoch-interval scheduler; part of the snapshot, so a resume mid-epoch keeps it).
+    """
+
+    recovery: RecoveryConfig
+    skip_after_restore: int = 0
+    skipped_micro: int = 0
+    since_snapshot: int = 0
+    epoch_loss: Tuple[float, int] = (0.0, 0)
+    _history: History = History()
+    _healthy_run: int = 0  # healthy steps not yet applied to the history
+
+    @property
+    def history(self) -> History:
+        """The policy's memory, up to this step."""
+        if self._healthy_run:
+            self._history, _ = observe_healthy(self._history, self.recovery, self._healthy_run)
+            self._healthy_run = 0
+        return self._history
+
+    @history.setter
+    def history(self, value: History) -> None:
+        self._history, self._healthy_run = value, 0
+
+    def healthy(self) -> Optional[float]:
+        """Count a healthy step; returns the new LR scale when it climbs back a notch (an event at
+        its own step), else ``None``. Without a pending climb only a counter moves."""
+        if climb_pending(self._history, self.recovery):
+            self._history, new_scale = observe_healthy(self.history, self.recovery)
+            return new_scale
+        self._healthy_run += 1
+        return None
+
+    def count_loss(self, loss: float) -> None:
+        """Add a trained step's loss to the epoch's mean (a non-finite one is left out)."""
+        if math.isfinite(loss):
+            total, n = self.epoch_loss
+            self.epoch_loss = (total + loss, n + 1)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The persisted part, JSON-ready: ``history`` and ``epoch_loss``."""
+        return {"history": self.history.to_dict(), "epoch_loss": list(self.epoch_loss)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Put back what :meth:`state_dict` returned (snapshots of earlier versions keep the fp16
+        overflow streak beside the history, as ``overflows``)."""
+        history = dict(state["history"])
+        if "overflows" in state:
+            history.setdefault("overflows", state["overflows"])
+        self.history = History.from_dict(history)
+        total, n = state.get("epoch_loss", (0.0, 0))  # absent from snapshots of earlier versions
+        self.epoch_loss = (float(total), int(n))
