@@ -37,6 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .config import ReplayConfig
 from .detect import ActivationMonitor, drop_rows, iter_tensors
 from .events import jsonable
 from .snapshot.tensors import nonfinite
@@ -226,7 +227,7 @@ class Replayer:
         autocast: a zero-argument callable returning the step's autocast context.
     """
 
-    def __init__(self, model: torch.nn.Module, monitor: ActivationMonitor, cfg: Any,
+    def __init__(self, model: torch.nn.Module, monitor: ActivationMonitor, cfg: ReplayConfig,
                  loss_of: Callable[[Any], torch.Tensor], autocast: Callable[[], Any]) -> None:
         self.model, self.monitor, self.cfg = model, monitor, cfg
         self.loss_of, self.autocast = loss_of, autocast

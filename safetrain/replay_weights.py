@@ -37,6 +37,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch
 
 from . import distributed
+from .config import ReplayConfig
 from .detect import GradCheck, iter_tensors
 from .replay import RNG_MOVED, Diagnosis, first_nonfinite_op, nonfinite_names
 
@@ -80,8 +81,9 @@ class WeightReplay:
         diagnosis = weights.replay(store)         # when a weight is found non-finite
     """
 
-    def __init__(self, state: Any, params: Sequence[Tuple[str, torch.nn.Parameter]], cfg: Any, replayer: Any, *,
-                 prepare: Callable[[Any], Any], accumulate: int = 1, clip: Optional[float] = None) -> None:
+    def __init__(self, state: Any, params: Sequence[Tuple[str, torch.nn.Parameter]], cfg: ReplayConfig,
+                 replayer: Any, *, prepare: Callable[[Any], Any], accumulate: int = 1,
+                 clip: Optional[float] = None) -> None:
         self.state, self.params, self.cfg, self.replayer = state, list(params), cfg, replayer
         self.prepare, self.accumulate, self.clip = prepare, accumulate, clip
         self._clipper = GradCheck(self.params)

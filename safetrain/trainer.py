@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 import torch
 
 from . import distributed
-from .config import as_config, to_dict
+from .config import ConfigLike, as_config, to_dict
 from .errors import TrainingAborted
 from .events import Event, EventBus, Journal, Quarantined, RunEnded, RunStarted
 from .guard import Guard, StepResult
@@ -78,7 +78,7 @@ class SafeTrainer:
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        cfg: Any = None,
+        cfg: ConfigLike = None,
         loss_fn: Optional[Callable[..., torch.Tensor]] = None,
         scheduler: Any = None,
         step_fn: Optional[Callable[[torch.nn.Module, Any], torch.Tensor]] = None,

@@ -43,6 +43,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
+from ..config import DetectConfig
 from ..wrappers import is_compiled, plain_namer
 from .findings import ModuleFinding, tensor_stats
 from .flags import gathered
@@ -151,7 +152,7 @@ class ActivationMonitor:
         self._handle: Optional[HookHandle] = None
 
     @classmethod
-    def from_config(cls, model: nn.Module, cfg: Any, **kwargs: Any) -> "ActivationMonitor":
+    def from_config(cls, model: nn.Module, cfg: DetectConfig, **kwargs: Any) -> "ActivationMonitor":
         """Build a monitor from a :class:`~safetrain.config.DetectConfig` (enabled in ``eager`` mode only).
 
         Args:

@@ -1,7 +1,7 @@
 """Typed, frozen descriptions of what a detector found, built on the host after a flag tripped.
 
 Every finding is a frozen dataclass with the step's context (``step``, ``epoch``,
-``batch_index``) and a ``kind`` from :data:`safetrain.config.ANOMALY_KINDS` (``input``,
+``batch_index``) and a ``kind`` from :data:`safetrain.kinds.ANOMALY_KINDS` (``input``,
 ``target``, ``forward``, ``loss``, ``gradient``, ``weights``). ``to_dict()`` gives a JSON-ready
 dict (non-finite floats become the strings ``"nan"``, ``"inf"``, ``"-inf"``, tuples become lists)
 and ``to_json()`` the strict JSON text. Nothing here runs on the healthy path: building a

@@ -22,6 +22,7 @@ from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 import torch
 
+from ..config import SnapshotConfig
 from ..errors import ConfigError, SnapshotError
 from .base import SnapshotInfo, SnapshotStore, make_info
 from .fileformat import FileWriter, checksum, read_header, read_tensors
@@ -303,11 +304,12 @@ def load_snapshot(path: Union[str, os.PathLike], state: TrainState) -> SnapshotI
     raise SnapshotError(f"{path}: no usable snapshot; " + "; ".join(failures))
 
 
-def make_store(cfg: Any, run_dir: Optional[Union[str, os.PathLike]] = None) -> SnapshotStore:
-    """Build the store ``cfg`` (a :class:`safetrain.config.SnapshotConfig`) describes.
+def make_store(cfg: SnapshotConfig, run_dir: Optional[Union[str, os.PathLike]] = None) -> SnapshotStore:
+    """Build the store the ``snapshot`` section describes.
 
     Args:
-        cfg: ``store`` (memory | safetensors), ``keep``, ``device`` (memory), ``dir`` (safetensors).
+        cfg: the ``snapshot`` section: ``store`` (memory | safetensors), ``keep``, ``device`` (memory),
+            ``dir`` (safetensors).
         run_dir: the run directory; safetensors snapshots go to ``cfg.dir`` or ``<run_dir>/snapshots``.
 
     Raises:

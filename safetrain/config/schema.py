@@ -1,0 +1,250 @@
+"""The configuration schema: nested frozen dataclasses, one per YAML section.
+
+Every field carries its documentation in ``metadata["doc"]`` and, where it has one, its allowed
+range (``ge``, ``gt``, ``le``, ``lt``, ``finite``); closed choices are ``Literal``. The validator,
+``safetrain check-config`` and the README's reference are all read off these fields. Defaults
+for the recovery policy come from :mod:`safetrain.kinds`. No torch, no I/O beyond YAML text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Literal, Mapping, Optional
+
+import yaml
+
+from ..kinds import DEFAULT_ESCALATE, DEFAULT_FIRST
+
+__all__ = [
+    "TrainConfig",
+    "DetectConfig",
+    "ReplayConfig",
+    "SanitizeConfig",
+    "SpikeConfig",
+    "GuardConfig",
+    "AmpConfig",
+    "RecoveryConfig",
+    "SnapshotConfig",
+    "LogConfig",
+    "SanitizeAction",
+    "iter_fields",
+    "to_dict",
+    "to_yaml",
+]
+
+#: What ``sanitize.inputs`` / ``sanitize.targets`` may say: :data:`safetrain.kinds.SANITIZE_ACTIONS`
+#: (spelled out so type checkers see the choices; a test keeps the two equal).
+SanitizeAction = Literal["skip_batch", "drop_rows", "replace", "raise", "off"]
+
+
+def _f(default: Any = dataclasses.MISSING, doc: str = "", factory: Any = None, **rules: Any) -> Any:
+    """A dataclass field with its documentation and validation rules in metadata."""
+    meta = {"doc": doc, **rules}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """Diagnosis by replay of a step that tripped: budget and limits."""
+
+    enabled: bool = _f(
+        True, "replay a tripped step with full hooks and anomaly mode to name the layer, op and bad rows"
+    )
+    max_per_run: int = _f(20, "at most this many replays in one run; later trips are journaled without a replay", ge=0)
+    time_limit_s: float = _f(60.0, "give up a replay (and its bisection) after this many seconds", gt=0)
+    keep_steps: int = _f(
+        16, "keep the batches and LRs of up to this many updates after a snapshot, to replay a weights fault "
+        "to the update that broke it (0: off; those batches stay in memory)", ge=0,
+    )
+    keep_mb: float = _f(
+        256.0, "...and stop keeping them (no weight replay until the next snapshot) once their batches "
+        "hold more than this many MiB, wherever they live (host or device memory)", ge=0,
+    )
+
+
+@dataclass(frozen=True)
+class DetectConfig:
+    """What the detectors watch and how much they cost on a healthy step."""
+
+    mode: Literal["eager", "lazy", "off"] = _f(
+        "eager",
+        "eager: activation hooks on every module (but see skip_passthrough); lazy: loss, gradient and weight "
+        "checks only; off: no checks",
+    )
+    include: List[str] = _f(
+        doc="module-name globs to monitor in eager mode ('' is the root model)", factory=lambda: ["*"]
+    )
+    exclude: List[str] = _f(doc="module-name globs never monitored (wins over include)", factory=list)
+    nan_only: List[str] = _f(
+        doc="module-name globs whose outputs may hold +-inf legitimately (attention masks): only NaN trips there",
+        factory=list,
+    )
+    skip_passthrough: bool = _f(
+        True, "leave ReLU-like activations, dropout, pooling and reshapes unhooked (finite in, finite out: "
+        "never where a NaN starts); about halves the eager hook cost of MLPs and CNNs"
+    )
+    check_weights_every: int = _f(100, "check every parameter for NaN/Inf every N optimizer steps (0: never; a "
+                                       "forward, loss or gradient trip checks them anyway)", ge=0)
+    replay: ReplayConfig = _f(doc="diagnosis by replay of a tripped step", factory=ReplayConfig)
+
+
+@dataclass(frozen=True)
+class SanitizeConfig:
+    """What to do with non-finite values in the batch before the forward pass."""
+
+    inputs: SanitizeAction = _f(
+        "drop_rows", "non-finite input rows: skip_batch | drop_rows (with their targets) | replace | raise | off"
+    )
+    targets: SanitizeAction = _f("skip_batch", "non-finite target rows: skip_batch | drop_rows | replace | raise | off")
+    nan: float = _f(0.0, "value that replaces NaN under 'replace'", finite=True)
+    posinf: float = _f(
+        0.0, "value that replaces +inf under 'replace' (not the dtype's max, which overflows again)", finite=True
+    )
+    neginf: float = _f(0.0, "value that replaces -inf under 'replace'", finite=True)
+
+
+@dataclass(frozen=True)
+class SpikeConfig:
+    """Loss-spike detection on robust statistics of recent healthy losses."""
+
+    enabled: bool = _f(True, "catch loss blow-ups that are still finite")
+    window: int = _f(128, "number of recent healthy losses the median and MAD are taken over", ge=2)
+    min_history: int = _f(20, "no spike is called before this many healthy losses are in the window", ge=2)
+    zscore: float = _f(6.0, "a loss more than this many robust standard deviations above the median is a spike", gt=0)
+    min_ratio: float = _f(
+        2.0, "...and at least this many times the largest recent healthy loss (keeps converged runs quiet)", ge=1
+    )
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """The per-step guard: clipping, gradient-norm threshold, spikes, accumulation, schedulers."""
+
+    clip_grad_norm: Optional[float] = _f(None, "clip the total gradient norm to this value (null: no clipping)", gt=0)
+    grad_norm_threshold: Optional[float] = _f(
+        None, "a total gradient norm above this is a grad_norm anomaly; parameters above it are named (null: off)", gt=0
+    )
+    spike: SpikeConfig = _f(doc="loss-spike detection", factory=SpikeConfig)
+    accumulate_steps: int = _f(1, "micro-batches whose gradients are summed before one optimizer step", ge=1)
+    to_device: bool = _f(
+        True,
+        "copy each batch's CPU tensors to the model's accelerator before the forward, non_blocking on CUDA "
+        "(pin the loader's memory); false: the model or step_fn places them",
+    )
+    scheduler_follows: Literal["optimizer", "batch"] = _f(
+        "optimizer", "optimizer: the LR scheduler steps only when the optimizer did; batch: on every batch seen"
+    )
+    scheduler_interval: Literal["step", "epoch"] = _f(
+        "step",
+        "step the LR scheduler after every optimizer step, or once per epoch (ReduceLROnPlateau gets the mean loss)",
+    )
+
+
+@dataclass(frozen=True)
+class AmpConfig:
+    """Mixed precision: autocast dtype and the fp16 GradScaler's limits."""
+
+    dtype: Optional[Literal["float16", "bfloat16"]] = _f(
+        None, "autocast dtype: null (full precision) | float16 (with GradScaler) | bfloat16 (no scaler)"
+    )
+    init_scale: float = _f(2.0**16, "GradScaler's initial loss scale (float16 only)", gt=0, finite=True)
+    min_scale: float = _f(1.0, "a loss scale below this is a scaler anomaly, not a normal overflow", gt=0, finite=True)
+    max_overflows: int = _f(10, "this many scaler overflows in a row are a scaler anomaly", ge=1)
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    """The recovery policy: first action per anomaly kind, the escalation ladder and its limits."""
+
+    actions: Dict[str, str] = _f(
+        doc="anomaly kind -> first action (input and target take theirs from sanitize.*)",
+        factory=lambda: {kind.value: action.value for kind, action in DEFAULT_FIRST.items()},
+    )
+    escalate: List[str] = _f(
+        doc="actions taken by the 2nd, 3rd... consecutive anomalous step (the last repeats until max_retries)",
+        factory=lambda: [action.value for action in DEFAULT_ESCALATE],
+    )
+    max_retries: int = _f(5, "abort after this many consecutive anomalous steps", ge=0)
+    reset_after: int = _f(20, "this many healthy steps in a row put the ladder back at its first rung", ge=1)
+    lr_factor: float = _f(0.5, "scale_lr multiplies the learning rate by this", gt=0, lt=1)
+    min_lr: float = _f(0.0, "scale_lr never takes a learning rate below this", ge=0, finite=True)
+    lr_restore_after: Optional[int] = _f(
+        None, "after this many healthy steps the LR scale climbs back one notch (null: never)", ge=1
+    )
+    max_skip_fraction: float = _f(
+        0.5, "abort if more than this fraction of the last skip_window steps were not trained", gt=0, le=1
+    )
+    skip_window: int = _f(100, "number of recent steps max_skip_fraction is measured over", ge=1)
+    skip_batches_after_restore: int = _f(
+        0, "after a restore, skip this many batches (PaLM: roll back and skip the data that led in)", ge=0
+    )
+
+
+@dataclass(frozen=True)
+class SnapshotConfig:
+    """Snapshots of the whole training state for restore and resume."""
+
+    store: Literal["memory", "safetensors"] = _f(
+        "memory", "memory (fast, lost with the process) | safetensors (on disk)"
+    )
+    every: int = _f(100, "take a snapshot after this many healthy optimizer steps", ge=1)
+    dir: Optional[str] = _f(None, "directory of safetensors snapshots (null: <log.dir>/snapshots)")
+    keep: int = _f(2, "number of snapshots kept; older ones are deleted", ge=1)
+    device: Literal["cpu", "model"] = _f("cpu", "where the memory store keeps its copy: cpu (pinned on CUDA) | model")
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """Journal, logging and progress bar."""
+
+    dir: Optional[str] = _f(None, "run directory for events.jsonl and reports (null: journal in memory only)")
+    progress: bool = _f(True, "show a tqdm progress bar when stderr is a terminal")
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = _f("INFO", "level of the 'safetrain' logger")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The whole safetrain configuration; load it with :func:`load_config`."""
+
+    detect: DetectConfig = _f(doc="detectors", factory=DetectConfig)
+    sanitize: SanitizeConfig = _f(doc="batch sanitizer", factory=SanitizeConfig)
+    guard: GuardConfig = _f(doc="per-step guard", factory=GuardConfig)
+    amp: AmpConfig = _f(doc="mixed precision", factory=AmpConfig)
+    recovery: RecoveryConfig = _f(doc="recovery policy", factory=RecoveryConfig)
+    snapshot: SnapshotConfig = _f(doc="snapshots", factory=SnapshotConfig)
+    log: LogConfig = _f(doc="journal and progress", factory=LogConfig)
+
+
+
+def iter_fields(cfg: Any, prefix: str = "") -> Iterable[tuple]:
+    """Yield ``(dotted_key, dataclasses.Field, value)`` for every field of a config, depth first."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        dotted = f"{prefix}{f.name}"
+        yield dotted, f, value
+        if dataclasses.is_dataclass(value):
+            yield from iter_fields(value, dotted + ".")
+
+
+
+def to_dict(cfg: TrainConfig) -> dict:
+    """A plain, JSON-ready nested dict of a config (tuples as lists, mappings as dicts)."""
+    out: dict = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            value = to_dict(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        elif isinstance(value, Mapping):
+            value = dict(value)
+        out[f.name] = value
+    return out
+
+
+def to_yaml(cfg: TrainConfig) -> str:
+    """The resolved configuration as YAML, in schema order."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
