@@ -21,8 +21,9 @@ import torch
 from torch import Tensor
 
 from . import detect, distributed, snapshot
-from .batches import TARGET_KEYS, compute_loss, pageable_tensors, row_findings, split_batch, to_device, without_rows
+from .batches import compute_loss, pageable_tensors, row_findings, split_batch, to_device, without_rows
 from .config import TrainConfig, as_config
+from .detect import TARGET_KEYS
 from .errors import TrainingAborted
 from .events import Aborted, AnomalyFound, Event, EventBus, LRChanged, Restored, SnapshotTaken
 from .lr import LRBackoff

@@ -1,4 +1,4 @@
-"""The batch sanitizer: device-side scan of nested batches, host-side rows, drop and raise."""
+"""The batch scan: device-side scan of nested batches, host-side rows, drop and raise."""
 
 from __future__ import annotations
 
