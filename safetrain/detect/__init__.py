@@ -36,7 +36,6 @@ from .flags import FLAG_KINDS, StepFlags, StepRead
 from .grads import GradCheck, GradNorms, WeightCheck, fused_norms
 from .hooks import HookHandle, floating_tensors
 from .rows import bad_rows, batch_error, describe_rows, drop_rows
-from .syncs import SyncCounter, count_host_syncs
 from .walk import iter_tensors
 
 __all__ = [
@@ -68,6 +67,4 @@ __all__ = [
     "WeightFinding",
     "TensorStats",
     "tensor_stats",
-    "count_host_syncs",
-    "SyncCounter",
 ]
