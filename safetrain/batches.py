@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Mapping, Optional, Sequen
 
 import torch
 
+from .detect.batch_scan import TARGET_KEYS
 from .detect.walk import iter_tensors, map_tensors
 from .errors import BatchError
 
@@ -24,10 +25,7 @@ if TYPE_CHECKING:
     from .detect import RowFinding
 
 __all__ = ["BatchParts", "split_batch", "compute_loss", "row_findings", "without_rows", "to_device",
-           "pageable_tensors", "TARGET_KEYS"]
-
-#: Mapping keys treated as targets by the sanitizer.
-TARGET_KEYS = frozenset({"labels", "label", "targets", "target", "y"})
+           "pageable_tensors"]
 
 
 @dataclass(frozen=True)

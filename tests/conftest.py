@@ -1,13 +1,14 @@
-"""Shared fixtures: a tiny model, a seeded random loader, and fault injectors."""
+"""Shared fixtures: a tiny model, a seeded random loader, the two-rank launcher.
+
+The fault injectors (``PoisonRows``, ``OutputFault``, ...) live in :mod:`safetrain.testing`.
+"""
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterable, Optional
 
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
@@ -52,40 +53,6 @@ def mlp(d: int = 8, hidden: int = 16, seed: int = 0) -> torch.nn.Module:
 
 def loader(dataset: Dataset, batch_size: int = 16, seed: int = 0, shuffle: bool = True) -> DataLoader:
     return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=torch.Generator().manual_seed(seed))
-
-
-class PoisonRows(Dataset):
-    """Wraps a dataset; the given indices get NaN (or another value) in the inputs or targets."""
-
-    def __init__(self, base: Dataset, indices: Iterable[int], where: str = "inputs", value: float = math.nan):
-        self.base, self.indices, self.where, self.value = base, set(indices), where, value
-
-    def __len__(self) -> int:
-        return len(self.base)  # type: ignore[arg-type]
-
-    def __getitem__(self, i: int) -> Any:
-        x, y = self.base[i]
-        if i in self.indices:
-            if self.where == "inputs":
-                x = x.clone()
-                x[0] = self.value
-            else:
-                y = torch.full_like(y, self.value)
-        return x, y
-
-
-class FaultAt:
-    """A forward hook that makes a module's output NaN (or scales it) at chosen 1-based calls (None: always)."""
-
-    def __init__(self, module: torch.nn.Module, calls: Optional[Iterable[int]], value: float = math.nan):
-        self.calls, self.value, self.count = (set(calls) if calls is not None else None), value, 0
-        self.handle = module.register_forward_hook(self)
-
-    def __call__(self, module: torch.nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
-        self.count += 1
-        if self.calls is None or self.count in self.calls:
-            return out * self.value if not math.isnan(self.value) else out + self.value
-        return out
 
 
 def finite_params(model: torch.nn.Module) -> bool:

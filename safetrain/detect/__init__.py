@@ -19,7 +19,9 @@ Only when ``read.tripped()`` is not empty does the guard go to the host for the 
 
 from __future__ import annotations
 
-from .activations import ActivationMonitor, Inspection
+from .activations import ActivationMonitor
+from .batch_scan import TARGET_KEYS, BatchScan, scan_batch
+from .exact import ExactTrace, exact_hooks
 from .findings import (
     Finding,
     GradFinding,
@@ -34,8 +36,6 @@ from .flags import FLAG_KINDS, StepFlags, StepRead
 from .grads import GradCheck, GradNorms, WeightCheck, fused_norms
 from .hooks import HookHandle, floating_tensors
 from .rows import bad_rows, batch_error, describe_rows, drop_rows
-from .sanitize import TARGET_KEYS, BatchScan, scan_batch
-from .syncs import SyncCounter, count_host_syncs
 from .walk import iter_tensors
 
 __all__ = [
@@ -49,7 +49,8 @@ __all__ = [
     "iter_tensors",
     "ActivationMonitor",
     "HookHandle",
-    "Inspection",
+    "ExactTrace",
+    "exact_hooks",
     "floating_tensors",
     "GradCheck",
     "GradNorms",
@@ -66,6 +67,4 @@ __all__ = [
     "WeightFinding",
     "TensorStats",
     "tensor_stats",
-    "count_host_syncs",
-    "SyncCounter",
 ]

@@ -7,21 +7,20 @@ own hook sees its output. Children's hooks fire before their parents', so the fi
 value in call order names the deepest module where it appeared. Modules that cannot turn finite
 inputs into NaN/Inf (:data:`~safetrain.detect.hooks.PASSTHROUGH`: ReLU, dropout, pooling,
 flatten...) are never the origin of a real fault, so ``skip_passthrough=True`` leaves them out:
-reducing a fresh activation is memory-bound (about 50 us for 512 KB in a step here), and this
-halves the hook cost of an MLP or a CNN. The constructor's default is off (every module hooked);
+reducing a fresh activation is memory-bound, and this halves the hook cost of an MLP or a CNN
+(figures in ``benchmarks/README.md``). The constructor's default is off (every module hooked);
 the engine follows ``detect.skip_passthrough`` (on by default). The price: a fault forced into
 such a module's output (a test's injection hook) is named at the next monitored module. An exact
 ``nn.Sequential`` returns its last child's output object: when that child is monitored the
 container gets no hook of its own (it could only repeat the child's value).
 
 The hot hook is two list appends and one reduction: ``out.detach().sum()`` (fp16 summed in
-float32 so a finite activation cannot overflow the half range). Measured on this machine's
-CPU a sum costs 2-30 us per hook where ``isnan``/``isinf`` masks cost 10-660 us and an inf-norm
-(exact, never overflows) 10-1100 us. NaN and Inf always propagate through the sum; a finite
+float32 so a finite activation cannot overflow the half range): several times cheaper than
+``isnan``/``isinf`` masks or an inf-norm. NaN and Inf always propagate through the sum; a finite
 output whose sum overflows float32 would be a false alarm, which :meth:`ActivationMonitor.locate`
-reports as unconfirmed and an exact re-run under :meth:`ActivationMonitor.inspect` clears. The
-hook keeps no reference to the output: holding every activation until the step's read would
-defeat activation checkpointing and raise peak memory.
+reports as unconfirmed and an exact re-run under :meth:`ActivationMonitor.inspect`
+(:mod:`safetrain.detect.exact`) clears. The hook keeps no reference to the output: holding
+every activation until the step's read would defeat activation checkpointing and raise peak memory.
 
 Per step the monitor holds a Python list of 0-dim tensors (:attr:`ActivationMonitor.records`)
 and the matching module indices. The list joins the single ``stack`` of
@@ -37,7 +36,6 @@ import contextlib
 import fnmatch
 import logging
 import math
-from dataclasses import dataclass, field
 from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -45,27 +43,14 @@ from torch import Tensor, nn
 
 from ..config import DetectConfig
 from ..wrappers import is_compiled, plain_namer
-from .findings import ModuleFinding, tensor_stats
+from .exact import ExactTrace, exact_hooks
+from .findings import ModuleFinding
 from .flags import gathered
-from .hooks import PASSTHROUGH, HookHandle, floating_tensors, make_hook
+from .hooks import PASSTHROUGH, HookHandle, make_hook
 
-__all__ = ["ActivationMonitor", "Inspection"]
+__all__ = ["ActivationMonitor"]
 
 logger = logging.getLogger("safetrain")
-
-
-@dataclass
-class Inspection:
-    """What an exact, slow re-run under :meth:`ActivationMonitor.inspect` saw.
-
-    Attributes:
-        finding: the first module call whose output holds NaN (or Inf, outside ``nan_only``),
-            with full tensor statistics and ``confirmed=True``; ``None`` when every output was finite.
-        calls: ``(module name, call index, finite)`` for every monitored call, in call order.
-    """
-
-    finding: Optional[ModuleFinding] = None
-    calls: List[Tuple[str, int, bool]] = field(default_factory=list)
 
 
 def _matches(name: str, patterns: Sequence[str]) -> bool:
@@ -77,7 +62,7 @@ def _redundant_sequentials(named: List[Tuple[str, nn.Module]]) -> set:
 
     ``nn.Sequential.forward`` returns its last child's output object, so when that child is
     covered (monitored, or itself such a Sequential) the container's hook could only repeat the
-    child's value: the hook dispatch (about 5 us a call here) is saved.
+    child's value: the hook dispatch is saved.
     """
     kept = {id(m) for _, m in named}
     covered: set = set()
@@ -350,7 +335,7 @@ class ActivationMonitor:
         return seen.finding.with_context(step, epoch, batch_index)
 
     @contextlib.contextmanager
-    def inspect(self, restore_buffers: bool = True) -> Iterator[Inspection]:
+    def inspect(self, restore_buffers: bool = True) -> Iterator[ExactTrace]:
         """Exact, slow hooks for one re-run: every output is checked on the host.
 
         Use it on the slow path only (each hook syncs). The hot hooks' records of the re-run
@@ -360,52 +345,15 @@ class ActivationMonitor:
             restore_buffers: put every buffer of the model back as it was on entry.
 
         Returns:
-            A context manager yielding an :class:`Inspection`, filled in as the forward runs.
+            A context manager yielding an :class:`~safetrain.detect.exact.ExactTrace`, filled in
+            as the forward runs.
         """
-        seen = Inspection()
         mark = len(self._ids)
         saved = [(b, b.detach().clone()) for b in self.model.buffers()] if restore_buffers else []
-        counts: dict = {}
-
-        def make(i: int, name: str, nan_only: bool) -> Any:
-            def detail_hook(module: nn.Module, args: Any, out: Any) -> None:
-                outs = floating_tensors(out)
-                if not outs:
-                    return
-                call = counts[i] = counts.get(i, -1) + 1
-                bad_t = None
-                for t in outs:
-                    d = t.detach()
-                    bad = torch.isnan(d).any() if nan_only else ~torch.isfinite(d).all()
-                    if bool(bad):  # host sync: inspect (slow path) only
-                        bad_t = d
-                        break
-                seen.calls.append((name, call, bad_t is None))
-                if bad_t is not None and seen.finding is None:
-                    ins = floating_tensors(args)
-                    seen.finding = ModuleFinding(
-                        kind="forward",
-                        module=name,
-                        module_type=type(module).__name__,
-                        call_index=call,
-                        position=len(seen.calls) - 1,
-                        value=math.nan,
-                        confirmed=True,
-                        output=tensor_stats(bad_t),
-                        input=tensor_stats(ins[0]) if ins else None,
-                    )
-
-            return detail_hook
-
-        handles = [
-            module.register_forward_hook(make(i, name, nan_only))
-            for i, (name, module, nan_only) in enumerate(self._modules)
-        ]
         try:
-            yield seen
+            with exact_hooks(self._modules) as seen:
+                yield seen
         finally:
-            for h in handles:
-                h.remove()
             del self._ids[mark:]
             del self._vals[mark:]
             with torch.no_grad():

@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from .. import detect, distributed
-from ..batches import TARGET_KEYS, compute_loss, split_batch
+from ..batches import compute_loss, split_batch
+from ..detect import TARGET_KEYS
 from ..config import SanitizeConfig
 from ..steps import Pending
 from ..wrappers import can_force_eager, run_eagerly

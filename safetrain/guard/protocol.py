@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 import torch
 
 from .. import detect, distributed, snapshot
-from ..config import TrainConfig, as_config
+from ..config import ConfigLike, TrainConfig, as_config
 from ..events import AnomalyFound, Event, EventBus, SnapshotTaken
 from ..kinds import REPLAYED_KINDS, Action, Kind
 from ..lr import LRBackoff
@@ -79,7 +79,7 @@ class Guard:
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        cfg: Any = None,
+        cfg: ConfigLike = None,
         *,
         loss_fn: Optional[Callable[..., torch.Tensor]] = None,
         step_fn: Optional[Callable[[torch.nn.Module, Any], torch.Tensor]] = None,

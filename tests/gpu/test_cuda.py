@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from safetrain import SafeTrainer, load_config, safe_div, safe_log
-from safetrain.detect import count_host_syncs
+from safetrain.testing import count_host_syncs
 from safetrain.guard import Guard
 from safetrain.snapshot import MemoryStore, SafetensorsStore, TrainState
 from tests.conftest import loader, mlp, regression_data

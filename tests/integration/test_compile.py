@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from safetrain import SafeTrainer, load_config
-from tests.conftest import PoisonRows, finite_params, loader, mlp, regression_data
+from safetrain.testing import GradFault, PoisonRows
+from tests.conftest import finite_params, loader, mlp, regression_data
 from tests.integration.test_engine import BASE, anomalies
 
 
@@ -42,13 +43,7 @@ def test_a_bad_input_row_is_traced_to_the_layer_by_its_own_name(mode):
 
 def test_a_non_finite_gradient_names_the_parameter_as_the_model_does():
     model = mlp()
-    calls = {"n": 0}
-
-    def hook(grad):
-        calls["n"] += 1
-        return grad * math.inf if calls["n"] in (5, 6) else grad  # the step and its replay
-
-    model[2].bias.register_hook(hook)
+    GradFault(model[2].bias, calls=(5, 6), value=math.inf)  # the step and its replay
     opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
     result = SafeTrainer(compiled(model), opt, load_config(None, BASE), loss_fn=F.mse_loss).fit(
         loader(regression_data()), epochs=1)
@@ -123,7 +118,7 @@ def test_accumulated_micro_batches_share_one_graph_and_a_fault_in_the_third_is_f
     empty record lists, or every micro-batch of a step compiles its own graph."""
     import torch._dynamo.utils as dynamo_utils
 
-    from tests.conftest import FaultAt
+    from safetrain.testing import OutputFault
 
     model = mlp()
     net = compiled(model)
@@ -134,7 +129,7 @@ def test_accumulated_micro_batches_share_one_graph_and_a_fault_in_the_third_is_f
     assert result.steps == 4 and result.healthy_steps == 4
     assert dynamo_utils.counters["stats"]["unique_graphs"] == 1, dict(dynamo_utils.counters["stats"])
 
-    fault = FaultAt(model[2], calls=[7])  # the third micro-batch of the second step
+    fault = OutputFault(model[2], calls=[7])  # the third micro-batch of the second step
     result = SafeTrainer(net, opt, cfg, loss_fn=F.mse_loss).fit(loader(regression_data()), epochs=1)
     event = next(e for e in result.events if e.name == "anomaly")
     assert (event.kind, event.detail["finding"]["module"], event.step) == ("forward", "2", 2), event

@@ -66,7 +66,7 @@ def _run(rank: int, overrides: List[str], poison: Callable[[int, torch.Tensor], 
     import torch.nn.functional as F
 
     from safetrain import TrainingAborted, load_config
-    from safetrain.detect import count_host_syncs
+    from safetrain.testing import count_host_syncs
     from safetrain.guard import Guard
 
     model = _model()

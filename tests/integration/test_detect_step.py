@@ -10,16 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from safetrain.detect import (
-    ActivationMonitor,
-    GradCheck,
-    StepFlags,
-    StepRead,
-    WeightCheck,
-    count_host_syncs,
-    describe_rows,
-    scan_batch,
-)
+from safetrain.detect import ActivationMonitor, GradCheck, StepFlags, StepRead, WeightCheck, describe_rows, scan_batch
+from safetrain.testing import count_host_syncs
 
 NAN, INF = math.nan, math.inf
 

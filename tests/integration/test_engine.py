@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from safetrain import SafeTrainer, TrainingAborted, load_config
 from safetrain.guard import Guard
-from tests.conftest import FaultAt, PoisonRows, finite_params, loader, mlp, regression_data
+from safetrain.testing import GradFault, LRFault, OutputFault, PoisonRows, WeightFault
+from tests.conftest import finite_params, loader, mlp, regression_data
 
 BASE = ["log.progress=false", "snapshot.every=4", "guard.spike.min_history=8"]
 
@@ -82,7 +83,7 @@ def test_layer_emits_nan_once_one_step_fault_matches_clean_run(replay):
     assert full_loss(clean_model) < 0.05 * full_loss(mlp()), "the clean run converges"
 
     def poison(model, opt):
-        poison.fault = FaultAt(model[0], calls=[9])
+        poison.fault = OutputFault(model[0], calls=[9])
 
     result, model, _ = fit([f"detect.replay.enabled={replay}"], setup=poison, epochs=3)
     found = anomalies(result)
@@ -101,13 +102,7 @@ def test_layer_emits_nan_once_one_step_fault_matches_clean_run(replay):
 
 def test_inf_gradient_in_one_parameter_is_zeroed():
     def poison(model, opt):
-        calls = {"n": 0}
-
-        def hook(grad):
-            calls["n"] += 1
-            return grad * math.inf if calls["n"] in (5, 6) else grad  # the step and its replay
-
-        model[2].bias.register_hook(hook)
+        GradFault(model[2].bias, calls=(5, 6), value=math.inf)  # the step and its replay
 
     result, model, _ = fit(setup=poison)
     assert anomalies(result) == [("gradient", "zero_grads")]
@@ -120,15 +115,7 @@ def test_inf_gradient_in_one_parameter_is_zeroed():
 
 def test_weights_poisoned_after_a_step_are_restored():
     def poison(model, opt):
-        state = {"n": 0}
-
-        def after_step(optimizer, args, kwargs):
-            state["n"] += 1
-            if state["n"] == 10:
-                with torch.no_grad():
-                    model[0].weight[0, 0] = math.nan
-
-        opt.register_step_post_hook(after_step)
+        WeightFault(opt, model[0].weight, (0, 0), steps=[10], value=math.nan)
 
     result, model, _ = fit(["detect.check_weights_every=1"], setup=poison)
     kinds = anomalies(result)
@@ -140,21 +127,7 @@ def test_weights_poisoned_after_a_step_are_restored():
 
 def test_lr_blow_up_restores_and_scales_lr():
     def poison(model, opt):
-        state = {"n": 0}
-
-        def before(optimizer, args, kwargs):
-            state["n"] += 1
-            if state["n"] in (12, 13, 14):
-                for g in optimizer.param_groups:
-                    g["lr"] *= 1000
-
-        def after(optimizer, args, kwargs):
-            if state["n"] in (12, 13, 14):
-                for g in optimizer.param_groups:
-                    g["lr"] /= 1000
-
-        opt.register_step_pre_hook(before)
-        opt.register_step_post_hook(after)
+        LRFault(opt, steps=(12, 13, 14), factor=1000)
 
     result, model, _ = fit(["recovery.actions.loss=restore", "recovery.actions.spike=restore",
                             "recovery.actions.forward=restore", "recovery.escalate=[scale_lr]"], setup=poison, epochs=3)
@@ -199,7 +172,7 @@ def test_fp16_overflow_steps_do_not_pay_for_an_exact_weight_check(monkeypatch):
 
 def test_persistent_fault_aborts_after_max_retries_with_model_finite():
     model = mlp()
-    fault = FaultAt(model[1], calls=range(6, 10_000))  # healthy for 5 steps, then NaN for ever
+    fault = OutputFault(model[1], calls=range(6, 10_000))  # healthy for 5 steps, then NaN for ever
     with pytest.raises(TrainingAborted) as info:
         fit(["recovery.max_retries=3"], model=model)
     result = info.value.result

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch.optim import lr_scheduler as S
 
 from safetrain import BatchError, SafeTrainer, load_config
-from safetrain.detect import count_host_syncs
 from safetrain.guard import Guard
 from safetrain.policy import Anomaly, History, Rules, decide
-from tests.conftest import PoisonRows, finite_params, loader, mlp, regression_data
+from safetrain.testing import GradFault, PoisonRows, count_host_syncs
+from tests.conftest import finite_params, loader, mlp, regression_data
 from tests.integration.test_engine import BASE, anomalies, fit
 
 
@@ -229,13 +229,7 @@ def test_bf16_trains_without_scaler():
 
 def test_grad_norm_threshold_names_parameters_and_skip_after_restore_skips_data():
     def poison(model, opt):
-        calls = {"n": 0}
-
-        def hook(grad):
-            calls["n"] += 1
-            return grad * 1e4 if calls["n"] == 6 else grad  # grad_norm is a finite outlier: no replay
-
-        model[0].weight.register_hook(hook)
+        GradFault(model[0].weight, calls=[6], value=1e4)  # grad_norm is a finite outlier: no replay
 
     result, model, _ = fit(["guard.grad_norm_threshold=50", "recovery.actions.grad_norm=restore",
                             "recovery.skip_batches_after_restore=2"], setup=poison, epochs=1)

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from safetrain import SafeTrainer, load_config
 from safetrain.guard import Guard
-from tests.conftest import FaultAt, finite_params, loader, mlp, regression_data
+from safetrain.testing import OutputFault
+from tests.conftest import finite_params, loader, mlp, regression_data
 
 LAZY = ["log.progress=false", "detect.mode=lazy", "snapshot.every=1000", "recovery.max_retries=9"]
 
@@ -61,7 +62,7 @@ def test_lazy_mode_names_the_poisoned_layer_by_replay(name):
     factory, shape, target = MODELS[name]
     torch.manual_seed(0)
     model = factory().to(DEVICE)
-    FaultAt(model.get_submodule(target), calls=range(3, 10_000))  # deterministic from the 3rd call on
+    OutputFault(model.get_submodule(target), calls=range(3, 10_000))  # deterministic from the 3rd call on
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     cfg = load_config(None, [*LAZY, "recovery.actions.forward=skip_batch", "recovery.actions.loss=skip_batch",
                              "recovery.escalate=[skip_batch]"])
@@ -120,9 +121,9 @@ def test_uninitialised_memory_is_not_blamed_for_a_nan():
 
 def test_one_call_fault_is_transient_and_deterministic_fault_reproducible():
     transient = mlp()
-    FaultAt(transient[1], calls=[4])
+    OutputFault(transient[1], calls=[4])
     persistent = mlp()
-    FaultAt(persistent[1], calls=range(4, 10_000))
+    OutputFault(persistent[1], calls=range(4, 10_000))
     verdicts = {}
     for name, model in (("transient", transient), ("persistent", persistent)):
         opt = torch.optim.SGD(model.parameters(), lr=0.02)
@@ -224,7 +225,7 @@ def test_in_place_ops_that_poison_their_own_input_are_named():
 
 
 def test_nonfinite_reads_the_host_once_for_many_tensors():
-    from safetrain.detect import count_host_syncs
+    from safetrain.testing import count_host_syncs
     from safetrain.replay import _nonfinite
 
     tensors = [torch.ones(3) for _ in range(10)] + [torch.tensor([1.0, math.nan])]
@@ -260,7 +261,7 @@ def test_replay_leaves_training_bitwise_unchanged(mode):
 
 def test_replay_budget_is_respected():
     model = mlp()
-    FaultAt(model[1], calls=range(2, 10_000))
+    OutputFault(model[1], calls=range(2, 10_000))
     opt = torch.optim.SGD(model.parameters(), lr=0.02)
     cfg = load_config(None, [*LAZY, "detect.replay.max_per_run=2", "recovery.escalate=[skip_batch]",
                              "recovery.max_skip_fraction=1.0"])

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from safetrain import load_config
 from safetrain.guard import Guard
 from safetrain.replay import _RNG_LOOK_EVERY
-from tests.conftest import FaultAt
+from safetrain.testing import OutputFault
 
 CFG = ["log.progress=false", "detect.mode=lazy", "snapshot.every=100000", "detect.check_weights_every=0",
        "guard.spike.enabled=false", "recovery.actions.loss=skip_batch", "recovery.escalate=[skip_batch]",
@@ -63,7 +63,7 @@ def test_a_replay_of_a_model_that_draws_nothing_is_exact_without_the_copy():
     """Long after the copies stopped, a NaN made by a layer is replayed and named."""
     model = model_with(0.0)
     n = 3 * _RNG_LOOK_EVERY
-    FaultAt(model[0], calls=range(n, 10**6))  # the first Linear's output is NaN from the n-th forward on
+    OutputFault(model[0], calls=range(n, 10**6))  # the first Linear's output is NaN from the n-th forward on
     with Guard(model, torch.optim.SGD(model.parameters(), lr=0.01), load_config(None, CFG),
                loss_fn=F.mse_loss) as guard:
         for batch in batches(n):
@@ -81,7 +81,7 @@ def test_a_model_that_begins_to_draw_is_noticed_by_the_replay_and_copied_again(m
     and the RNG is copied at every step again."""
     model = model_with(0.0)
     n = 2 * _RNG_LOOK_EVERY + 3
-    fault = FaultAt(model[0], calls=[n])  # one NaN output, at the n-th forward only
+    fault = OutputFault(model[0], calls=[n])  # one NaN output, at the n-th forward only
     with Guard(model, torch.optim.SGD(model.parameters(), lr=0.01), load_config(None, CFG),
                loss_fn=F.mse_loss) as guard:
         for batch in batches(n - 2):

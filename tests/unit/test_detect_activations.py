@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from safetrain.detect import ActivationMonitor, ModuleFinding, count_host_syncs
+from safetrain.detect import ActivationMonitor, ModuleFinding
+from safetrain.testing import count_host_syncs
 
 NAN, INF = math.nan, math.inf
 

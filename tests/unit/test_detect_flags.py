@@ -17,9 +17,9 @@ from safetrain.detect import (
     StepFlags,
     StepRead,
     WeightFinding,
-    count_host_syncs,
     tensor_stats,
 )
+from safetrain.testing import count_host_syncs
 
 T = torch.tensor
 

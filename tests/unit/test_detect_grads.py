@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from safetrain.detect import GradCheck, StepFlags, WeightCheck, count_host_syncs, fused_norms
+from safetrain.detect import GradCheck, StepFlags, WeightCheck, fused_norms
+from safetrain.testing import count_host_syncs
 
 
 def model_with_grads(seed: int = 0) -> nn.Module:

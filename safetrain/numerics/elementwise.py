@@ -1,141 +1,22 @@
-"""Numerically safe tensor functions: finite values AND finite gradients for every finite input.
+"""Elementwise safe functions: ``safe_log``, ``safe_div``, ``safe_sqrt``, ``safe_exp``, ``safe_pow``,
+``safe_acos``, ``safe_asin`` and ``sanitize`` (a ``nan_to_num`` with finite replacements).
 
-The plain ops fail at their edges: ``log(0)``, ``a / 0``, ``sqrt`` and ``norm`` at 0 (infinite
-slope), ``acos``/``asin`` at +-1 (and NaN just outside, which rounding produces), ``exp`` overflow,
-softmax over a fully masked (all ``-inf``) row. The usual fix, ``torch.where(b == 0, 0, a / b)``,
-repairs the value but not the gradient: autograd still differentiates the branch it did not take
-and ``0 * inf`` is NaN. Every helper here either feeds the risky op only safe inputs (the
-"double where") or is an ``autograd.Function`` whose backward bounds the derivative explicitly.
-
-Shared rules:
-
-- The epsilon depends on the dtype of the tensor actually computed on (after autocast), never a
-  fixed ``1e-8``, which is 0 in float16. Pass ``eps=`` to override; an ``eps`` that would round to
-  a subnormal or zero in that dtype raises ``ValueError`` instead of silently vanishing.
-- Outputs are clamped to the dtype's finite range ``[-finfo.max, finfo.max]``; where a value
-  saturates, its gradient is 0, exactly as for ``torch.clamp``.
-- Gradients are clamped to the finite range too, so a huge upstream gradient saturates instead
-  of overflowing. NaN inputs are not hidden: they give NaN outputs (use :func:`sanitize` first).
-- No helper synchronizes the host: no ``.item()``, no Python branch on tensor values.
-- Second derivatives are not supported by the ``autograd.Function`` helpers (they raise).
-
-Default epsilon, ``default_eps(dtype) = max(finfo.eps ** 2, finfo.tiny)``. Its square root is
-about the machine epsilon (the scale that matters for the slopes of sqrt, acos and asin) and it
-is never subnormal, so ``1 / eps`` is finite:
-
-============  ===========  ============  ==========  ==============  =============
-dtype         finfo.eps    default_eps   1 / eps     sqrt(eps)       log(eps)
-============  ===========  ============  ==========  ==============  =============
-float64       2.2e-16      4.9e-32       2.0e+31     2.2e-16         -72.1
-float32       1.2e-07      1.4e-14       7.0e+13     1.2e-07         -31.9
-bfloat16      7.8e-03      6.1e-05       1.6e+04     7.8e-03         -9.70
-float16       9.8e-04      6.1e-05       1.6e+04     7.8e-03         -9.70
-============  ===========  ============  ==========  ==============  =============
+Each either feeds the risky op only safe inputs (the "double where") or is an
+``autograd.Function`` whose backward bounds the derivative explicitly; one or two extra
+elementwise kernels per call, no host sync. Part of :mod:`safetrain.numerics`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-__all__ = [
-    "default_eps",
-    "safe_log",
-    "safe_div",
-    "safe_sqrt",
-    "safe_exp",
-    "safe_pow",
-    "safe_norm",
-    "safe_acos",
-    "safe_asin",
-    "stable_softmax",
-    "stable_log_softmax",
-    "masked_softmax",
-    "safe_logsumexp",
-    "sanitize",
-]
+from .limits import _acc, _eps, _finite, _float, _grad_for, _pair
 
-_NEG_INF = float("-inf")
-
-
-def default_eps(dtype: torch.dtype) -> float:
-    """The default epsilon for ``dtype``: ``max(finfo.eps ** 2, finfo.tiny)`` (module table).
-
-    Args:
-        dtype: a floating-point dtype.
-
-    Returns:
-        A positive normal number of ``dtype``; ``1 / eps`` is finite in ``dtype``.
-
-    Example::
-
-        >>> default_eps(torch.float16)
-        6.103515625e-05
-    """
-    info = torch.finfo(dtype)
-    return max(info.eps**2, info.tiny)
-
-
-# ---------------------------------------------------------------------------- private helpers
-
-
-def _float(x: Tensor) -> Tensor:
-    """Integer/bool tensors are computed in the default float dtype (as ``torch.log`` does)."""
-    return x if x.is_floating_point() else x.to(torch.get_default_dtype())
-
-
-def _eps(eps: float | None, dtype: torch.dtype, fn: str) -> float:
-    """Resolve ``eps`` for ``dtype``; reject values that vanish in that dtype (pure Python)."""
-    if eps is None:
-        return default_eps(dtype)
-    tiny = torch.finfo(dtype).tiny
-    if not math.isfinite(eps) or eps < tiny:
-        raise ValueError(
-            f"{fn}: eps={eps!r} is not a positive normal {dtype} number (smallest is {tiny:.3g}); "
-            f"it would round to a subnormal or 0 and the guard would vanish. Pass eps=None for "
-            f"default_eps({dtype}) = {default_eps(dtype):.3g}, or an eps >= {tiny:.3g}."
-        )
-    return float(eps)
-
-
-def _finite(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """Clamp to the finite range of ``dtype`` (default ``t.dtype``); NaN stays NaN."""
-    fmax = torch.finfo(dtype or t.dtype).max
-    return t.clamp(-fmax, fmax)
-
-
-def _grad_for(grad: Tensor, like: tuple[torch.Size, torch.dtype]) -> Tensor:
-    """Reduce a broadcast gradient to an input's shape, clamped to and cast to its dtype."""
-    shape, dtype = like
-    return _finite(grad.sum_to_size(shape), dtype).to(dtype)
-
-
-def _pair(a: Tensor | float, b: Tensor | float) -> tuple[Tensor, Tensor]:
-    """Turn a Python number into a 0-dim tensor next to the other operand (no host transfer)."""
-    if isinstance(a, Tensor) and not isinstance(b, Tensor):
-        a = _float(a)
-        return a, a.new_full((), float(b))
-    if isinstance(b, Tensor) and not isinstance(a, Tensor):
-        b = _float(b)
-        return b.new_full((), float(a)), b
-    if not isinstance(a, Tensor):
-        names = f"{type(a).__name__} and {type(b).__name__}"
-        raise TypeError(f"expected at least one Tensor operand, got {names}")
-    return _float(a), _float(b)
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    """Reductions over float16/bfloat16 accumulate in float32, as CUDA autocast does for softmax."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def _dead_rows(x: Tensor, dim: int | Sequence[int]) -> Tensor:
-    """Rows along ``dim`` that are entirely -inf (fully masked). A NaN row is not dead: NaN propagates."""
-    return x.amax(dim=dim, keepdim=True) == _NEG_INF
+__all__ = ["safe_log", "safe_div", "safe_sqrt", "safe_exp", "safe_pow", "safe_acos", "safe_asin", "sanitize"]
 
 
 # ---------------------------------------------------------------------------- autograd functions
@@ -240,27 +121,6 @@ class _SafePow(torch.autograd.Function):
             log_mag = torch.where(live, mag_f, 1.0).log()  # double where: log never sees 0
             gp = _grad_for(torch.where(live, _finite(g * _finite(out * log_mag)), 0.0), ctx.like[1])
         return gx, gp, None
-
-
-class _SafeNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, dims: tuple[int, ...], keepdim: bool) -> Tensor:
-        m = x.abs().amax(dim=dims, keepdim=True)
-        u = x / torch.where(m > 0, m, 1.0)  # scaled so that sum(u**2) cannot overflow
-        r = u.square().sum(dim=dims, keepdim=True).sqrt()  # >= 1 unless x is all zeros
-        raw = m * r
-        sat = raw > torch.finfo(x.dtype).max
-        ctx.save_for_backward(u, r, sat)
-        out = _finite(raw)
-        return out if keepdim else out.squeeze(dims)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: FunctionCtx, g: Tensor) -> tuple[Tensor, None, None]:
-        u, r, sat = ctx.saved_tensors
-        g = g.reshape(r.shape)
-        # d||x||/dx = x/||x|| = u/||u||, |.| <= 1; at x = 0, u = 0 and the subgradient is 0.
-        return torch.where(sat, 0.0, g) * (u / r.clamp(min=1.0)), None, None
 
 
 # ---------------------------------------------------------------------------- public helpers
@@ -388,37 +248,6 @@ def safe_pow(x: Tensor | float, exponent: Tensor | float, eps: float | None = No
     return _SafePow.apply(x, p, eps)
 
 
-def safe_norm(x: Tensor, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
-    """Euclidean norm whose gradient at the zero vector is 0 instead of NaN, and which never overflows.
-
-    Computed as ``max|x| * ||x / max|x|||`` so squares near ``finfo.max`` cannot overflow (the
-    plain op gives inf for a float16 vector with entries near 256); values equal
-    ``torch.linalg.vector_norm`` otherwise, clamped to ``finfo.max`` with zero gradient if the true
-    norm is out of range. The gradient is ``x / ||x||``, bounded by 1 per entry. No epsilon.
-
-    Args:
-        x: input tensor.
-        dim: dimension(s) to reduce; ``None`` reduces all.
-        keepdim: keep reduced dimensions with size 1.
-
-    Returns:
-        The 2-norm, in ``x``'s dtype.
-
-    Example::
-
-        >>> safe_norm(torch.tensor([[3.0, 4.0], [0.0, 0.0]]), dim=-1)
-        tensor([5., 0.])
-    """
-    x = _float(x)
-    if x.ndim == 0:
-        return safe_norm(x.reshape(1), dim=None, keepdim=False)
-    if dim is None:
-        dims = tuple(range(x.ndim))
-    else:
-        dims = tuple(d % x.ndim for d in ((dim,) if isinstance(dim, int) else dim))
-    return _SafeNorm.apply(x, dims, keepdim)
-
-
 def safe_acos(x: Tensor, eps: float | None = None) -> Tensor:
     """``acos(clamp(x, -1, 1))`` with a slope bounded by ``1 / sqrt(eps)``.
 
@@ -461,122 +290,6 @@ def safe_asin(x: Tensor, eps: float | None = None) -> Tensor:
         tensor([-1.5708,  0.0000])
     """
     return _SafeArc.apply(_float(x), eps, 1)
-
-
-def stable_softmax(x: Tensor, dim: int = -1) -> Tensor:
-    """Softmax accumulated in float32 for half dtypes, with all ``-inf`` rows mapped to zeros.
-
-    Equals ``torch.softmax`` wherever that is defined. A row that is entirely ``-inf`` (plain
-    softmax: ``0 / 0 = NaN``) gives zeros with zero gradient, via the double-where pattern. ``-inf``
-    entries in other rows give 0 as usual. No epsilon.
-
-    Args:
-        x: logits.
-        dim: dimension to normalise over.
-
-    Returns:
-        Probabilities in ``x``'s dtype.
-
-    Example::
-
-        >>> stable_softmax(torch.tensor([[0.0, 0.0], [float("-inf"), float("-inf")]]))
-        tensor([[0.5000, 0.5000],
-                [0.0000, 0.0000]])
-    """
-    x = _float(x)
-    dead = _dead_rows(x, dim)
-    p = torch.softmax(torch.where(dead, 0.0, x), dim=dim, dtype=_acc(x.dtype)).to(x.dtype)
-    return torch.where(dead, 0.0, p)
-
-
-def stable_log_softmax(x: Tensor, dim: int = -1) -> Tensor:
-    """Log-softmax that equals ``torch.log_softmax`` where defined, and stays finite otherwise.
-
-    Uses ``torch.log_softmax`` (``x - max - log(sum(exp(x - max)))``, accumulated in float32 for
-    half dtypes), not the common mistake ``x - max - log(sum(x - max))``. Results below
-    ``-finfo.max`` from finite logits (e.g. ``[max, -max]``) are clamped to ``-finfo.max`` instead
-    of -inf; ``-inf`` inputs still give ``-inf``. A row that is entirely ``-inf`` gives 0 with zero
-    gradient (not NaN), so it adds nothing to a sum of log-probabilities. No epsilon.
-
-    Args:
-        x: logits.
-        dim: dimension to normalise over.
-
-    Returns:
-        Log-probabilities in ``x``'s dtype.
-
-    Example::
-
-        >>> stable_log_softmax(torch.tensor([[0.0, 0.0], [float("-inf"), float("-inf")]]))
-        tensor([[-0.6931, -0.6931],
-                [ 0.0000,  0.0000]])
-    """
-    x = _float(x)
-    dead = _dead_rows(x, dim)
-    ls = torch.log_softmax(torch.where(dead, 0.0, x), dim=dim, dtype=_acc(x.dtype))
-    ls = torch.where(x == _NEG_INF, _NEG_INF, ls.clamp(min=-torch.finfo(x.dtype).max)).to(x.dtype)
-    return torch.where(dead, 0.0, ls)
-
-
-def masked_softmax(x: Tensor, mask: Tensor, dim: int = -1) -> Tensor:
-    """Softmax over the entries where ``mask`` is True; fully masked rows give zeros.
-
-    ``mask`` follows ``scaled_dot_product_attention``: True means "take part" (the opposite of
-    ``nn.MultiheadAttention``'s ``key_padding_mask``). It broadcasts against ``x``. Masked entries
-    get probability 0 and zero gradient; a row with no True entry (NaN in the usual
-    ``masked_fill(-inf)`` + softmax) gives zeros with zero gradient. See :func:`stable_softmax`.
-
-    Args:
-        x: logits.
-        mask: bool tensor broadcastable to ``x``, True = keep.
-        dim: dimension to normalise over.
-
-    Returns:
-        Probabilities in ``x``'s dtype.
-
-    Raises:
-        TypeError: if ``mask`` is not a bool tensor.
-
-    Example::
-
-        >>> masked_softmax(torch.zeros(2, 2), torch.tensor([[True, False], [False, False]]))
-        tensor([[1., 0.],
-                [0., 0.]])
-    """
-    if mask.dtype != torch.bool:
-        raise TypeError(
-            f"masked_softmax: mask must be a bool tensor (True = keep), got {mask.dtype}. "
-            "Use mask.bool(), or stable_softmax(x + additive_mask) for an additive float mask."
-        )
-    return stable_softmax(torch.where(mask, _float(x), _NEG_INF), dim=dim)
-
-
-def safe_logsumexp(x: Tensor, dim: int | Sequence[int] = -1, keepdim: bool = False) -> Tensor:
-    """``torch.logsumexp`` with finite values for finite input and a zero gradient on all ``-inf`` rows.
-
-    Accumulates in float32 for half dtypes and clamps results above ``finfo.max`` (e.g.
-    ``[max, max]`` in float16). A row that is entirely ``-inf`` returns ``-inf``, like
-    ``torch.logsumexp`` (the log of an empty sum), but its gradient is 0 where the plain op's is
-    NaN (``exp(-inf - -inf)``). No epsilon.
-
-    Args:
-        x: input tensor.
-        dim: dimension(s) to reduce.
-        keepdim: keep reduced dimensions with size 1.
-
-    Returns:
-        A tensor of ``x``'s dtype.
-
-    Example::
-
-        >>> safe_logsumexp(torch.tensor([[0.0, 0.0], [float("-inf"), float("-inf")]]))
-        tensor([0.6931,   -inf])
-    """
-    x = _float(x)
-    dead = _dead_rows(x, dim)
-    lse = torch.logsumexp(torch.where(dead, 0.0, x).to(_acc(x.dtype)), dim=dim, keepdim=True)
-    out = torch.where(dead, _NEG_INF, _finite(lse, x.dtype)).to(x.dtype)
-    return out if keepdim else out.squeeze(dim)
 
 
 def sanitize(

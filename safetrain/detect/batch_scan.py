@@ -1,4 +1,5 @@
-"""The batch sanitizer: find non-finite rows of a nested batch on the device, fix them on the host.
+"""The batch scan, the ``sanitize`` section's detector: non-finite rows of a nested batch found on
+the device, fixed on the host.
 
 Healthy path (:func:`scan_batch`): walk the batch (tensors inside tuples, lists, named tuples,
 dicts and dataclasses) and, for every floating tensor, take two device ops and no host sync: a
@@ -44,8 +45,9 @@ from .walk import is_dataclass_instance, map_tensors, rebuild_dataclass, rebuild
 
 __all__ = ["TARGET_KEYS", "BatchScan", "scan_batch"]
 
-#: Top-level keys (or dataclass fields) of a dict batch that hold targets, when the guard
-#: scans a whole dict batch (``scan_batch(batch, target_keys=TARGET_KEYS)``).
+#: Top-level keys (or dataclass fields) of a dict batch that hold targets: the guard scans a whole
+#: dict batch with ``scan_batch(batch, target_keys=TARGET_KEYS)``, and :mod:`safetrain.batches`
+#: splits a mapping batch into inputs and targets by the same keys.
 TARGET_KEYS = frozenset({"labels", "label", "targets", "target", "y"})
 
 _Replace = Optional[Tuple[float, float, float]]

@@ -1,4 +1,4 @@
-"""The batch sanitizer: device-side scan of nested batches, host-side rows, drop and raise."""
+"""The batch scan: device-side scan of nested batches, host-side rows, drop and raise."""
 
 from __future__ import annotations
 
@@ -10,16 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from safetrain.detect import (
-    TARGET_KEYS,
-    batch_error,
-    count_host_syncs,
-    describe_rows,
-    drop_rows,
-    iter_tensors,
-    scan_batch,
-)
+from safetrain.detect import TARGET_KEYS, batch_error, describe_rows, drop_rows, iter_tensors, scan_batch
 from safetrain.errors import BatchError
+from safetrain.testing import count_host_syncs
 
 NAN, INF = math.nan, math.inf
 Pair = namedtuple("Pair", "x y")
