@@ -23,12 +23,11 @@ from torch import Tensor
 from . import detect, distributed, snapshot
 from .batches import TARGET_KEYS, compute_loss, pageable_tensors, row_findings, split_batch, to_device, without_rows
 from .config import TrainConfig, as_config
+from .diagnose import Diagnoser, Diagnosis
 from .errors import TrainingAborted
 from .events import Aborted, AnomalyFound, Event, EventBus, LRChanged, Restored, SnapshotTaken
 from .lr import LRBackoff
 from .policy import Decision, History, climb_pending, decide, mark_last_skipped, observe_healthy, record_step
-from .replay import Diagnosis, Replayer
-from .replay_weights import WeightReplay
 from .spike import SpikeDetector
 from .steps import Counters, Pending, Phase, StepResult
 from .wrappers import can_force_eager, plain_namer, run_eagerly, unwrap_compiled
@@ -125,10 +124,9 @@ class Guard:
         # nothing until the step is judged, and saves a copy of every batch.
         self._clean = any(True for _ in model.buffers())
         self._flags = detect.StepFlags()
-        self.replayer = Replayer(named, self.monitor, c.detect.replay, autocast=self._autocast, loss_of=self._eager_loss)
-        self.weight_replay = WeightReplay(self.state, self._params, c.detect.replay, self.replayer,
-                                          prepare=self._scan_quiet, accumulate=c.guard.accumulate_steps,
-                                          clip=c.guard.clip_grad_norm)
+        self.diagnoser = Diagnoser(named, self.monitor, c.detect.replay, state=self.state, params=self._params,
+                                   loss_of=self._eager_loss, autocast=self._autocast, prepare=self._scan_quiet,
+                                   accumulate=c.guard.accumulate_steps, clip=c.guard.clip_grad_norm)
         self._retrying = False
         self.phase = Phase.READY
         self._pending = Pending()
@@ -156,7 +154,7 @@ class Guard:
         if self._dist is not None:
             self._flags = detect.StepFlags(reduce=self._dist.reduce)
             self.store = self._dist.wrap_store(self.store)
-            self.replayer = self._dist.wrap_replayer(self.replayer, named)
+            self.diagnoser.wrap_step_replay(lambda replay: self._dist.wrap_replayer(replay, named))
 
     @property
     def history(self) -> History:
@@ -190,7 +188,7 @@ class Guard:
         mid-way from a snapshot goes on with the losses of its steps before the snapshot)."""
         self.counters.epoch, self.counters.batch = epoch, 0
         self.epoch_rng = torch.get_rng_state()
-        self.replayer.rng_reset()  # the loader's shuffle draws from the RNG next
+        self.diagnoser.rng_reset()  # the loader's shuffle draws from the RNG next
         if not resumed:
             self._epoch_loss = (0.0, 0)
 
@@ -266,7 +264,7 @@ class Guard:
         self._grads_dropped = False
         self._pending = Pending()
         self.monitor.reset()
-        self.replayer.begin_step()
+        self.diagnoser.begin_step()
         steps = self.counters.optimizer_steps
         self._weight_flag = self.weights.maybe_run(steps) if steps > 0 else None
 
@@ -469,7 +467,7 @@ class Guard:
         clip = self.cfg.guard.clip_grad_norm
         if clip is not None and total is not None:
             self.grads.clip_(clip, total)
-        self.weight_replay.record(self.counters.steps, self._pending.micro, total)  # references only
+        self.diagnoser.record_update(self.counters.steps, self._pending.micro, total)  # references only
         self.optimizer.step()
         if self.scaler is not None:
             self.scaler.update()
@@ -560,13 +558,13 @@ class Guard:
                 error = detect.batch_error(detail["rows"])
                 self._emit(AnomalyFound, kind, "raise", str(error), {"rows": [f.to_dict() for f in detail["rows"]]})
                 raise error
-        if kind in _REPLAYED and self.replayer.enabled:  # the parameters were finite (_judge checked)
+        if kind in _REPLAYED and self.diagnoser.enabled:  # the parameters were finite (_judge checked)
             diagnosis = self.diagnose()
             detail["diagnosis"] = diagnosis
             if not diagnosis.reproducible and not self._retrying:
                 return self._retry_transient(kind, detail)
-        if kind == "weights" and self.replayer.enabled:  # replayed from the snapshot; never retried
-            detail["diagnosis"] = self.weight_replay.replay(self.store)
+        if kind == "weights" and self.diagnoser.enabled:  # replayed from the snapshot; never retried
+            detail["diagnosis"] = self.diagnoser.explain("weights", store=self.store)
         decision, self.history = decide(kind, self.history, self.cfg.recovery, self.cfg.sanitize)
         if kind in ("input", "target") and decision.action != "abort":
             return self._bad_rows(kind, decision, detail)
@@ -676,7 +674,7 @@ class Guard:
         buffers, gradients and every RNG stream.
         """
         micro = [self._scan_quiet(batch) for batch in self._pending.micro]
-        return self.replayer.replay(micro, self._pending.indices)
+        return self.diagnoser.explain(None, micro=micro, indices=self._pending.indices)
 
     def _rejudge(self, event: Event) -> StepResult:
         """After bad values were replaced before the forward pass, judge the rest of the step as usual."""
@@ -704,8 +702,8 @@ class Guard:
             self.store.discard_newest()
         self._unverified = False
         info = self.store.restore(self.state)
-        self.replayer.rng_reset()  # the snapshot's RNG state is back
-        self.weight_replay.clear(info.step)
+        self.diagnoser.rng_reset()  # the snapshot's RNG state is back
+        self.diagnoser.clear(info.step)
         self.backoff.load_state_dict({"unscaled": info.extra["lr"]["unscaled"]})
         self.counters.restores += 1
         self._since_snapshot = 0
@@ -749,7 +747,7 @@ class Guard:
                                extra_tensors=tensors)
         if info is not None:
             self._unverified = not force
-            self.weight_replay.clear(self.counters.steps)
+            self.diagnoser.clear(self.counters.steps)
         if info is None:
             return self._emit(SnapshotTaken, "snapshot", "refused",
                               "snapshot refused: the state is not finite; the previous one stays", {})
