@@ -146,9 +146,12 @@ def test_record_update_keeps_the_step_rng_state_and_clear_lets_go():
     d.begin_step()
     d.record_update(1, [torch.ones(2, 4)], total=0.5)
     assert d.weight_replay.kept == 1
-    assert d.weight_replay._steps[0].rng is d.rng.state, "the RNG state the step started from"
     d.clear(1)
     assert d.weight_replay.kept == 0
+    recorded = []
+    d.weight_replay.record = lambda step, micro, total, rng: recorded.append((step, total, rng))
+    d.record_update(2, [], total=None)
+    assert recorded == [(2, None, d.rng.state)], "the update is kept with the RNG state its step started from"
 
 
 # ---------------------------------------------------------------- step RNG bookkeeping
