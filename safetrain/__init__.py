@@ -68,8 +68,8 @@ _LAZY = {
     "FitResult": ".trainer",
     "Guard": ".guard",
     "StepResult": ".guard",
-    "QuarantineSampler": ".quarantine",
-    "Diagnosis": ".replay",
+    "QuarantineSampler": ".diagnose.quarantine",
+    "Diagnosis": ".diagnose",
 }
 
 

@@ -19,7 +19,7 @@ from .errors import TrainingAborted
 from .events import Event, EventBus, Journal, Quarantined, RunEnded, RunStarted
 from .guard import Guard, StepResult
 from .steps import Counters
-from .quarantine import QuarantineKeeper
+from .diagnose.quarantine import QuarantineKeeper
 
 __all__ = ["SafeTrainer", "FitResult"]
 

@@ -35,7 +35,7 @@ from .findings import (
 from .flags import FLAG_KINDS, StepFlags, StepRead
 from .grads import GradCheck, GradNorms, WeightCheck, fused_norms
 from .hooks import HookHandle, floating_tensors
-from .rows import bad_rows, batch_error, describe_rows, drop_rows
+from .rows import batch_error, describe_rows, drop_rows, rows_to_drop
 from .walk import iter_tensors
 
 __all__ = [
@@ -45,7 +45,7 @@ __all__ = [
     "describe_rows",
     "drop_rows",
     "batch_error",
-    "bad_rows",
+    "rows_to_drop",
     "iter_tensors",
     "ActivationMonitor",
     "HookHandle",

@@ -17,7 +17,7 @@ from ..errors import BatchError
 from .findings import RowFinding
 from .walk import batch_size_of, is_dataclass_instance, iter_tensors, rebuild_dataclass, rebuild_map, rebuild_seq
 
-__all__ = ["describe_rows", "drop_rows", "batch_error", "bad_rows"]
+__all__ = ["describe_rows", "drop_rows", "batch_error", "rows_to_drop"]
 
 
 def describe_rows(
@@ -155,7 +155,7 @@ def batch_error(findings: Sequence[RowFinding]) -> BatchError:
     return BatchError(f"non-finite values in the batch: {lines}. ({hint})")
 
 
-def bad_rows(findings: Sequence[RowFinding]) -> List[int]:
+def rows_to_drop(findings: Sequence[RowFinding]) -> List[int]:
     """The sorted union of the rows named by :func:`describe_rows` findings (for :func:`drop_rows`).
 
     Args:

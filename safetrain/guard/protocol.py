@@ -20,8 +20,7 @@ from ..events import AnomalyFound, Event, EventBus, SnapshotTaken
 from ..kinds import REPLAYED_KINDS, Action, Kind
 from ..lr import LRBackoff
 from ..policy import Anomaly, History, Rules, decide, newest_taken, raises, vouch
-from ..replay import Diagnosis, Replayer
-from ..replay_weights import WeightReplay
+from ..diagnose import Diagnoser, Diagnosis
 from ..spike import SpikeDetector
 from ..steps import Counters, Pending, Phase, StepResult
 from ..wrappers import plain_namer, unwrap_compiled
@@ -124,12 +123,11 @@ class Guard:
         self.rank = self.sync.rank  # stamped on every event
         self._flags = detect.StepFlags(reduce=self.sync.reduce)
         self.store = self.sync.wrap_store(snapshot.make_store(c.snapshot, run_dir=run_dir))
-        self.replayer = self.sync.wrap_replayer(
-            Replayer(named, self.monitor, c.detect.replay, autocast=self.plumbing.autocast,
-                     loss_of=self.forward.eager_loss), named)
-        self.weight_replay = WeightReplay(self.state, self._params, c.detect.replay, self.replayer,
-                                          prepare=self.forward.scan, accumulate=c.guard.accumulate_steps,
-                                          clip=c.guard.clip_grad_norm)
+        self.diagnoser = Diagnoser(named, self.monitor, c.detect.replay, state=self.state, params=self._params,
+                                   loss_of=self.forward.eager_loss, autocast=self.plumbing.autocast,
+                                   prepare=self.forward.scan, accumulate=c.guard.accumulate_steps,
+                                   clip=c.guard.clip_grad_norm)
+        self.diagnoser.wrap_step_replay(lambda replay: self.sync.wrap_replayer(replay, named))
         self.judge = Judge(c, self.counters, self.monitor, self.grads, detect.WeightCheck(all_params, 0), self.spike,
                            self.plumbing, self.sync, self.forward.rerun)
         self.recovery = Recovery(c, self.counters, self.recovery_state, self.store, self.state, self.backoff,
@@ -194,7 +192,7 @@ class Guard:
         mid-way from a snapshot goes on with the losses of its steps before the snapshot)."""
         self.counters.epoch, self.counters.batch = epoch, 0
         self.epoch_rng = torch.get_rng_state()
-        self.replayer.rng_reset()  # the loader's shuffle draws from the RNG next
+        self.diagnoser.rng_reset()  # the loader's shuffle draws from the RNG next
         if not resumed:
             self.recovery_state.epoch_loss = (0.0, 0)
 
@@ -256,7 +254,7 @@ class Guard:
         self.plumbing.grads_dropped = False
         self._pending = Pending()
         self.monitor.reset()
-        self.replayer.begin_step()
+        self.diagnoser.begin_step()
         steps = self.counters.optimizer_steps
         self._weight_flag = self.weights.maybe_run(steps) if steps > 0 else None
 
@@ -309,12 +307,12 @@ class Guard:
     def _explain(self, anomaly: Anomaly) -> Optional[Diagnosis]:
         """The slow path's replay, when the budget allows: the step's for forward, loss and
         gradient faults, the updates' since the newest snapshot for weights."""
-        if not self.replayer.enabled:
+        if not self.diagnoser.enabled:
             return None
         if anomaly.kind in REPLAYED_KINDS:  # the parameters were finite (the judge checked)
             return self.diagnose()
         if anomaly.kind is Kind.WEIGHTS:  # replayed from the snapshot; never retried
-            return self.weight_replay.replay(self.store)
+            return self.diagnoser.explain(Kind.WEIGHTS, store=self.store)
         return None
 
     def _run_again(self, rerun: Rerun, read: detect.StepRead) -> detect.StepRead:
@@ -357,7 +355,7 @@ class Guard:
         buffers, gradients and every RNG stream.
         """
         micro = [self.forward.scan(batch) for batch in self._pending.micro]
-        return self.replayer.replay(micro, self._pending.indices)
+        return self.diagnoser.explain(None, micro=micro, indices=self._pending.indices)
 
     # ----------------------------------------------------------------- outcomes
     def _healthy(self, read: detect.StepRead, events: List[Event], rerun_action: str) -> StepResult:
@@ -384,7 +382,7 @@ class Guard:
         clip = self.cfg.guard.clip_grad_norm
         if clip is not None and total is not None:
             self.grads.clip_(clip, total)
-        self.weight_replay.record(self.counters.steps, self._pending.micro, total)  # references only
+        self.diagnoser.record_update(self.counters.steps, self._pending.micro, total)  # references only
         self.plumbing.step_optimizer()
         self.counters.optimizer_steps += 1
         self._step_scheduler()
@@ -411,8 +409,8 @@ class Guard:
         return StepResult(self.counters.steps, False, math.nan, math.nan, str(Action.SKIP_BATCH), (event,))
 
     def _after_restore(self, step: int) -> None:
-        self.replayer.rng_reset()  # the snapshot's RNG state is back
-        self.weight_replay.clear(step)
+        self.diagnoser.rng_reset()  # the snapshot's RNG state is back
+        self.diagnoser.clear(step)
         self._weight_flag = None
 
     def snapshot(self, force: bool = False) -> Event:
@@ -430,7 +428,7 @@ class Guard:
                               "snapshot refused: the state is not finite; the previous one stays", {})
         # taken after an update: unverified until the next step reads clean (a forced one is sound)
         self.history = newest_taken(self.history) if not force else vouch(self.history)
-        self.weight_replay.clear(self.counters.steps)
+        self.diagnoser.clear(self.counters.steps)
         return self._emit(SnapshotTaken, "snapshot", "saved", f"snapshot of step {self.counters.steps}",
                           {"path": str(info.path) if info.path else None, "forced": force})
 

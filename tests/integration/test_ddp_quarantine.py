@@ -33,7 +33,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     from safetrain import SafeTrainer, load_config
-    from safetrain.quarantine import QuarantineSampler
+    from safetrain.diagnose.quarantine import QuarantineSampler
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,

@@ -100,7 +100,7 @@ def test_uninitialised_memory_is_not_blamed_for_a_nan():
     healthy CNN step as "reproducible: aten.empty_like"). The op's output must not count, and an
     ``out=`` buffer is written by the op, not read. The allocator is made deterministic here by an
     op that behaves like ``empty_like`` on recycled NaN memory."""
-    from safetrain.replay import first_nonfinite_op
+    from safetrain.diagnose.nonfinite import first_nonfinite_op
 
     x = torch.ones(4)
     recycled = torch.full_like(x, math.nan)  # made outside the mode
@@ -182,7 +182,7 @@ def test_bisection_reports_no_row_when_the_batch_is_bad_in_train_mode_only():
 
 @pytest.mark.parametrize("bad", [set(), {0}, {63}, {5, 41}, {1, 20, 50}, set(range(64))])
 def test_bad_rows_table(bad):
-    from safetrain.replay import bad_rows
+    from safetrain.diagnose.bisect import bisect_rows
 
     calls = []
 
@@ -190,14 +190,14 @@ def test_bad_rows_table(bad):
         calls.append(len(rows))
         return bool(bad & set(rows))
 
-    found = bad_rows(64, test)
+    found = bisect_rows(64, test)
     assert found == (sorted(bad) if bad else []), found
     assert 64 not in calls, "the whole batch is never tested again"
     assert len(calls) <= (len(bad) + 1) * math.log2(64) + 1, (bad, len(calls))
 
 
 def test_in_place_ops_that_poison_their_own_input_are_named():
-    from safetrain.replay import first_nonfinite_op
+    from safetrain.diagnose.nonfinite import first_nonfinite_op
 
     x = torch.ones(3)
     with first_nonfinite_op() as mode:
@@ -226,12 +226,12 @@ def test_in_place_ops_that_poison_their_own_input_are_named():
 
 def test_nonfinite_reads_the_host_once_for_many_tensors():
     from safetrain.testing import count_host_syncs
-    from safetrain.replay import _nonfinite
+    from safetrain.diagnose.nonfinite import any_nonfinite
 
     tensors = [torch.ones(3) for _ in range(10)] + [torch.tensor([1.0, math.nan])]
     with count_host_syncs() as syncs:
-        assert _nonfinite(tensors) is True
-        assert _nonfinite(tensors[:10]) is False
+        assert any_nonfinite(tensors) is True
+        assert any_nonfinite(tensors[:10]) is False
     assert syncs.count == 2, syncs
 
 
@@ -273,7 +273,7 @@ def test_replay_budget_is_respected():
 def test_isolated_samples_are_quarantined_and_skipped_in_later_epochs_and_after_resume(tmp_path):
     from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
-    from safetrain.quarantine import QuarantineSampler, read_quarantine
+    from safetrain.diagnose.quarantine import QuarantineSampler, read_quarantine
 
     x, y = regression_data(n=64).tensors
     y = y.clone()

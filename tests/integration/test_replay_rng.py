@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from safetrain import load_config
 from safetrain.guard import Guard
-from safetrain.replay import _RNG_LOOK_EVERY
+from safetrain.diagnose.rng import LOOK_EVERY
 from safetrain.testing import OutputFault
 
 CFG = ["log.progress=false", "detect.mode=lazy", "snapshot.every=100000", "detect.check_weights_every=0",
@@ -44,9 +44,9 @@ def count_copies(monkeypatch) -> list:
 
 
 def test_the_copy_stops_while_the_model_draws_nothing_and_goes_on_while_it_draws(monkeypatch):
-    steps = 4 * _RNG_LOOK_EVERY
+    steps = 4 * LOOK_EVERY
     # No copies once a whole window between two looks drew nothing (from the second look on).
-    for dropout, expected in ((0.0, (2 * _RNG_LOOK_EVERY, 2 * _RNG_LOOK_EVERY + 5)), (0.3, (steps, steps))):
+    for dropout, expected in ((0.0, (2 * LOOK_EVERY, 2 * LOOK_EVERY + 5)), (0.3, (steps, steps))):
         model = model_with(dropout)
         with Guard(model, torch.optim.SGD(model.parameters(), lr=0.01), load_config(None, CFG),
                    loss_fn=F.mse_loss) as guard:
@@ -62,13 +62,13 @@ def test_the_copy_stops_while_the_model_draws_nothing_and_goes_on_while_it_draws
 def test_a_replay_of_a_model_that_draws_nothing_is_exact_without_the_copy():
     """Long after the copies stopped, a NaN made by a layer is replayed and named."""
     model = model_with(0.0)
-    n = 3 * _RNG_LOOK_EVERY
+    n = 3 * LOOK_EVERY
     OutputFault(model[0], calls=range(n, 10**6))  # the first Linear's output is NaN from the n-th forward on
     with Guard(model, torch.optim.SGD(model.parameters(), lr=0.01), load_config(None, CFG),
                loss_fn=F.mse_loss) as guard:
         for batch in batches(n):
             result = guard.step(batch)
-        assert guard.replayer._idle, "the RNG copy had stopped"
+        assert guard.diagnoser.rng.idle, "the RNG copy had stopped"
     event = next(e for e in result.events if e.name == "anomaly")
     diagnosis = event.detail["diagnosis"]
     assert diagnosis["module"] == "0" and diagnosis["reproducible"], diagnosis
@@ -80,13 +80,13 @@ def test_a_model_that_begins_to_draw_is_noticed_by_the_replay_and_copied_again(m
     says so, does not call a fault that did not reproduce transient (no retry: the ladder acts),
     and the RNG is copied at every step again."""
     model = model_with(0.0)
-    n = 2 * _RNG_LOOK_EVERY + 3
+    n = 2 * LOOK_EVERY + 3
     fault = OutputFault(model[0], calls=[n])  # one NaN output, at the n-th forward only
     with Guard(model, torch.optim.SGD(model.parameters(), lr=0.01), load_config(None, CFG),
                loss_fn=F.mse_loss) as guard:
         for batch in batches(n - 2):
             guard.step(batch)
-        assert guard.replayer._idle
+        assert guard.diagnoser.rng.idle
         model[1].p = 0.5  # dropout switched on between looks: the kept state is no longer the step's
         guard.step(batches(n)[-2])
         result = guard.step(batches(n)[-1])

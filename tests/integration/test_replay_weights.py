@@ -77,7 +77,7 @@ def test_an_inf_lr_names_the_update_the_parameters_and_the_optimizer_op(how, for
     assert set(d["nonfinite_weights"]) == {"0.weight", "0.bias", "1.weight", "1.bias", "4.weight", "4.bias"}, d
     assert d["op"].startswith("aten._foreach_add_." if foreach else "aten.add_."), d
     assert set(event.detail["finding"]["nonfinite"]) == set(d["nonfinite_weights"]), event.detail["finding"]
-    assert result["guard"].replayer.used == 1, "one replay: the weights', not also the tripped step's"
+    assert result["guard"].diagnoser.used == 1, "one replay: the weights', not also the tripped step's"
     assert finite_params(result["model"])
 
 
@@ -118,7 +118,7 @@ def test_a_forward_trip_from_nan_weights_is_journaled_as_weights_even_without_a_
     assert event.kind == "weights" and event.action == "restore", event
     assert event.detail["finding"]["nonfinite"] == ["4.weight"], event.detail["finding"]
     assert event.detail["diagnosis"]["nonfinite_weights"] == ["4.weight"]
-    assert result["guard"].replayer.used == 1, "the weight replay only"
+    assert result["guard"].diagnoser.used == 1, "the weight replay only"
     restored = next(e for e in result["events"] if e.name == "restored")
     assert restored.detail["snapshot_step"] == 0
 
@@ -159,7 +159,7 @@ def test_a_frozen_parameter_gone_nan_is_a_weights_fault_restored_at_once(replay)
     found = [(e.step, e.kind, e.action) for e in events if e.name == "anomaly"]
     assert found == [(6, "weights", "restore")], found
     assert next(e for e in events if e.name == "anomaly").detail["finding"]["nonfinite"] == ["0.weight"]
-    assert guard.replayer.used == (1 if replay == "true" else 0)
+    assert guard.diagnoser.used == (1 if replay == "true" else 0)
     assert finite_params(model)
 
 
@@ -196,10 +196,10 @@ def test_a_forced_weight_replay_on_a_healthy_run_changes_nothing():
     The replay runs between the two micro-batches of step 3, with clipping on."""
     def forced(micro: int, guard: Any) -> None:
         if micro == 6:
-            d = guard.weight_replay.replay(guard.store)
+            d = guard.diagnoser.explain("weights", store=guard.store)
             assert d.reproducible is False and "2 update(s)" in d.note, d
             assert d.note.endswith("differ from the replay: none"), "the replay reproduces training exactly"
-            forced.used = guard.replayer.used
+            forced.used = guard.diagnoser.used
 
     adam = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
     cfg = ["guard.clip_grad_norm=0.5", "guard.accumulate_steps=2"]
@@ -220,7 +220,7 @@ def test_a_snapshot_older_than_the_kept_updates_is_not_replayed():
     assert (event.kind, event.action) == ("weights", "restore")
     assert "5 updates old, more than detect.replay.keep_steps=2: not replayed" in d["note"], d
     assert d["nonfinite_weights"] == ["4.weight"] and d["weights_step"] is None, d
-    assert result["guard"].replayer.used == 0, "nothing was replayed"
+    assert result["guard"].diagnoser.used == 0, "nothing was replayed"
 
 
 def test_batches_beyond_keep_mb_are_let_go_and_the_replay_says_why():
@@ -228,7 +228,7 @@ def test_batches_beyond_keep_mb_are_let_go_and_the_replay_says_why():
     result = run(["detect.check_weights_every=1", "detect.replay.keep_mb=0.002"], poison_weights_before(6))
     d = anomaly(result).detail["diagnosis"]
     assert "exceed detect.replay.keep_mb=0.002: not kept, not replayed" in d["note"], d
-    assert result["guard"].replayer.used == 0
+    assert result["guard"].diagnoser.used == 0
     ample = run(["detect.check_weights_every=1", "detect.replay.keep_mb=0.004"], poison_weights_before(6))
     assert "keep_mb" not in anomaly(ample).detail["diagnosis"]["note"], "five steps fit in 0.004 MiB"
 
@@ -236,7 +236,7 @@ def test_batches_beyond_keep_mb_are_let_go_and_the_replay_says_why():
 def test_keep_steps_zero_keeps_nothing():
     result = run(["detect.check_weights_every=1", "detect.replay.keep_steps=0"], poison_weights_before(3))
     assert "keep_steps=0" in anomaly(result).detail["diagnosis"]["note"]
-    assert result["guard"].weight_replay._steps == []
+    assert result["guard"].diagnoser.weight_replay.kept == 0
 
 
 def test_kept_updates_start_again_at_every_snapshot_and_restore():
@@ -246,7 +246,7 @@ def test_kept_updates_start_again_at_every_snapshot_and_restore():
 
 
 def test_describe_names_the_update_or_says_the_weights_were_changed_from_outside():
-    from safetrain.replay import Diagnosis
+    from safetrain.diagnose import Diagnosis
 
     found = Diagnosis(reproducible=True, kind="weights", nonfinite_weights=("fc.weight",), weights_step=4,
                       op="aten.add_.Tensor", op_line="train.py:9 in step")

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.utils.data import SequentialSampler
 
 from safetrain import SafetrainError
-from safetrain.quarantine import QuarantineKeeper, QuarantineSampler, read_quarantine, write_quarantine
+from safetrain.diagnose.quarantine import QuarantineKeeper, QuarantineSampler, read_quarantine, write_quarantine
 
 
 def test_sampler_skips_quarantined_and_reports_batch_indices_in_order():
@@ -41,7 +41,7 @@ def test_keep_length_replaces_quarantined_indices_with_repeats_of_healthy_ones()
 
 
 def test_under_distributed_the_keeper_unites_ranks_only_on_diagnosed_steps(monkeypatch):
-    from safetrain import quarantine
+    from safetrain.diagnose import quarantine
     from safetrain.events import AnomalyFound, SnapshotTaken
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)

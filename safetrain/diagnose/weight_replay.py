@@ -1,4 +1,4 @@
-"""Weight faults, replayed from the newest snapshot: which applied step made a weight non-finite.
+"""The weight replay: which applied update made a weight non-finite, replayed from the newest snapshot.
 
 A ``weights`` fault (a parameter is NaN/Inf when a step starts) was made by an earlier optimizer
 update, or by code outside the training step (a bit flip, a user's in-place edit). Replaying the
@@ -11,14 +11,15 @@ work). When weights are found non-finite it
 2. restores the newest snapshot into the live objects;
 3. runs the kept steps again (forward and backward under autocast and a loss scale, unscale,
    the ``zero_grads`` action where the step's gradients were not finite, the same clipping, the
-   recorded learning rates, ``optimizer.step()`` under :class:`~safetrain.replay.first_nonfinite_op`),
+   recorded learning rates, ``optimizer.step()`` under :class:`~.nonfinite.first_nonfinite_op`),
    checking the parameters after each;
 4. puts the live state back exactly, so the policy's action (``restore`` by default) proceeds as
    if there had been no replay.
 
-The :class:`~safetrain.replay.Diagnosis` names the step whose update first made a weight
-non-finite, the parameters and the op (with the user's line, for a hand-written optimizer); or,
-when every replayed step stays finite, says the weights were changed outside the training step.
+The :class:`~.diagnosis.Diagnosis` names the step whose update first made a weight non-finite,
+the parameters and the op (with the user's line, for a hand-written optimizer); or, when every
+replayed step stays finite, says the weights were changed outside the training step. The budget
+is not spent here: :class:`~safetrain.diagnose.Diagnoser` spends it.
 
 Limits: under ``torch.distributed`` the weight replay is skipped with a note (the ranks would have
 to replay together); with fp16 the replay's loss scale follows its own history from the snapshot
@@ -36,10 +37,12 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 import torch
 
-from . import distributed
-from .config import ReplayConfig
-from .detect import GradCheck, iter_tensors
-from .replay import RNG_MOVED, Diagnosis, first_nonfinite_op, nonfinite_names
+from .. import distributed
+from ..config import ReplayConfig
+from ..detect import GradCheck, iter_tensors
+from .diagnosis import Diagnosis
+from .nonfinite import first_nonfinite_op, nonfinite_names
+from .rng import RNG_MOVED
 
 __all__ = ["WeightReplay"]
 
@@ -63,10 +66,9 @@ class WeightReplay:
         state: the guard's :class:`~safetrain.snapshot.TrainState` (model, optimizer, scheduler,
             scaler, RNGs): what a snapshot restores and what is put back afterwards.
         params: the ``(name, parameter)`` pairs that train.
-        cfg: the ``detect.replay`` section (``keep_steps``, ``keep_mb``, ``time_limit_s``).
-        replayer: the guard's step :class:`~safetrain.replay.Replayer`; its ``loss_of``,
-            ``autocast`` and step-start RNG state are used, and its budget (``enabled``, ``used``)
-            is shared.
+        cfg: the ``detect.replay`` section (``enabled``, ``keep_steps``, ``keep_mb``, ``time_limit_s``).
+        loss_of: ``loss_of(batch) -> loss``: the guard's forward and loss for one micro-batch.
+        autocast: a zero-argument callable returning the step's autocast context.
         prepare: ``prepare(batch) -> batch``: the sanitizer's device-side cleaning, as the
             step's forward saw it.
         accumulate: ``guard.accumulate_steps`` (each micro-batch's loss is divided by it).
@@ -74,17 +76,19 @@ class WeightReplay:
 
     Example::
 
-        weights = WeightReplay(guard.state, guard._params, cfg.detect.replay, guard.replayer,
-                               prepare=lambda b: b, accumulate=1, clip=None)
-        weights.clear(step=0)                     # a snapshot of step 0 was taken
-        weights.record(1, [batch], total=0.5)     # before optimizer.step() of step 1
-        diagnosis = weights.replay(store)         # when a weight is found non-finite
+        weights = WeightReplay(guard.state, guard.params, cfg.detect.replay, loss_of=loss_of,
+                               autocast=contextlib.nullcontext, prepare=lambda b: b)
+        weights.clear(step=0)                          # a snapshot of step 0 was taken
+        weights.record(1, [batch], total=0.5, rng=None)  # before optimizer.step() of step 1
+        if not weights.why_not(store):                 # when a weight is found non-finite
+            diagnosis = weights.replay(store)
     """
 
-    def __init__(self, state: Any, params: Sequence[Tuple[str, torch.nn.Parameter]], cfg: ReplayConfig,
-                 replayer: Any, *, prepare: Callable[[Any], Any], accumulate: int = 1,
-                 clip: Optional[float] = None) -> None:
-        self.state, self.params, self.cfg, self.replayer = state, list(params), cfg, replayer
+    def __init__(self, state: Any, params: Sequence[Tuple[str, torch.nn.Parameter]], cfg: ReplayConfig, *,
+                 loss_of: Callable[[Any], torch.Tensor], autocast: Callable[[], Any],
+                 prepare: Callable[[Any], Any], accumulate: int = 1, clip: Optional[float] = None) -> None:
+        self.state, self.params, self.cfg = state, list(params), cfg
+        self.loss_of, self.autocast = loss_of, autocast
         self.prepare, self.accumulate, self.clip = prepare, accumulate, clip
         self._clipper = GradCheck(self.params)
         self.keep = int(cfg.keep_steps) if cfg.enabled else 0
@@ -94,7 +98,12 @@ class WeightReplay:
         self.budget = float(cfg.keep_mb) * 2**20  # bytes of kept batches, at most
         self._bytes, self._over_budget = 0, False
 
-    def record(self, step: int, micro: List[Any], total: Optional[float]) -> None:
+    @property
+    def kept(self) -> int:
+        """How many applied updates are kept for a replay now."""
+        return len(self._steps)
+
+    def record(self, step: int, micro: List[Any], total: Optional[float], rng: Any) -> None:
         """Keep a reference to an update about to be applied (call just before ``optimizer.step()``).
 
         Args:
@@ -102,6 +111,7 @@ class WeightReplay:
             micro: the micro-batches whose gradients this update uses.
             total: the total gradient norm clipping uses (``None``: the gradients were used as
                 they were, non-finite ones included, as under the ``warn`` action).
+            rng: the RNG state the step started from (:attr:`~.rng.StepRNG.state`).
         """
         if self.keep == 0:
             return
@@ -110,7 +120,7 @@ class WeightReplay:
             self._bytes += sum(t.numel() * t.element_size() for b in micro for _, t in iter_tensors(b))
             if self._bytes <= self.budget:
                 lrs = [g["lr"] for g in self.state.optimizer.param_groups]
-                self._steps.append(_Applied(step, micro, lrs, total, self.replayer.rng_state))
+                self._steps.append(_Applied(step, micro, lrs, total, rng))
                 return
             self._over_budget = True
         if self._steps:
@@ -121,28 +131,33 @@ class WeightReplay:
         self._steps, self._applied, self._base = [], 0, step
         self._bytes, self._over_budget = 0, False
 
-    def replay(self, store: Any) -> Diagnosis:
+    def not_replayed(self, why: str) -> Diagnosis:
+        """The ``weights`` diagnosis without a replay: the non-finite parameters and ``why`` (from
+        :meth:`why_not`) as its note."""
+        started = time.perf_counter()
+        broken = nonfinite_names(self.params)
+        logger.info("weight replay skipped: %s", why)
+        return Diagnosis(reproducible=True, kind="weights", nonfinite_weights=broken, note=why,
+                         seconds=time.perf_counter() - started)
+
+    def replay(self, store: Any, rng_moved: bool = False) -> Diagnosis:
         """Explain non-finite weights by replaying the kept updates from the newest snapshot.
 
         Training is left exactly as it was: parameters, buffers, optimizer, scheduler and scaler
-        state, gradients, the model's mode and every RNG stream. Uses one replay of the budget.
+        state, gradients, the model's mode and every RNG stream. Call it only when
+        :meth:`why_not` says nothing; the caller spends the budget.
 
         Args:
             store: the guard's snapshot store; its newest snapshot must be the one the kept
                 updates follow (the guard calls :meth:`clear` on every snapshot and restore).
+            rng_moved: the RNG was drawn from since the kept state was taken
+                (:meth:`~.rng.StepRNG.moved`): the note says the replay's draws may differ.
 
         Returns:
-            A :class:`~safetrain.replay.Diagnosis` of kind ``"weights"``.
+            A :class:`~.diagnosis.Diagnosis` of kind ``"weights"``.
         """
         started = time.perf_counter()
         broken = nonfinite_names(self.params)
-        why_not = self._why_not(store)
-        if why_not:
-            logger.info("weight replay skipped: %s", why_not)
-            return Diagnosis(reproducible=True, kind="weights", nonfinite_weights=broken, note=why_not,
-                             seconds=time.perf_counter() - started)
-        self.replayer.used += 1
-        moved = self.replayer.rng_moved()  # the updates kept since the last look have that look's RNG state
         try:
             live = self._set_aside()
         except Exception as exc:  # state that cannot be captured: nothing was touched yet
@@ -159,13 +174,14 @@ class WeightReplay:
         finally:
             self._put_back(live)
         found.setdefault("nonfinite_weights", broken)
-        if moved:
+        if rng_moved:
             found["note"] = f"{found['note']}; {RNG_MOVED}" if found.get("note") else RNG_MOVED
         diagnosis = Diagnosis(kind="weights", seconds=time.perf_counter() - started, **found)
         logger.info("weight replay: %s", diagnosis.describe())
         return diagnosis
 
-    def _why_not(self, store: Any) -> str:
+    def why_not(self, store: Any) -> str:
+        """Why the kept updates cannot be replayed from ``store``'s newest snapshot (``""``: they can)."""
         if self.keep == 0:
             return "detect.replay.keep_steps=0: the updates since the snapshot are not kept"
         if distributed.active():
@@ -229,8 +245,8 @@ class WeightReplay:
                 torch.cuda.set_rng_state_all(applied.rng[1])
         optimizer.zero_grad(set_to_none=True)
         for batch in applied.micro:
-            with self.replayer.autocast():
-                loss = self.replayer.loss_of(self.prepare(batch))
+            with self.autocast():
+                loss = self.loss_of(self.prepare(batch))
             scaled = loss / self.accumulate if self.accumulate > 1 else loss
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
         if scaler is not None:

@@ -11,6 +11,9 @@ Example::
     sampler = QuarantineSampler(torch.utils.data.RandomSampler(dataset))
     loader = DataLoader(dataset, batch_size=64, sampler=sampler)
     SafeTrainer(model, opt, cfg, loss_fn=loss_fn).fit(loader, epochs=3)   # bad samples skipped from then on
+
+The cost is a deque of the indices in flight; under torch.distributed, one collective on a step
+that carries a diagnosis. Part of :mod:`safetrain.diagnose`; ``fit`` drives :class:`QuarantineKeeper`.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sized, Union
 
 from torch.utils.data import Sampler
 
-from . import distributed
-from .errors import SafetrainError
+from .. import distributed
+from ..errors import SafetrainError
 
 __all__ = ["QuarantineSampler", "QuarantineKeeper", "read_quarantine", "write_quarantine"]
 
@@ -46,7 +49,8 @@ class QuarantineSampler(Sampler[int]):
         keep_length: replace instead of skip; ``None``: when torch.distributed runs more than one rank.
     """
 
-    def __init__(self, sampler: Iterable[int], quarantined: Iterable[int] = (), keep_length: Optional[bool] = None) -> None:
+    def __init__(self, sampler: Iterable[int], quarantined: Iterable[int] = (),
+                 keep_length: Optional[bool] = None) -> None:
         self.sampler = sampler
         self.quarantined = set(int(i) for i in quarantined)
         self.keep_length = keep_length
@@ -72,7 +76,8 @@ class QuarantineSampler(Sampler[int]):
         shard = [int(i) for i in self.sampler]
         kept = [i for i in shard if i not in quarantined]
         if shard and not kept:
-            raise SafetrainError(f"every one of this rank's {len(shard)} samples is quarantined: nothing left to train on")
+            raise SafetrainError(f"every one of this rank's {len(shard)} samples is quarantined: "
+                                 "nothing left to train on")
         missing = len(shard) - len(kept)
         self.skipped += missing
         self.repeated += missing
@@ -124,7 +129,8 @@ def read_quarantine(path: Union[str, os.PathLike]) -> List[int]:
         raise SafetrainError(f"{path}: not a quarantine file ({exc}); expected {{\"indices\": [int, ...]}}") from None
 
 
-def write_quarantine(path: Union[str, os.PathLike], indices: Iterable[int], detail: Optional[Dict[str, Any]] = None) -> None:
+def write_quarantine(path: Union[str, os.PathLike], indices: Iterable[int],
+                     detail: Optional[Dict[str, Any]] = None) -> None:
     """Write ``{"indices": [...], ...detail}`` atomically (temp file, fsync, rename, fsync the directory)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -170,7 +176,7 @@ class QuarantineKeeper:
         """The dataset indices of ``batch``'s rows, or ``None`` when they are not known."""
         if self.sampler is None:
             return None
-        from .detect import iter_tensors
+        from ..detect import iter_tensors
 
         rows = next((t.shape[0] for _, t in iter_tensors(batch) if t.dim() > 0), 0)
         return self.sampler.take(rows)
@@ -195,7 +201,8 @@ class QuarantineKeeper:
         if new:
             if self.path is not None and distributed.rank() == 0:
                 write_quarantine(self.path, self.sampler.quarantined)
-            when = "from the next epoch on" + (", replaced by repeats to keep the ranks in step" if self._distributed else "")
+            kept = ", replaced by repeats to keep the ranks in step" if self._distributed else ""
+            when = "from the next epoch on" + kept
             self.emit("add", f"quarantined dataset samples {new}: skipped {when}",
                       {"indices": new, "file": str(self.path) if self.path else None})
 
