@@ -18,26 +18,22 @@ import os
 import re
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union
+from typing import Dict, Iterable, List, Optional, Set, Tuple, Union
 
 import torch
 
-from ..errors import ConfigError, SnapshotError
-from .base import SnapshotInfo, SnapshotStore, make_info
+from ..errors import SnapshotError
+from ..rundir import AtomicFile, fsync_dir
 from .fileformat import FileWriter, checksum, read_header, read_tensors
-from .memory import MemoryStore
 from .state import Captured, TrainState, validate_meta
+from .base import SnapshotInfo, SnapshotStore, make_info
 
-__all__ = ["SafetensorsStore", "SnapshotConfigError", "load_snapshot", "make_store", "list_snapshots"]
+__all__ = ["SafetensorsStore", "load_snapshot", "list_snapshots"]
 
 log = logging.getLogger("safetrain")
 
 _NAME = re.compile(r"^snapshot-(\d{10,})\.safetensors$")
 _TMP_PREFIX = ".tmp-snapshot-"
-
-
-class SnapshotConfigError(SnapshotError, ConfigError):
-    """The snapshot configuration cannot be used (no directory for the safetensors store, say)."""
 
 
 def list_snapshots(directory: Union[str, os.PathLike]) -> List[str]:
@@ -48,14 +44,6 @@ def list_snapshots(directory: Union[str, os.PathLike]) -> List[str]:
         return []
     found = [(int(m.group(1)), n) for n in names if (m := _NAME.match(n))]
     return [os.path.join(os.fspath(directory), n) for _, n in sorted(found)]
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _load_file(path: str, state: TrainState) -> SnapshotInfo:
@@ -143,7 +131,7 @@ class SafetensorsStore(SnapshotStore):
         tmp = os.path.join(self.directory, f"{_TMP_PREFIX}{step:010d}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         state_json = json.dumps(captured.meta, separators=(",", ":"), allow_nan=False)
         host, devices = self._to_host(captured.tensors)
-        writer = None
+        target, writer = AtomicFile(final, tmp=tmp), None
         try:
             if devices:
                 # The check runs on the device; its host read comes after the staging copies.
@@ -159,17 +147,15 @@ class SafetensorsStore(SnapshotStore):
                 if self._refused(captured):
                     return None  # the writer is aborted below
             sums = {name: checksum(t) for name, t in host.items()}
-            writer.finish(sums)
+            writer.finish(sums)  # the data, the header, fsync of the file
             writer = None
-            self._publish(tmp, final)
-            _fsync_dir(self.directory)
+            target.commit(replace=self._publish)  # rename, then fsync the directory
         except OSError as exc:
             raise SnapshotError(f"{final}: cannot write the snapshot: {exc.strerror or exc}") from None
         finally:
             if writer is not None:
                 writer.abort()
-            if os.path.exists(tmp):
-                os.remove(tmp)
+            target.discard()  # the temporary file, unless it was committed
         self._rotate(step)
         log.debug("snapshot at step %d written to %s", step, final)
         return make_info(captured.meta, captured.tensors, final, final, copy=lambda n, t: t.clone())
@@ -246,7 +232,7 @@ class SafetensorsStore(SnapshotStore):
 
     def _discard(self, path: str) -> None:
         self._remove(path)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
 
     def _set_aside(self, path: str) -> None:
         try:
@@ -301,27 +287,3 @@ def load_snapshot(path: Union[str, os.PathLike], state: TrainState) -> SnapshotI
     if not failures:
         raise SnapshotError(f"{path}: no snapshot files (snapshot-*.safetensors) in this directory")
     raise SnapshotError(f"{path}: no usable snapshot; " + "; ".join(failures))
-
-
-def make_store(cfg: Any, run_dir: Optional[Union[str, os.PathLike]] = None) -> SnapshotStore:
-    """Build the store ``cfg`` (a :class:`safetrain.config.SnapshotConfig`) describes.
-
-    Args:
-        cfg: ``store`` (memory | safetensors), ``keep``, ``device`` (memory), ``dir`` (safetensors).
-        run_dir: the run directory; safetensors snapshots go to ``cfg.dir`` or ``<run_dir>/snapshots``.
-
-    Raises:
-        SnapshotConfigError: (a ``SnapshotError`` and a ``ConfigError``) the safetensors store has
-            no directory, or ``cfg.store`` is unknown.
-    """
-    if cfg.store == "memory":
-        return MemoryStore(keep=cfg.keep, device=cfg.device)
-    if cfg.store == "safetensors":
-        directory = cfg.dir or (os.path.join(os.fspath(run_dir), "snapshots") if run_dir is not None else None)
-        if directory is None:
-            raise SnapshotConfigError(
-                "snapshot.dir: store is 'safetensors' but neither snapshot.dir nor a run directory (log.dir) "
-                "is set; set snapshot.dir=PATH or log.dir=PATH"
-            )
-        return SafetensorsStore(directory, keep=cfg.keep)
-    raise SnapshotConfigError(f"snapshot.store: got {cfg.store!r}; expected 'memory' or 'safetensors'")
