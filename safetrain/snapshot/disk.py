@@ -26,7 +26,7 @@ from ..errors import SnapshotError
 from ..rundir import AtomicFile, fsync_dir
 from .fileformat import FileWriter, checksum, read_header, read_tensors
 from .state import Captured, TrainState, validate_meta
-from .base import SnapshotInfo, SnapshotStore, make_info
+from .store import SnapshotInfo, SnapshotStore, make_info
 
 __all__ = ["SafetensorsStore", "load_snapshot", "list_snapshots"]
 

@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 from ..errors import ConfigError, SnapshotError
 from .disk import SafetensorsStore
 from .memory import MemoryStore
-from .base import SnapshotStore
+from .store import SnapshotStore
 
 __all__ = ["SnapshotConfigError", "make_store"]
 

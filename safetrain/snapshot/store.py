@@ -1,4 +1,6 @@
-"""What every snapshot store shares: ``SnapshotInfo``, the store lifecycle, save and restore loops.
+"""The snapshot store's contract: ``SnapshotStore`` (lifecycle, save and restore loops) and ``SnapshotInfo``.
+
+The concrete stores are :mod:`.memory` and :mod:`.disk`; :mod:`.make` picks one from the config.
 
 A store's life is ``OPEN`` -> ``CLOSED``; using a closed store raises. ``save`` captures the
 state, refuses it when a parameter or optimizer tensor is non-finite (one device-side pass,
