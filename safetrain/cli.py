@@ -119,14 +119,17 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from . import report
+    from .report import format_report
+    from .rundir import ReportError, read_run
 
-    run = report.read_run(args.run_dir)
-    sys.stdout.write(report.format_report(run) + "\n")
+    run = read_run(args.run_dir)
+    sys.stdout.write(format_report(run) + "\n")
     if not args.no_plot:
+        from .plot import plot_run
+
         try:
-            png = report.plot_run(run)
-        except report.ReportError as exc:
+            png = plot_run(run)
+        except ReportError as exc:
             sys.stderr.write(f"safetrain report: note: {exc}\n")
         else:
             sys.stdout.write(f"wrote {png}\n")

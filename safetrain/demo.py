@@ -29,9 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from . import report
 from .config import TrainConfig, as_config, load_config, to_dict
 from .errors import ConfigError, TrainingAborted
+from .plot import plot_run
+from .report import format_report
+from .rundir import ReportError, read_run
 
 __all__ = ["DemoSize", "DemoResult", "LogNormFeatures", "demo_config", "run_demo", "format_summary"]
 
@@ -307,12 +309,12 @@ def run_demo(cfg: Optional[TrainConfig] = None, size: DemoSize = DemoSize(), cle
     finally:
         torch.set_num_threads(threads)
     demo = DemoResult(run_dir, result, clean_result, accuracy, clean_accuracy, faults, size)
-    run = report.read_run(run_dir)
-    (run_dir / "report.txt").write_text(report.format_report(run) + "\n", encoding="utf-8")
+    run = read_run(run_dir)
+    (run_dir / "report.txt").write_text(format_report(run) + "\n", encoding="utf-8")
     if plot:
         try:
-            demo.png = report.plot_run(run)
-        except report.ReportError as exc:
+            demo.png = plot_run(run)
+        except ReportError as exc:
             demo.notes.append(str(exc))
     demo.wall_time = time.perf_counter() - started
     return demo
@@ -322,7 +324,7 @@ def format_summary(demo: DemoResult) -> str:
     """The demo's closing text: each fault injected beside what safetrain did about it, the anomalies
     by kind, the counters, both accuracies and where the run directory is (all read from the journal)."""
     s, r = demo.size, demo.result
-    run = report.read_run(demo.run_dir)
+    run = read_run(demo.run_dir)
     found = [e for e in run.events if e["event"] == "anomaly"]
     lines = [f"\nsafetrain demo: {s.classes}-class Gaussian mixture, MLP {s.dim}+1-{s.hidden}-{s.hidden}-{s.classes}, "
              f"{s.epochs} epochs of {math.ceil(s.n_train / s.batch_size)} batches", "", "faults injected -> what safetrain did:"]

@@ -41,7 +41,7 @@ from torch import Tensor
 from .detect.flags import Layout, packed_order, parse_read
 from .errors import SnapshotError
 from .snapshot import SafetensorsStore, SnapshotInfo, load_snapshot as _load_snapshot
-from .snapshot.base import make_info
+from .snapshot.store import make_info
 from .snapshot.state import Captured
 from .snapshot.tensors import nonfinite
 

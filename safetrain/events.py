@@ -1,23 +1,20 @@
-"""Typed, frozen events, the bus that delivers them, and the JSONL journal.
+"""Typed, frozen events and the bus that delivers them.
 
 A closed, small set: :class:`RunStarted`, :class:`AnomalyFound`, :class:`SnapshotTaken`,
 :class:`Restored`, :class:`LRChanged`, :class:`Quarantined`, :class:`Aborted`, :class:`RunEnded`.
 Observers get each event after it happened and cannot change it; only the guard acts. Every
-event goes to the ``safetrain`` logger and, with ``log.dir`` set, one JSON line per event to
-``events.jsonl`` (flushed per line, so a crash loses at most the line being written).
+event goes to the ``safetrain`` logger and, with ``log.dir`` set, to the journal
+(:class:`safetrain.rundir.Journal`); this module writes no file.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Type
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Protocol, Type
 
 __all__ = [
     "Event",
@@ -30,7 +27,6 @@ __all__ = [
     "Aborted",
     "RunEnded",
     "EventBus",
-    "Journal",
     "jsonable",
 ]
 
@@ -163,14 +159,20 @@ class _Handle:
         self.remove()
 
 
+class _Sink(Protocol):
+    """Where the bus writes each event's record: a :class:`safetrain.rundir.Journal`."""
+
+    def write(self, record: Mapping[str, Any]) -> None: ...
+
+
 class EventBus:
     """Delivers events to subscribers, the logger and the journal, and keeps them in order.
 
     Args:
-        journal: where events are also written as JSON lines, or ``None``.
+        journal: where events are also written as JSON lines (a :class:`safetrain.rundir.Journal`), or ``None``.
     """
 
-    def __init__(self, journal: Optional["Journal"] = None) -> None:
+    def __init__(self, journal: Optional[_Sink] = None) -> None:
         self.journal = journal
         self.events: List[Event] = []
         self._subs: Dict[int, tuple] = {}
@@ -192,32 +194,3 @@ class EventBus:
             if kind is None or isinstance(event, kind):
                 fn(event)
         return event
-
-
-class Journal:
-    """Append-only JSONL file: one line per event, flushed per line, and a closing summary line.
-
-    Args:
-        path: the ``events.jsonl`` file; its directory is created.
-    """
-
-    def __init__(self, path: os.PathLike | str) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")
-
-    def write(self, record: Mapping[str, Any]) -> None:
-        """Append one record as a JSON line and flush it to the OS."""
-        if self._file.closed:
-            raise ValueError(f"{self.path}: journal is closed")
-        self._file.write(json.dumps(jsonable(record), allow_nan=False) + "\n")
-        self._file.flush()
-
-    def close(self, summary: Optional[Mapping[str, Any]] = None) -> None:
-        """Write the closing summary line (if given), fsync and close; idempotent."""
-        if self._file.closed:
-            return
-        if summary is not None:
-            self.write({"event": "summary", **summary})
-        os.fsync(self._file.fileno())
-        self._file.close()

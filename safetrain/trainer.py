@@ -16,10 +16,11 @@ import torch
 from . import distributed
 from .config import ConfigLike, as_config, to_dict
 from .errors import TrainingAborted
-from .events import Event, EventBus, Journal, Quarantined, RunEnded, RunStarted
+from .events import Event, EventBus, Quarantined, RunEnded, RunStarted
 from .guard import Guard, StepResult
 from .steps import Counters
 from .diagnose.quarantine import QuarantineKeeper
+from .rundir import METRICS_FILE, Journal, MetricsWriter, journal_path
 
 __all__ = ["SafeTrainer", "FitResult"]
 
@@ -117,8 +118,8 @@ class SafeTrainer:
         logger.setLevel(cfg.log.level)
         run_dir = Path(cfg.log.dir) if cfg.log.dir else None
         rank = distributed.rank()  # under DDP: rank 0 keeps events.jsonl and metrics.csv, rank r events-rank{r}.jsonl
-        journal = Journal(run_dir / ("events.jsonl" if rank == 0 else f"events-rank{rank}.jsonl")) if run_dir else None
-        metrics = _Metrics(run_dir / "metrics.csv") if run_dir and rank == 0 else None
+        journal = Journal(journal_path(run_dir, rank)) if run_dir else None
+        metrics = MetricsWriter(run_dir / METRICS_FILE) if run_dir and rank == 0 else None
         bus = EventBus(journal)
         guard = self.guard = Guard(
             self.model, self.optimizer, cfg, loss_fn=self.loss_fn, step_fn=self.step_fn,
@@ -166,7 +167,7 @@ class SafeTrainer:
 
     def _epochs(self, guard: Guard, loader: Iterable[Any], epochs: int, max_steps: Optional[int], start_epoch: int,
                 skip: int, epoch_rng: Optional[torch.Tensor], bar: Any, result: FitResult,
-                metrics: Optional["_Metrics"], keeper: QuarantineKeeper) -> None:
+                metrics: Optional[MetricsWriter], keeper: QuarantineKeeper) -> None:
         cfg = self.cfg
         sampler = getattr(loader, "sampler", None)
         for epoch in range(start_epoch, epochs):
@@ -188,8 +189,10 @@ class SafeTrainer:
                 iterator = iter(loader)
             def record(step: StepResult) -> None:
                 keeper.after_step(step.events)
-                if metrics is not None:
-                    metrics.write(guard, step)
+                if metrics is not None:  # an anomaly or a snapshot flushes: a killed run keeps every row up to here
+                    c = guard.counters
+                    metrics.write(step.step, c.epoch, c.batch - 1, step.loss, step.grad_norm, guard.backoff.scale,
+                                  step.trained, step.action, flush=bool(step.events))
                 if step.trained and math.isfinite(step.loss):
                     result.final_loss = step.loss
                 if bar is not None:
@@ -217,31 +220,6 @@ class SafeTrainer:
             setattr(result, f.name, getattr(guard.counters, f.name))
         result.lr_scale = guard.backoff.scale
         result.wall_time = time.perf_counter() - started
-
-
-class _Metrics:
-    """Per-step ``metrics.csv`` in the run directory (buffered; the report plots it).
-
-    Columns: step, epoch, batch, loss, grad_norm, lr_scale, trained, action.
-    """
-
-    COLUMNS = ("step", "epoch", "batch", "loss", "grad_norm", "lr_scale", "trained", "action")
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "a", encoding="utf-8")
-        if self._file.tell() == 0:
-            self._file.write(",".join(self.COLUMNS) + "\n")
-
-    def write(self, guard: Guard, step: Any) -> None:
-        c = guard.counters
-        self._file.write(f"{step.step},{c.epoch},{c.batch - 1},{step.loss:.6g},{step.grad_norm:.6g},"
-                         f"{guard.backoff.scale:.6g},{int(step.trained)},{step.action}\n")
-        if step.events:  # an anomaly or a snapshot: a killed run keeps every row up to here
-            self._file.flush()
-
-    def close(self) -> None:
-        self._file.close()
 
 
 def _advance(iterator: Any, n: int, keeper: QuarantineKeeper) -> int:

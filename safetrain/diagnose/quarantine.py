@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections import deque
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sized, Union
@@ -29,6 +28,7 @@ from torch.utils.data import Sampler
 
 from .. import distributed
 from ..errors import SafetrainError
+from ..rundir import atomic_write_text
 
 __all__ = ["QuarantineSampler", "QuarantineKeeper", "read_quarantine", "write_quarantine"]
 
@@ -135,21 +135,7 @@ def write_quarantine(path: Union[str, os.PathLike], indices: Iterable[int],
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"indices": sorted(set(int(i) for i in indices)), **(detail or {})}
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-quarantine-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(payload, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    atomic_write_text(path, json.dumps(payload, indent=1), prefix=".tmp-quarantine-")
 
 
 class QuarantineKeeper:

@@ -20,11 +20,12 @@ Example::
 
 from __future__ import annotations
 
-from .base import CorruptSnapshotError, SnapshotInfo, SnapshotStore, StoreState
+from .disk import SafetensorsStore, list_snapshots, load_snapshot
 from .inspection import format_inspection, inspect_snapshot
+from .make import SnapshotConfigError, make_store
 from .memory import MemoryStore
 from .state import TrainState
-from .store import SafetensorsStore, SnapshotConfigError, list_snapshots, load_snapshot, make_store
+from .store import CorruptSnapshotError, SnapshotInfo, SnapshotStore, StoreState
 from .tensors import nonfinite
 
 __all__ = [

@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 import torch
 
 from ..errors import SnapshotError
-from .base import CorruptSnapshotError
+from .store import CorruptSnapshotError
 from .tensors import byte_view
 
 __all__ = ["Entry", "Header", "FileWriter", "read_header", "read_tensors", "checksum", "DTYPES", "ALGORITHM"]

@@ -6,7 +6,7 @@ import datetime
 import os
 from typing import Any, Dict, List, Union
 
-from .base import CorruptSnapshotError
+from .store import CorruptSnapshotError
 from .codec import decode
 from .fileformat import read_header, read_tensors
 from .state import validate_meta

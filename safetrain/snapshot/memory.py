@@ -26,7 +26,7 @@ from typing import Any, Dict, Iterable, List, Literal, Optional
 import torch
 
 from ..errors import SnapshotError
-from .base import SnapshotInfo, SnapshotStore, make_info
+from .store import SnapshotInfo, SnapshotStore, make_info
 from .state import Captured, TrainState
 from .tensors import alloc_like, copy_all_, copy_checked_, layout_of, streamable
 

@@ -27,7 +27,7 @@ import torch
 
 from ..errors import SnapshotError
 from ..wrappers import plain_namer
-from .base import CorruptSnapshotError
+from .store import CorruptSnapshotError
 from .codec import decode, encode, tensor_refs
 from .optim import capture_optimizer, check_optimizer, restore_optimizer
 from .rng import capture_rng, restore_rng

@@ -1,329 +1,249 @@
-"""``SafetensorsStore``: one safetensors file per snapshot, written atomically, verified on load.
+"""The snapshot store's contract: ``SnapshotStore`` (lifecycle, save and restore loops) and ``SnapshotInfo``.
 
-Files are ``snapshot-{step:010d}.safetensors`` so that names sort by step. A save writes
-``.tmp-snapshot-...`` in the same directory, fsyncs it, renames it over the final name and
-fsyncs the directory: a crash at any moment leaves either the previous set of snapshots or
-the new one, never a half-written file under a snapshot's name. Temporary files are never
-listed and are removed when a store opens the directory. After a save, snapshots newer than
-it (left over from a trajectory that was rolled back) and all but the newest ``keep`` are
-renamed out of the listing at once and unlinked by a worker thread (``close()`` waits for it).
-Loading reads into fresh memory (no mmap), so deleted files really free their space.
+The concrete stores are :mod:`.memory` and :mod:`.disk`; :mod:`.make` picks one from the config.
+
+A store's life is ``OPEN`` -> ``CLOSED``; using a closed store raises. ``save`` captures the
+state, refuses it when a parameter or optimizer tensor is non-finite (one device-side pass,
+one host read), and hands the capture to the concrete store. ``restore`` walks the snapshots
+from newest to oldest and applies the first one that verifies and fits the live state.
 """
 
 from __future__ import annotations
 
-import json
+import abc
+import enum
 import logging
-import os
-import re
-import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 import torch
 
-from ..config import SnapshotConfig
-from ..errors import ConfigError, SnapshotError
-from .base import SnapshotInfo, SnapshotStore, make_info
-from .fileformat import FileWriter, checksum, read_header, read_tensors
-from .memory import MemoryStore
-from .state import Captured, TrainState, validate_meta
+from ..errors import SnapshotError
+from .codec import decode
+from .tensors import nonfinite
 
-__all__ = ["SafetensorsStore", "SnapshotConfigError", "load_snapshot", "make_store", "list_snapshots"]
+__all__ = ["SnapshotInfo", "SnapshotStore", "StoreState", "CorruptSnapshotError", "make_info"]
 
 log = logging.getLogger("safetrain")
 
-_NAME = re.compile(r"^snapshot-(\d{10,})\.safetensors$")
-_TMP_PREFIX = ".tmp-snapshot-"
+
+class CorruptSnapshotError(SnapshotError):
+    """A snapshot's bytes are damaged or not a snapshot at all (empty, truncated, checksum, format)."""
 
 
-class SnapshotConfigError(SnapshotError, ConfigError):
-    """The snapshot configuration cannot be used (no directory for the safetensors store, say)."""
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """What a snapshot is: its counters, the caller's extra state, and where it lives.
 
-
-def list_snapshots(directory: Union[str, os.PathLike]) -> List[str]:
-    """Snapshot files in ``directory``, oldest step first; temporary and set-aside files excluded."""
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return []
-    found = [(int(m.group(1)), n) for n in names if (m := _NAME.match(n))]
-    return [os.path.join(os.fspath(directory), n) for _, n in sorted(found)]
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _load_file(path: str, state: TrainState) -> SnapshotInfo:
-    header = read_header(path)
-    meta = header.state()
-    state.check_compatible(header.specs(), meta, path)  # before reading any tensor data
-    tensors, _ = read_tensors(header)
-    state.apply(tensors, meta, owned=True, where=path)
-    log.debug("restored snapshot %s", path)
-    return make_info(meta, tensors, path, path)
-
-
-class SafetensorsStore(SnapshotStore):
-    """Snapshots as safetensors files in a directory: survive the process, verified on load.
-
-    Args:
-        directory: where the files go (created if needed). Leftover temporary files from a
-            crashed writer are removed.
-        keep: number of snapshot files kept.
-
-    Example::
-
-        >>> import tempfile
-        >>> model = torch.nn.Linear(4, 2)
-        >>> state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        >>> with SafetensorsStore(tempfile.mkdtemp(), keep=2) as store:
-        ...     info = store.save(state, {"step": 3, "epoch": 0, "batch": 3})
-        ...     os.path.basename(store.restore(state).path)
-        'snapshot-0000000003.safetensors'
+    Attributes:
+        step: ``counters["step"]``.
+        epoch: ``counters.get("epoch", 0)``.
+        batch: ``counters.get("batch", 0)``, the batch index within the epoch.
+        counters: every counter saved.
+        extra: the caller's JSON state, as saved (tuples and non-finite floats intact).
+        extra_tensors: the caller's tensors, as fresh copies on the device they were saved from.
+        path: the file, or ``None`` for a memory snapshot.
+        created: ``time.time()`` when the snapshot was taken.
     """
 
-    def __init__(self, directory: Union[str, os.PathLike], keep: int = 2) -> None:
-        super().__init__(keep)
-        self.directory = os.fspath(directory)
-        try:
-            os.makedirs(self.directory, exist_ok=True)
-        except OSError as exc:
-            raise SnapshotError(f"{self.directory}: cannot create the snapshot directory: {exc.strerror or exc}") from None
-        for name in os.listdir(self.directory):
-            if name.startswith(_TMP_PREFIX):
-                log.info("removing %s, left by an interrupted snapshot write", name)
-                try:
-                    os.remove(os.path.join(self.directory, name))
-                except FileNotFoundError:
-                    pass
-        # One thread unlinks rotated files in the background (see _rotate).
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="safetrain-snapshot")
-        self._staging: Dict[str, torch.Tensor] = {}
-        self._removals: List[Future] = []
+    step: int
+    epoch: int
+    batch: int
+    counters: Dict[str, int] = field(default_factory=dict)
+    extra: Dict[str, Any] = field(default_factory=dict)
+    extra_tensors: Dict[str, torch.Tensor] = field(default_factory=dict, compare=False)
+    path: Optional[str] = None
+    created: float = 0.0
 
-    def paths(self) -> List[str]:
-        """The snapshot files, oldest step first."""
-        return list_snapshots(self.directory)
 
-    # -- save ----------------------------------------------------------------------------------
+def make_info(
+    meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], path: Optional[str], where: str, copy: Any = None
+) -> SnapshotInfo:
+    """Build a :class:`SnapshotInfo` from a snapshot's JSON part and tensors.
 
-    def _to_host(self, tensors: Dict[str, torch.Tensor]) -> Tuple[Dict[str, torch.Tensor], Set[torch.device]]:
-        """Contiguous CPU tensors to write, and the CUDA devices whose copies are still in flight.
+    ``copy(name, tensor)`` makes the returned ``extra_tensors`` independent of a store's buffers.
+    """
+    counters = dict(meta.get("counters", {}))
+    extra_tensors = {}
+    for name in meta.get("extra_tensors", []):
+        t = tensors[f"extra/{name}"]
+        extra_tensors[name] = copy(f"extra/{name}", t) if copy is not None else t
+    return SnapshotInfo(
+        step=int(counters.get("step", 0)),
+        epoch=int(counters.get("epoch", 0)),
+        batch=int(counters.get("batch", 0)),
+        counters=counters,
+        extra=decode(meta.get("extra", {}), {}, where),
+        extra_tensors=extra_tensors,
+        path=path,
+        created=float(meta.get("created", 0.0)),
+    )
 
-        CUDA tensors are copied asynchronously into pinned buffers reused across saves.
+
+class StoreState(enum.Enum):
+    """A store's lifecycle: open until :meth:`SnapshotStore.close`, then every use raises."""
+
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class SnapshotStore(abc.ABC):
+    """Base of :class:`MemoryStore` and :class:`SafetensorsStore`: save, restore with fallback, close.
+
+    Args:
+        keep: how many snapshots are kept; the oldest is dropped when a new one is taken.
+    """
+
+    def __init__(self, keep: int) -> None:
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise SnapshotError(f"snapshot.keep: got {keep!r}; expected an integer >= 1")
+        self.keep = keep
+        self.state = StoreState.OPEN
+
+    def _require_open(self, what: str) -> None:
+        if self.state is not StoreState.OPEN:
+            raise SnapshotError(f"{type(self).__name__}.{what}(): the store is closed")
+
+    def save(
+        self,
+        state: Any,
+        counters: Mapping[str, int],
+        extra: Optional[Mapping[str, Any]] = None,
+        extra_tensors: Optional[Mapping[str, torch.Tensor]] = None,
+    ) -> Optional[SnapshotInfo]:
+        """Take a snapshot of ``state`` unless a parameter or optimizer tensor is non-finite.
+
+        Args:
+            state: the :class:`TrainState` to capture.
+            counters: integer counters; ``step`` is required, ``epoch`` and ``batch`` expected.
+            extra: JSON-able state of the caller (tuples and inf allowed; no arbitrary objects).
+            extra_tensors: the caller's own tensors (an epoch's RNG state, say).
+
+        Returns:
+            The new snapshot's :class:`SnapshotInfo`, or ``None`` when it was refused because a
+            tensor is non-finite (a warning names the tensors; older snapshots are untouched).
+
+        Raises:
+            SnapshotError: the store is closed, some state cannot be stored without pickle, or
+                the write failed (the message names the file).
         """
-        out: Dict[str, torch.Tensor] = {}
-        devices: Set[torch.device] = set()
-        for name, t in tensors.items():
-            if t.device.type == "cpu":
-                out[name] = t.contiguous()
-            elif t.device.type == "cuda":
-                buf = self._staging.get(name)
-                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                    buf = self._staging[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                buf.copy_(t, non_blocking=True)
-                devices.add(t.device)
-                out[name] = buf
-            else:
-                out[name] = t.to("cpu").contiguous()
-        for name in set(self._staging) - set(tensors):
-            del self._staging[name]
-        return out, devices
-
-    def _save(self, captured: Captured) -> Optional[SnapshotInfo]:
-        step = captured.meta["counters"]["step"]
-        if step < 0:
-            raise SnapshotError(f"counters['step']: got {step}; expected >= 0")
-        final = os.path.join(self.directory, f"snapshot-{step:010d}.safetensors")
-        tmp = os.path.join(self.directory, f"{_TMP_PREFIX}{step:010d}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        state_json = json.dumps(captured.meta, separators=(",", ":"), allow_nan=False)
-        host, devices = self._to_host(captured.tensors)
-        writer = None
-        try:
-            if devices:
-                # The check runs on the device; its host read comes after the staging copies.
-                if self._refused(captured):
-                    return None
-                for device in devices:
-                    # host sync: the staged bytes must be in host memory before they are written.
-                    torch.cuda.current_stream(device).synchronize()
-                writer = FileWriter(tmp, host, state_json)
-            else:
-                # CPU: the data goes to disk while the check and the checksums run.
-                writer = FileWriter(tmp, host, state_json)
-                if self._refused(captured):
-                    return None  # the writer is aborted below
-            sums = {name: checksum(t) for name, t in host.items()}
-            writer.finish(sums)
-            writer = None
-            self._publish(tmp, final)
-            _fsync_dir(self.directory)
-        except OSError as exc:
-            raise SnapshotError(f"{final}: cannot write the snapshot: {exc.strerror or exc}") from None
-        finally:
-            if writer is not None:
-                writer.abort()
-            if os.path.exists(tmp):
-                os.remove(tmp)
-        self._rotate(step)
-        log.debug("snapshot at step %d written to %s", step, final)
-        return make_info(captured.meta, captured.tensors, final, final, copy=lambda n, t: t.clone())
-
-    def _publish(self, tmp: str, final: str) -> None:
-        """Rename ``tmp`` over ``final``; an older file of the same step is freed in the background.
-
-        A save at a step that already has a file (after a rollback) would otherwise free the old
-        file's blocks inside the rename: about 150 ms per 0.6 GB on a filesystem mounted with
-        `discard`. A second hard link keeps the old inode alive through the rename, and the worker
-        unlinks it; ``final`` names a whole file at every moment. Without hard links (some
-        filesystems), the rename frees it in place.
-        """
-        hidden = os.path.join(self.directory, f"{_TMP_PREFIX}removed-{uuid.uuid4().hex[:8]}-{os.path.basename(final)}")
-        try:
-            os.link(final, hidden)
-        except OSError:  # no file at that step (the usual case), or no hard links here
-            hidden = ""
-        try:
-            os.replace(tmp, final)
-        finally:
-            if hidden:
-                self._removals.append(self._pool.submit(self._remove, hidden))
-
-    def _rotate(self, step: int) -> None:
-        paths = self.paths()
-        doomed = []
-        for path in paths:
-            if int(_NAME.match(os.path.basename(path)).group(1)) > step:
-                log.warning("removing %s: newer than step %d, from a run that was rolled back", path, step)
-                doomed.append(path)
-        kept = [p for p in paths if p not in doomed]
-        doomed += kept[: max(0, len(kept) - self.keep)]
-        for path in doomed:
-            # Rename now (instant: the listing is right at once), unlink in the background: on a
-            # filesystem mounted with `discard`, freeing gigabytes takes a noticeable time.
-            hidden = os.path.join(self.directory, f"{_TMP_PREFIX}removed-{os.path.basename(path)}")
-            try:
-                os.replace(path, hidden)
-            except FileNotFoundError:
-                continue
-            log.debug("removing old snapshot %s", path)
-            self._removals.append(self._pool.submit(self._remove, hidden))
-        self._removals = [f for f in self._removals if not f.done()]
-
-    def drain(self) -> None:
-        """Wait until rotated snapshot files are deleted (``close()`` does this too)."""
-        for future in self._removals:
-            future.result()
-        self._removals = []
+        self._require_open("save")
+        return self._save(state.capture(counters, extra, extra_tensors))
 
     @staticmethod
-    def _remove(path: str) -> None:
-        try:
-            os.remove(path)
-        except FileNotFoundError:
-            pass
+    def _refused(captured: Any, names: Optional[Iterable[str]] = None) -> bool:
+        """Run the finiteness check (one device-side pass, one host read); log and say if it failed.
 
-    # -- restore -------------------------------------------------------------------------------
+        ``names`` limits it to those tensors (default: every one that gates a snapshot).
+        """
+        bad = nonfinite((n, captured.tensors[n]) for n in (captured.checked if names is None else names))
+        if bad:
+            SnapshotStore._warn_refused(captured, bad)
+        return bool(bad)
 
-    def _candidates(self) -> Iterable[str]:
-        return list(reversed(self.paths()))
+    @staticmethod
+    def _warn_refused(captured: Any, bad: List[str], lost: str = "") -> None:
+        """Log a refused snapshot, naming the non-finite tensors (and ``lost``, a snapshot it cost)."""
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        log.warning(
+            "snapshot refused at step %d: non-finite values in %s%s; keeping the previous snapshot%s",
+            captured.meta["counters"]["step"], ", ".join(bad[:5]), more, lost,
+        )
 
-    def _restore(self, path: str, state: TrainState) -> SnapshotInfo:
-        return _load_file(path, state)
+    def restore(self, state: Any, older: int = 0) -> SnapshotInfo:
+        """Put the newest usable snapshot back into ``state`` (model, optimizer, scheduler, scaler, RNGs).
 
-    def _info(self, path: str) -> SnapshotInfo:
-        header = read_header(path)
-        meta = header.state()
-        validate_meta(meta, path)
-        wanted = {f"extra/{n}" for n in meta.get("extra_tensors", [])}
-        tensors, _ = read_tensors(header, only=wanted)
-        return make_info(meta, tensors, path, path)
+        Snapshots are tried newest first; one that is damaged or does not fit the live state is
+        logged and skipped (a damaged file is set aside as ``*.corrupt``), and the next older one
+        is used.
 
-    def _discard(self, path: str) -> None:
-        self._remove(path)
-        _fsync_dir(self.directory)
+        Args:
+            state: the :class:`TrainState` to write into.
+            older: skip this many of the newest snapshots first (0: start from the newest).
 
-    def _set_aside(self, path: str) -> None:
-        try:
-            os.replace(path, path + ".corrupt")
-            log.warning("set aside damaged snapshot as %s.corrupt", path)
-        except OSError:
-            pass
+        Returns:
+            The :class:`SnapshotInfo` of the snapshot restored: counters, extra state and tensors.
 
-    def _where(self) -> str:
-        return self.directory
+        Raises:
+            SnapshotError: no snapshot is usable; the message lists why each one was not.
+        """
+        self._require_open("restore")
+        failures: List[str] = []
+        candidates = list(self._candidates())[older:]
+        for candidate in candidates:
+            try:
+                return self._restore(candidate, state)
+            except CorruptSnapshotError as exc:
+                failures.append(str(exc))
+                log.warning("snapshot unusable, trying an older one: %s", exc)
+                self._set_aside(candidate)
+            except SnapshotError as exc:
+                failures.append(str(exc))
+                log.warning("snapshot unusable, trying an older one: %s", exc)
+        if not failures:
+            raise SnapshotError(f"{self._where()}: no snapshot to restore (none taken yet)")
+        raise SnapshotError(f"{self._where()}: no usable snapshot; " + "; ".join(failures))
+
+    def latest(self) -> Optional[SnapshotInfo]:
+        """The newest snapshot's :class:`SnapshotInfo` (without restoring it), or ``None``."""
+        self._require_open("latest")
+        for candidate in self._candidates():
+            try:
+                return self._info(candidate)
+            except SnapshotError as exc:
+                log.warning("snapshot unreadable: %s", exc)
+        return None
+
+    def discard_newest(self) -> bool:
+        """Drop the newest snapshot: one that turned out to hold a bad update (finite, but the
+        next step broke). Returns ``False`` when the store is empty."""
+        self._require_open("discard_newest")
+        for candidate in self._candidates():
+            self._discard(candidate)
+            log.warning("discarded the newest snapshot (%s): the step after it was not healthy", candidate)
+            return True
+        return False
+
+    def close(self) -> None:
+        """Release buffers and threads; the store cannot be used afterwards. Idempotent."""
+        if self.state is StoreState.OPEN:
+            self._close()
+        self.state = StoreState.CLOSED
+
+    def __enter__(self) -> "SnapshotStore":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __len__(self) -> int:
+        return 0 if self.state is StoreState.CLOSED else len(list(self._candidates()))
+
+    # -- what a concrete store provides --------------------------------------------------------
+
+    @abc.abstractmethod
+    def _save(self, captured: Any) -> Optional[SnapshotInfo]:
+        """Check (``_refused``) and store a capture; ``None`` when refused."""
+
+    @abc.abstractmethod
+    def _candidates(self) -> Iterable[Any]:
+        """Snapshots, newest first."""
+
+    @abc.abstractmethod
+    def _restore(self, candidate: Any, state: Any) -> SnapshotInfo: ...
+
+    @abc.abstractmethod
+    def _info(self, candidate: Any) -> SnapshotInfo: ...
+
+    @abc.abstractmethod
+    def _where(self) -> str: ...
+
+    def _discard(self, candidate: Any) -> None:
+        """Forget a snapshot that is whole but not wanted (slots dropped, files deleted)."""
+        self._set_aside(candidate)
+
+    def _set_aside(self, candidate: Any) -> None:
+        """Keep a damaged snapshot from being tried again (files are renamed, slots dropped)."""
 
     def _close(self) -> None:
-        self._pool.shutdown(wait=True)  # finishes pending removals of rotated files
-        self._staging.clear()
-
-
-def load_snapshot(path: Union[str, os.PathLike], state: TrainState) -> SnapshotInfo:
-    """Load a snapshot file into ``state``, or the newest valid one of a directory (for resume).
-
-    The file is checked before the live state is touched: format, checksums, and names, shapes
-    and dtypes against the live model and optimizer. Nothing in the file can run code.
-
-    Args:
-        path: a ``.safetensors`` snapshot, or a directory of them (damaged ones are skipped,
-            with a warning, and left in place).
-        state: the :class:`TrainState` to write into.
-
-    Returns:
-        The :class:`SnapshotInfo` loaded: counters to resume from, extra state and tensors.
-
-    Raises:
-        SnapshotError: the file (or every file of the directory) is unusable; the message
-            names each file and what is wrong.
-
-    Example::
-
-        >>> info = load_snapshot("runs/a/snapshots", state)   # doctest: +SKIP
-        >>> start_step = info.step
-    """
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        if not os.path.exists(path):
-            raise SnapshotError(f"{path}: no such snapshot file or directory")
-        return _load_file(path, state)
-    failures = []
-    for candidate in reversed(list_snapshots(path)):
-        try:
-            return _load_file(candidate, state)
-        except SnapshotError as exc:
-            log.warning("snapshot unusable, trying an older one: %s", exc)
-            failures.append(str(exc))
-    if not failures:
-        raise SnapshotError(f"{path}: no snapshot files (snapshot-*.safetensors) in this directory")
-    raise SnapshotError(f"{path}: no usable snapshot; " + "; ".join(failures))
-
-
-def make_store(cfg: SnapshotConfig, run_dir: Optional[Union[str, os.PathLike]] = None) -> SnapshotStore:
-    """Build the store the ``snapshot`` section describes.
-
-    Args:
-        cfg: the ``snapshot`` section: ``store`` (memory | safetensors), ``keep``, ``device`` (memory),
-            ``dir`` (safetensors).
-        run_dir: the run directory; safetensors snapshots go to ``cfg.dir`` or ``<run_dir>/snapshots``.
-
-    Raises:
-        SnapshotConfigError: (a ``SnapshotError`` and a ``ConfigError``) the safetensors store has
-            no directory, or ``cfg.store`` is unknown.
-    """
-    if cfg.store == "memory":
-        return MemoryStore(keep=cfg.keep, device=cfg.device)
-    if cfg.store == "safetensors":
-        directory = cfg.dir or (os.path.join(os.fspath(run_dir), "snapshots") if run_dir is not None else None)
-        if directory is None:
-            raise SnapshotConfigError(
-                "snapshot.dir: store is 'safetensors' but neither snapshot.dir nor a run directory (log.dir) "
-                "is set; set snapshot.dir=PATH or log.dir=PATH"
-            )
-        return SafetensorsStore(directory, keep=cfg.keep)
-    raise SnapshotConfigError(f"snapshot.store: got {cfg.store!r}; expected 'memory' or 'safetensors'")
+        """Free the store's resources."""

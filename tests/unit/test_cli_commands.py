@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from safetrain.cli import main
-from safetrain.events import AnomalyFound, Journal, RunStarted
+from safetrain.events import AnomalyFound, RunStarted
+from safetrain.rundir import Journal
 
 ROOT = Path(__file__).resolve().parents[2]
 

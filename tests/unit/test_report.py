@@ -1,4 +1,4 @@
-"""safetrain.report: reading run directories defensively, the event table, the cross-check, the plot."""
+"""Run directories: read defensively (rundir), the event table and cross-check (report), the plot."""
 
 from __future__ import annotations
 
@@ -7,16 +7,10 @@ import sys
 
 import pytest
 
-from safetrain.events import AnomalyFound, Journal, Restored, RunEnded, RunStarted, SnapshotTaken
-from safetrain.report import (
-    PlotUnavailable,
-    ReportError,
-    event_table,
-    format_report,
-    plot_run,
-    read_run,
-    reconcile,
-)
+from safetrain.events import AnomalyFound, Restored, RunEnded, RunStarted, SnapshotTaken
+from safetrain.plot import PlotUnavailable, plot_run
+from safetrain.report import event_table, format_report, reconcile
+from safetrain.rundir import Journal, ReportError, read_run
 
 HEADER = "step,epoch,batch,loss,grad_norm,lr_scale,trained,action"
 

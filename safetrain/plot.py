@@ -1,14 +1,27 @@
-"""The drawing behind :func:`safetrain.report.plot_run`: matplotlib's object API (no pyplot), Agg PNG."""
+"""The plot of a run: loss, gradient norm and LR scale over the steps, a marker per recovery action.
+
+:func:`plot_run` draws what :func:`safetrain.rundir.read_run` read into a PNG through
+matplotlib's object API (no pyplot, so no global figure or backend state) and the Agg renderer.
+matplotlib is the ``plot`` extra, imported on first use: without it :class:`PlotUnavailable`
+says how to install it, and the text report (:mod:`safetrain.report`) still works.
+
+Example::
+
+    >>> from safetrain.rundir import read_run
+    >>> plot_run(read_run("runs/demo"))                  # doctest: +SKIP
+    PosixPath('runs/demo/report.png')
+"""
 
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Tuple, Union
 
-from .report import RunLog
+from .rundir import ReportError, RunLog
 
-__all__ = ["draw"]
+__all__ = ["PlotUnavailable", "plot_run"]
 
 _MARKERS = {  # action -> (marker, colour); the order is the legend's
     "drop_rows": ("v", "#1f77b4"),
@@ -22,7 +35,37 @@ _MARKERS = {  # action -> (marker, colour); the order is the legend's
 }
 
 
-def draw(run: RunLog, out: Path) -> None:
+class PlotUnavailable(ReportError):
+    """matplotlib is not installed; the text report still works."""
+
+
+def plot_run(run: RunLog, path: Union[None, str, os.PathLike] = None) -> Path:
+    """Draw loss and gradient norm over steps with a marker per recovery action, and the LR scale below.
+
+    Args:
+        run: what :func:`safetrain.rundir.read_run` returned.
+        path: the PNG to write (default ``<run_dir>/report.png``).
+
+    Returns:
+        The path written.
+
+    Raises:
+        PlotUnavailable: matplotlib is not installed (``pip install safetrain[plot]``).
+        ReportError: the run has no ``metrics.csv`` rows to plot.
+    """
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise PlotUnavailable("matplotlib is not installed, so no report.png; "
+                              "install it with: pip install 'safetrain[plot]'") from None
+    if not run.metrics or not run.metrics.get("step"):
+        raise ReportError(f"{run.run_dir / 'metrics.csv'}: no per-step metrics to plot")
+    out = Path(path) if path is not None else run.run_dir / "report.png"
+    _draw(run, out)
+    return out
+
+
+def _draw(run: RunLog, out: Path) -> None:
     """Draw ``run`` into the PNG ``out``: loss, gradient norm (markers per action) and LR scale."""
     from matplotlib.figure import Figure  # no pyplot: no global backend or figure state is touched
     from matplotlib.lines import Line2D
@@ -67,8 +110,6 @@ def draw(run: RunLog, out: Path) -> None:
     ax_loss.set_title(title, fontsize=10, loc="left")
     fig.align_ylabels()
     fig.savefig(out, bbox_inches="tight")  # a PNG through matplotlib's Agg renderer
-
-
 
 
 def _marks(run: RunLog) -> List[Tuple[int, str, str]]:

@@ -1,0 +1,289 @@
+"""``SafetensorsStore``: one safetensors file per snapshot, written atomically, verified on load.
+
+Files are ``snapshot-{step:010d}.safetensors`` so that names sort by step. A save writes
+``.tmp-snapshot-...`` in the same directory, fsyncs it, renames it over the final name and
+fsyncs the directory: a crash at any moment leaves either the previous set of snapshots or
+the new one, never a half-written file under a snapshot's name. Temporary files are never
+listed and are removed when a store opens the directory. After a save, snapshots newer than
+it (left over from a trajectory that was rolled back) and all but the newest ``keep`` are
+renamed out of the listing at once and unlinked by a worker thread (``close()`` waits for it).
+Loading reads into fresh memory (no mmap), so deleted files really free their space.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Dict, Iterable, List, Optional, Set, Tuple, Union
+
+import torch
+
+from ..errors import SnapshotError
+from ..rundir import AtomicFile, fsync_dir
+from .fileformat import FileWriter, checksum, read_header, read_tensors
+from .state import Captured, TrainState, validate_meta
+from .store import SnapshotInfo, SnapshotStore, make_info
+
+__all__ = ["SafetensorsStore", "load_snapshot", "list_snapshots"]
+
+log = logging.getLogger("safetrain")
+
+_NAME = re.compile(r"^snapshot-(\d{10,})\.safetensors$")
+_TMP_PREFIX = ".tmp-snapshot-"
+
+
+def list_snapshots(directory: Union[str, os.PathLike]) -> List[str]:
+    """Snapshot files in ``directory``, oldest step first; temporary and set-aside files excluded."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    found = [(int(m.group(1)), n) for n in names if (m := _NAME.match(n))]
+    return [os.path.join(os.fspath(directory), n) for _, n in sorted(found)]
+
+
+def _load_file(path: str, state: TrainState) -> SnapshotInfo:
+    header = read_header(path)
+    meta = header.state()
+    state.check_compatible(header.specs(), meta, path)  # before reading any tensor data
+    tensors, _ = read_tensors(header)
+    state.apply(tensors, meta, owned=True, where=path)
+    log.debug("restored snapshot %s", path)
+    return make_info(meta, tensors, path, path)
+
+
+class SafetensorsStore(SnapshotStore):
+    """Snapshots as safetensors files in a directory: survive the process, verified on load.
+
+    Args:
+        directory: where the files go (created if needed). Leftover temporary files from a
+            crashed writer are removed.
+        keep: number of snapshot files kept.
+
+    Example::
+
+        >>> import tempfile
+        >>> model = torch.nn.Linear(4, 2)
+        >>> state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> with SafetensorsStore(tempfile.mkdtemp(), keep=2) as store:
+        ...     info = store.save(state, {"step": 3, "epoch": 0, "batch": 3})
+        ...     os.path.basename(store.restore(state).path)
+        'snapshot-0000000003.safetensors'
+    """
+
+    def __init__(self, directory: Union[str, os.PathLike], keep: int = 2) -> None:
+        super().__init__(keep)
+        self.directory = os.fspath(directory)
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+        except OSError as exc:
+            raise SnapshotError(f"{self.directory}: cannot create the snapshot directory: {exc.strerror or exc}") from None
+        for name in os.listdir(self.directory):
+            if name.startswith(_TMP_PREFIX):
+                log.info("removing %s, left by an interrupted snapshot write", name)
+                try:
+                    os.remove(os.path.join(self.directory, name))
+                except FileNotFoundError:
+                    pass
+        # One thread unlinks rotated files in the background (see _rotate).
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="safetrain-snapshot")
+        self._staging: Dict[str, torch.Tensor] = {}
+        self._removals: List[Future] = []
+
+    def paths(self) -> List[str]:
+        """The snapshot files, oldest step first."""
+        return list_snapshots(self.directory)
+
+    # -- save ----------------------------------------------------------------------------------
+
+    def _to_host(self, tensors: Dict[str, torch.Tensor]) -> Tuple[Dict[str, torch.Tensor], Set[torch.device]]:
+        """Contiguous CPU tensors to write, and the CUDA devices whose copies are still in flight.
+
+        CUDA tensors are copied asynchronously into pinned buffers reused across saves.
+        """
+        out: Dict[str, torch.Tensor] = {}
+        devices: Set[torch.device] = set()
+        for name, t in tensors.items():
+            if t.device.type == "cpu":
+                out[name] = t.contiguous()
+            elif t.device.type == "cuda":
+                buf = self._staging.get(name)
+                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                    buf = self._staging[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                buf.copy_(t, non_blocking=True)
+                devices.add(t.device)
+                out[name] = buf
+            else:
+                out[name] = t.to("cpu").contiguous()
+        for name in set(self._staging) - set(tensors):
+            del self._staging[name]
+        return out, devices
+
+    def _save(self, captured: Captured) -> Optional[SnapshotInfo]:
+        step = captured.meta["counters"]["step"]
+        if step < 0:
+            raise SnapshotError(f"counters['step']: got {step}; expected >= 0")
+        final = os.path.join(self.directory, f"snapshot-{step:010d}.safetensors")
+        tmp = os.path.join(self.directory, f"{_TMP_PREFIX}{step:010d}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        state_json = json.dumps(captured.meta, separators=(",", ":"), allow_nan=False)
+        host, devices = self._to_host(captured.tensors)
+        target, writer = AtomicFile(final, tmp=tmp), None
+        try:
+            if devices:
+                # The check runs on the device; its host read comes after the staging copies.
+                if self._refused(captured):
+                    return None
+                for device in devices:
+                    # host sync: the staged bytes must be in host memory before they are written.
+                    torch.cuda.current_stream(device).synchronize()
+                writer = FileWriter(tmp, host, state_json)
+            else:
+                # CPU: the data goes to disk while the check and the checksums run.
+                writer = FileWriter(tmp, host, state_json)
+                if self._refused(captured):
+                    return None  # the writer is aborted below
+            sums = {name: checksum(t) for name, t in host.items()}
+            writer.finish(sums)  # the data, the header, fsync of the file
+            writer = None
+            target.commit(replace=self._publish)  # rename, then fsync the directory
+        except OSError as exc:
+            raise SnapshotError(f"{final}: cannot write the snapshot: {exc.strerror or exc}") from None
+        finally:
+            if writer is not None:
+                writer.abort()
+            target.discard()  # the temporary file, unless it was committed
+        self._rotate(step)
+        log.debug("snapshot at step %d written to %s", step, final)
+        return make_info(captured.meta, captured.tensors, final, final, copy=lambda n, t: t.clone())
+
+    def _publish(self, tmp: str, final: str) -> None:
+        """Rename ``tmp`` over ``final``; an older file of the same step is freed in the background.
+
+        A save at a step that already has a file (after a rollback) would otherwise free the old
+        file's blocks inside the rename: about 150 ms per 0.6 GB on a filesystem mounted with
+        `discard`. A second hard link keeps the old inode alive through the rename, and the worker
+        unlinks it; ``final`` names a whole file at every moment. Without hard links (some
+        filesystems), the rename frees it in place.
+        """
+        hidden = os.path.join(self.directory, f"{_TMP_PREFIX}removed-{uuid.uuid4().hex[:8]}-{os.path.basename(final)}")
+        try:
+            os.link(final, hidden)
+        except OSError:  # no file at that step (the usual case), or no hard links here
+            hidden = ""
+        try:
+            os.replace(tmp, final)
+        finally:
+            if hidden:
+                self._removals.append(self._pool.submit(self._remove, hidden))
+
+    def _rotate(self, step: int) -> None:
+        paths = self.paths()
+        doomed = []
+        for path in paths:
+            if int(_NAME.match(os.path.basename(path)).group(1)) > step:
+                log.warning("removing %s: newer than step %d, from a run that was rolled back", path, step)
+                doomed.append(path)
+        kept = [p for p in paths if p not in doomed]
+        doomed += kept[: max(0, len(kept) - self.keep)]
+        for path in doomed:
+            # Rename now (instant: the listing is right at once), unlink in the background: on a
+            # filesystem mounted with `discard`, freeing gigabytes takes a noticeable time.
+            hidden = os.path.join(self.directory, f"{_TMP_PREFIX}removed-{os.path.basename(path)}")
+            try:
+                os.replace(path, hidden)
+            except FileNotFoundError:
+                continue
+            log.debug("removing old snapshot %s", path)
+            self._removals.append(self._pool.submit(self._remove, hidden))
+        self._removals = [f for f in self._removals if not f.done()]
+
+    def drain(self) -> None:
+        """Wait until rotated snapshot files are deleted (``close()`` does this too)."""
+        for future in self._removals:
+            future.result()
+        self._removals = []
+
+    @staticmethod
+    def _remove(path: str) -> None:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+
+    # -- restore -------------------------------------------------------------------------------
+
+    def _candidates(self) -> Iterable[str]:
+        return list(reversed(self.paths()))
+
+    def _restore(self, path: str, state: TrainState) -> SnapshotInfo:
+        return _load_file(path, state)
+
+    def _info(self, path: str) -> SnapshotInfo:
+        header = read_header(path)
+        meta = header.state()
+        validate_meta(meta, path)
+        wanted = {f"extra/{n}" for n in meta.get("extra_tensors", [])}
+        tensors, _ = read_tensors(header, only=wanted)
+        return make_info(meta, tensors, path, path)
+
+    def _discard(self, path: str) -> None:
+        self._remove(path)
+        fsync_dir(self.directory)
+
+    def _set_aside(self, path: str) -> None:
+        try:
+            os.replace(path, path + ".corrupt")
+            log.warning("set aside damaged snapshot as %s.corrupt", path)
+        except OSError:
+            pass
+
+    def _where(self) -> str:
+        return self.directory
+
+    def _close(self) -> None:
+        self._pool.shutdown(wait=True)  # finishes pending removals of rotated files
+        self._staging.clear()
+
+
+def load_snapshot(path: Union[str, os.PathLike], state: TrainState) -> SnapshotInfo:
+    """Load a snapshot file into ``state``, or the newest valid one of a directory (for resume).
+
+    The file is checked before the live state is touched: format, checksums, and names, shapes
+    and dtypes against the live model and optimizer. Nothing in the file can run code.
+
+    Args:
+        path: a ``.safetensors`` snapshot, or a directory of them (damaged ones are skipped,
+            with a warning, and left in place).
+        state: the :class:`TrainState` to write into.
+
+    Returns:
+        The :class:`SnapshotInfo` loaded: counters to resume from, extra state and tensors.
+
+    Raises:
+        SnapshotError: the file (or every file of the directory) is unusable; the message
+            names each file and what is wrong.
+
+    Example::
+
+        >>> info = load_snapshot("runs/a/snapshots", state)   # doctest: +SKIP
+        >>> start_step = info.step
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        if not os.path.exists(path):
+            raise SnapshotError(f"{path}: no such snapshot file or directory")
+        return _load_file(path, state)
+    failures = []
+    for candidate in reversed(list_snapshots(path)):
+        try:
+            return _load_file(candidate, state)
+        except SnapshotError as exc:
+            log.warning("snapshot unusable, trying an older one: %s", exc)
+            failures.append(str(exc))
+    if not failures:
+        raise SnapshotError(f"{path}: no snapshot files (snapshot-*.safetensors) in this directory")
+    raise SnapshotError(f"{path}: no usable snapshot; " + "; ".join(failures))
