@@ -28,7 +28,8 @@ __all__ = [
 
 #: The summary counters shown in the report, in order.
 _COUNTERS = ("steps", "optimizer_steps", "healthy_steps", "skipped_batches", "dropped_rows", "replaced_rows",
-             "zeroed_grads", "restores", "scaler_skips", "lr_scale", "final_loss", "wall_time", "aborted", "events")
+             "zeroed_grads", "restores", "scaler_skips", "warnings", "lr_backoffs", "retries", "rejected_batches",
+             "lr_scale", "final_loss", "wall_time", "aborted", "events")
 #: Records that are bookkeeping, not something that happened to training.
 _ROUTINE = frozenset({"run_started", "run_ended", "snapshot"})
 

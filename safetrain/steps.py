@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from .events import Event
+from .kinds import Action
 
-__all__ = ["Phase", "StepResult", "Counters", "Pending"]
+__all__ = ["Phase", "StepResult", "Counters", "Pending", "COUNTED_BY"]
 
 
 class Phase(enum.Enum):
@@ -56,6 +57,10 @@ class Counters:
         zeroed_grads: parameters whose non-finite gradient was zeroed.
         restores: restores of a snapshot.
         scaler_skips: fp16 steps skipped by the GradScaler for overflow (normal, not failures).
+        warnings: anomalous steps applied anyway (``warn``).
+        lr_backoffs: LR backoffs (``scale_lr``; each also restores).
+        retries: transient faults run once more (``retry``).
+        rejected_batches: batches refused with ``BatchError`` (``sanitize.*: raise``).
         epoch: the current epoch.
         batch: batches of the current epoch consumed so far.
     """
@@ -69,8 +74,28 @@ class Counters:
     zeroed_grads: int = 0
     restores: int = 0
     scaler_skips: int = 0
+    warnings: int = 0
+    lr_backoffs: int = 0
+    retries: int = 0
+    rejected_batches: int = 0
     epoch: int = 0
     batch: int = 0
+
+
+#: The :class:`Counters` field each action moves (``abort`` restores first, and ends the run:
+#: ``FitResult.aborted``; ``raise`` refuses the batch with ``BatchError``).
+COUNTED_BY: Dict[Action, str] = {
+    Action.WARN: "warnings",
+    Action.SKIP_BATCH: "skipped_batches",
+    Action.DROP_ROWS: "dropped_rows",
+    Action.REPLACE: "replaced_rows",
+    Action.ZERO_GRADS: "zeroed_grads",
+    Action.RESTORE: "restores",
+    Action.SCALE_LR: "lr_backoffs",
+    Action.ABORT: "restores",
+    Action.RETRY: "retries",
+    Action.RAISE: "rejected_batches",
+}
 
 
 @dataclass

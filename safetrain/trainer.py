@@ -34,7 +34,8 @@ class FitResult(Counters):
     Attributes:
         (the counters): every field of :class:`~safetrain.steps.Counters` (steps, optimizer_steps,
             healthy_steps, skipped_batches, dropped_rows, replaced_rows, zeroed_grads, restores,
-            scaler_skips, epoch, batch), as they stood at the end.
+            scaler_skips, warnings, lr_backoffs, retries, rejected_batches, epoch, batch), as they
+            stood at the end: every action the guard took is counted in one of them.
         lr_scale: the LR scale in force at the end.
         final_loss: the loss of the last trained step (``nan`` if none).
         wall_time: seconds spent in ``fit``.

@@ -341,6 +341,7 @@ class Guard:
     def _raise_rows(self, anomaly: Anomaly) -> None:
         """``sanitize.*: raise``: the step is not applied, the rows are journaled, BatchError."""
         self._not_applied()
+        self.counters.rejected_batches += 1
         self.phase = Phase.READY
         rows = anomaly.detail["rows"]
         error = detect.batch_error(rows)

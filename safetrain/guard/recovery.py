@@ -104,6 +104,7 @@ class Recovery:
         """
         action, kind = decision.action, decision.kind
         if action is Action.RETRY:
+            self.counters.retries += 1
             event = self.emit(AnomalyFound, kind, action, f"{kind} anomaly: {summary(kind, anomaly.detail)} -> "
                               "transient (the replay from the same state was finite): retrying the step once",
                               _payload(anomaly.detail, diagnosis))
@@ -124,6 +125,7 @@ class Recovery:
         events: List[Event] = [self.emit(AnomalyFound, kind, action, message,
                                          {**_payload(detail, diagnosis), "rung": decision.rung})]
         if action in (Action.WARN, Action.ZERO_GRADS):
+            self.counters.warnings += action is Action.WARN
             total = read.total_norm
             if action is Action.ZERO_GRADS:
                 total = self.zero_nonfinite_grads_(detail.get("finding"))
@@ -133,6 +135,7 @@ class Recovery:
         if action in (Action.RESTORE, Action.SCALE_LR, Action.ABORT):
             events.append(self.restore(decision))
         if action is Action.SCALE_LR:
+            self.counters.lr_backoffs += 1
             events.append(self.lr_changed(decision.lr_scale, f"backoff after {kind}"))
         if action is Action.ABORT:
             aborted = self.emit(Aborted, kind, Action.ABORT, f"training aborted: {decision.reason}; "
