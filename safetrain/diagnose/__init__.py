@@ -59,7 +59,7 @@ class Diagnoser:
                  params: Sequence[Tuple[str, torch.nn.Parameter]], loss_of: Callable[[Any], torch.Tensor],
                  autocast: Callable[[], Any], prepare: Callable[[Any], Any], accumulate: int = 1,
                  clip: Optional[float] = None) -> None:
-        self.cfg = cfg
+        self.cfg, self.prepare = cfg, prepare
         self.used = 0  # replays spent, step and weight replays together
         cuda = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
         self.rng = StepRNG(cfg.enabled, cuda)
@@ -98,6 +98,10 @@ class Diagnoser:
         self.step_replay = wrap(self.step_replay)
 
     # ---------------------------------------------------------------- slow path
+    def explains(self, kind: Kind) -> bool:
+        """Whether an anomaly of ``kind`` gets a replay now: a kind a replay explains, and budget left."""
+        return (kind in REPLAYED_KINDS or kind is Kind.WEIGHTS) and self.enabled
+
     def explain(self, kind: Optional[str], *, micro: Sequence[Any] = (),
                 indices: Optional[Sequence[Sequence[int]]] = None, store: Any = None) -> Diagnosis:
         """Explain an anomaly of ``kind`` by the replay that fits it; spends the budget.
@@ -111,7 +115,8 @@ class Diagnoser:
 
         Args:
             kind: the anomaly kind (``"forward"``, ``"loss"``, ``"gradient"``, ``"weights"``) or ``None``.
-            micro: the step's micro-batches as the forward saw them (step replay).
+            micro: the step's micro-batches as the loader gave them (step replay; each goes through
+                ``prepare`` first, as the step's forward did).
             indices: for each micro-batch, the dataset index of each row, when known (step replay).
             store: the guard's snapshot store (weight replay).
 
@@ -134,4 +139,4 @@ class Diagnoser:
             raise ValueError(f"no replay explains a {str(kind)!r} anomaly; expected one of "
                              f"{sorted(map(str, REPLAYED_KINDS | {Kind.WEIGHTS}))} or None")
         self.used += 1
-        return self.step_replay.replay(micro, indices)
+        return self.step_replay.replay([self.prepare(batch) for batch in micro], indices)

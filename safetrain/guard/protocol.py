@@ -17,7 +17,7 @@ import torch
 from .. import detect, distributed, snapshot
 from ..config import ConfigLike, TrainConfig, as_config
 from ..events import AnomalyFound, Event, EventBus, SnapshotTaken
-from ..kinds import REPLAYED_KINDS, Action, Kind
+from ..kinds import Action
 from ..lr import LRBackoff
 from ..policy import Anomaly, History, Rules, decide, newest_taken, raises, vouch
 from ..diagnose import Diagnoser, Diagnosis
@@ -29,6 +29,7 @@ from .judge import Judge
 from .plumbing import Plumbing
 from .recovery import Outcome, Recovery, Rerun
 from .state import RecoveryState
+from .update import Updates
 
 __all__ = ["Guard"]
 
@@ -69,6 +70,7 @@ class Guard:
     spike: SpikeDetector  # loss spikes
     judge: Judge  # a step's read -> its anomaly
     recovery: Recovery  # carries out decisions
+    updates: Updates  # applies a step's update, or drops it; the scheduler
     state: snapshot.TrainState  # the whole training state, for snapshots
     store: Any  # where snapshots go
     backoff: LRBackoff  # the LR scale on top of the schedule
@@ -130,9 +132,11 @@ class Guard:
         self.diagnoser.wrap_step_replay(lambda replay: self.sync.wrap_replayer(replay, named))
         self.judge = Judge(c, self.counters, self.monitor, self.grads, detect.WeightCheck(all_params, 0), self.spike,
                            self.plumbing, self.sync, self.forward.rerun)
+        self.updates = Updates(c.guard, self.plumbing, self.grads, self.counters, scheduler, self.backoff,
+                               self.diagnoser.record_update)
         self.recovery = Recovery(c, self.counters, self.recovery_state, self.store, self.state, self.backoff,
-                                 self.grads, dict(self._params), self._emit, self._not_applied, self._after_restore,
-                                 self.sync)
+                                 self.grads, dict(self._params), self._emit, lambda: self.updates.not_applied(self.last_loss),
+                                 self._after_restore, self.sync)
         self.phase = Phase.READY
         self._pending = Pending()
         self._weight_flag: Optional[torch.Tensor] = None
@@ -293,8 +297,9 @@ class Guard:
         while (anomaly := self.judge(read, self._pending, self.last_loss)) is not None:
             anomaly = dataclasses.replace(anomaly, retried=retried)
             if raises(anomaly.kind, self.rules):
-                self._raise_rows(anomaly)
-            diagnosis = self._explain(anomaly)
+                self.phase = Phase.READY
+                self.recovery.reject_rows(anomaly)
+            diagnosis = self._explain(anomaly) if self.diagnoser.explains(anomaly.kind) else None
             decision, self.history = decide(anomaly, self.history, self.rules, diagnosis)
             outcome = self.recovery.carry_out(anomaly, decision, read, self._pending, diagnosis)
             events += outcome.events
@@ -304,16 +309,11 @@ class Guard:
             read = self._run_again(outcome.rerun, read)
         return self._healthy(read, events, rerun_action)
 
-    def _explain(self, anomaly: Anomaly) -> Optional[Diagnosis]:
-        """The slow path's replay, when the budget allows: the step's for forward, loss and
-        gradient faults, the updates' since the newest snapshot for weights."""
-        if not self.diagnoser.enabled:
-            return None
-        if anomaly.kind in REPLAYED_KINDS:  # the parameters were finite (the judge checked)
-            return self.diagnose()
-        if anomaly.kind is Kind.WEIGHTS:  # replayed from the snapshot; never retried
-            return self.diagnoser.explain(Kind.WEIGHTS, store=self.store)
-        return None
+    def _explain(self, anomaly: Anomaly) -> Diagnosis:
+        """The slow path's replay: the step's (its parameters were finite: the judge checked), or
+        for weights the updates' since the newest snapshot."""
+        p = self._pending
+        return self.diagnoser.explain(anomaly.kind, micro=p.micro, indices=p.indices, store=self.store)
 
     def _run_again(self, rerun: Rerun, read: detect.StepRead) -> detect.StepRead:
         """The next turn's read: the step run again on ``rerun.batches`` (its gradients dropped
@@ -331,22 +331,12 @@ class Guard:
         """The end of an anomalous step: apply its update when the outcome says so."""
         trained = outcome.apply
         if trained:
-            self._apply_update(outcome.total_norm)
+            self.updates.apply(outcome.total_norm, self._pending.micro, self.last_loss)
             self.recovery_state.count_loss(self.last_loss)
             self.spike.add(self.last_loss)  # ignores a non-finite loss
         self.phase = Phase.READY
         return StepResult(self.counters.steps, trained, self.last_loss, self.last_grad_norm,
                           str(outcome.action) or rerun_action, tuple(events))
-
-    def _raise_rows(self, anomaly: Anomaly) -> None:
-        """``sanitize.*: raise``: the step is not applied, the rows are journaled, BatchError."""
-        self._not_applied()
-        self.counters.rejected_batches += 1
-        self.phase = Phase.READY
-        rows = anomaly.detail["rows"]
-        error = detect.batch_error(rows)
-        self._emit(AnomalyFound, anomaly.kind, Action.RAISE, str(error), {"rows": [f.to_dict() for f in rows]})
-        raise error
 
     def diagnose(self) -> Diagnosis:
         """Replay the pending step from its pre-step state and say where it goes non-finite.
@@ -355,14 +345,13 @@ class Guard:
         micro-batches to look at a step. Training is left exactly as it was: parameters,
         buffers, gradients and every RNG stream.
         """
-        micro = [self.forward.scan(batch) for batch in self._pending.micro]
-        return self.diagnoser.explain(None, micro=micro, indices=self._pending.indices)
+        return self.diagnoser.explain(None, micro=self._pending.micro, indices=self._pending.indices)
 
     # ----------------------------------------------------------------- outcomes
     def _healthy(self, read: detect.StepRead, events: List[Event], rerun_action: str) -> StepResult:
         """Apply a step that read clean; a re-run of an anomalous step trains but is not healthy."""
         rs = self.recovery_state
-        self._apply_update(read.total_norm)
+        self.updates.apply(read.total_norm, self._pending.micro, self.last_loss)
         rs.count_loss(self.last_loss)  # before the snapshot below, which keeps the epoch's losses
         self.spike.add(self.last_loss)
         if rerun_action:
@@ -378,33 +367,9 @@ class Guard:
         self.phase = Phase.READY
         return StepResult(self.counters.steps, True, self.last_loss, self.last_grad_norm, rerun_action, tuple(events))
 
-    def _apply_update(self, total: Optional[float]) -> None:
-        """Clip with the norm already read, step the optimizer (and scaler), then the scheduler."""
-        clip = self.cfg.guard.clip_grad_norm
-        if clip is not None and total is not None:
-            self.grads.clip_(clip, total)
-        self.diagnoser.record_update(self.counters.steps, self._pending.micro, total)  # references only
-        self.plumbing.step_optimizer()
-        self.counters.optimizer_steps += 1
-        self._step_scheduler()
-        self.plumbing.free_grads()
-        self.plumbing.grads_dropped = True  # the next step need not zero them again
-
-    def _not_applied(self) -> None:
-        """The step's update is not applied: drop the gradients, count it, and step the scheduler
-        only when it follows batches (``guard.scheduler_follows: batch``)."""
-        self.plumbing.drop_grads()
-        self.counters.skipped_batches += 1
-        if self.cfg.guard.scheduler_follows == "batch":
-            self._step_scheduler()
-
-    def _step_scheduler(self) -> None:
-        if self.scheduler is not None and self.cfg.guard.scheduler_interval == "step":
-            self.backoff.step(self.scheduler, self.last_loss)
-
     def _skip_data(self) -> Optional[StepResult]:
         """Skip the data that led into a restore, a whole step at a time."""
-        event = self.recovery.skip_data(self._step_scheduler)
+        event = self.recovery.skip_data(lambda: self.updates.skipped_data(self.last_loss))
         if event is None:
             return None
         return StepResult(self.counters.steps, False, math.nan, math.nan, str(Action.SKIP_BATCH), (event,))

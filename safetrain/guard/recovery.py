@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from ..batches import without_rows
+from ..detect import batch_error
 from ..config import TrainConfig
 from ..errors import TrainingAborted
 from ..events import Aborted, AnomalyFound, Event, LRChanged, Restored
@@ -142,6 +143,15 @@ class Recovery:
                                 "model and optimizer left at the last good snapshot", {"reason": decision.reason})
             raise TrainingAborted(decision.reason, result=None, event=aborted)
         return Outcome(action, tuple(events))
+
+    def reject_rows(self, anomaly: Anomaly) -> None:
+        """``sanitize.*: raise``: the step is not applied, the rows are journaled, then BatchError."""
+        self.not_applied()
+        self.counters.rejected_batches += 1
+        rows = anomaly.detail["rows"]
+        error = batch_error(rows)
+        self.emit(AnomalyFound, anomaly.kind, Action.RAISE, str(error), {"rows": [f.to_dict() for f in rows]})
+        raise error
 
     def zero_nonfinite_grads_(self, finding: Any) -> Optional[float]:
         """Zero the gradients named non-finite; returns the total norm of what is left (slow path)."""

@@ -303,7 +303,7 @@ def test_example_under_torchrun_and_resume_in_new_processes(tmp_path):
 
 def test_combination_rules_on_the_host():
     from safetrain.detect import StepFlags
-    from safetrain.distributed import _combine, _plan
+    from safetrain.distributed.sync import _combine, _plan
 
     # Rank 1's own values: a NaN input sum, a tripped bool, found_inf, its loss, an inf activation.
     puts = [("input", [1.0, 2.0]), ("weights", False), ("found_inf", 0.0), ("loss", 1.0),

@@ -1,0 +1,231 @@
+"""The guard's sync: one object whose methods make a step's read and slow-path decisions agree
+across ranks (:class:`DistributedSync`, one collective inside the step's one read) or, in one
+process, return their input at no cost (:class:`LocalSync`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..detect.flags import Layout, packed_order, parse_read
+from .group import active, rank
+from .replay import AgreedReplay
+from .store import DistributedStore
+
+__all__ = ["LocalSync", "DistributedSync", "make_sync"]
+
+logger = logging.getLogger("safetrain")
+
+_FIRST, _SUM, _MEAN = 0, 1, 2
+#: Floating values that are counts, not magnitudes: summed over ranks like bool flags.
+_SUMMED = frozenset({"found_inf"})
+
+
+class LocalSync:
+    """One process: every agreement is the rank's own answer, at no cost (the same methods as
+    :class:`DistributedSync`, so the guard never branches on being distributed)."""
+
+    world = 1
+    #: No hook on the step's read (see :class:`~safetrain.detect.StepFlags`).
+    reduce = None
+
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank  # a rank deciding on its own still stamps its events with its rank
+
+    def annotate(self, detail: Dict[str, Any], kind: str) -> Dict[str, Any]:
+        """An anomaly event's detail, as it is (one rank: no ``ranks`` map)."""
+        return detail
+
+    def agree_finding(self, finding: Any, fallback: Callable[[], Any]) -> Any:
+        """This rank's finding."""
+        return finding
+
+    def agree_weights(self, finding: Any, empty: Callable[[Tuple[int, ...]], Any]) -> Any:
+        """This rank's weight finding."""
+        return finding
+
+    def total(self, count: int) -> int:
+        """This rank's ``count``."""
+        return count
+
+    def same_count(self, count: int) -> bool:
+        """One rank always agrees with itself."""
+        return True
+
+    def wrap_store(self, store: Any) -> Any:
+        """The store, as it is."""
+        return store
+
+    def wrap_replayer(self, replayer: Any, model: torch.nn.Module) -> Any:
+        """The replayer, as it is."""
+        return replayer
+
+
+def make_sync(device: torch.device, model: Optional[torch.nn.Module] = None) -> "LocalSync | DistributedSync":
+    """The guard's sync: a :class:`DistributedSync` under a process group of more than one rank
+    with a DDP model, else a :class:`LocalSync`."""
+    sync = DistributedSync.from_environment(device, model)
+    return sync if sync is not None else LocalSync(rank())
+
+
+class DistributedSync:
+    """Combines one step's flags across ranks, and makes slow-path decisions collectively.
+
+    Args:
+        device: where the slow-path agreement tensors live (the model's CUDA device with NCCL;
+            the CPU with gloo).
+        group: the process group (``None``: the default group).
+
+    Example::
+
+        >>> sync = DistributedSync.from_environment(torch.device("cpu"))  # None: not distributed
+        >>> flags = StepFlags(reduce=sync.reduce if sync else None)       # doctest: +SKIP
+    """
+
+    def __init__(self, device: torch.device, group: Any = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        backend = str(dist.get_backend(group))
+        self.device = device if device.type != "cpu" and backend != "gloo" else torch.device("cpu")
+        self._gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._plans: Dict[Tuple[Any, ...], List[Tuple[int, int, int]]] = {}
+        self._rows: List[List[float]] = []
+        self._layout: Tuple[Any, ...] = ()
+
+    @classmethod
+    def from_environment(cls, device: torch.device, model: Optional[torch.nn.Module] = None,
+                         group: Any = None) -> Optional["DistributedSync"]:
+        """A sync when ``group`` has more than one rank and ``model`` is DDP-wrapped, else ``None``.
+
+        A model that is not ``DistributedDataParallel`` in a process group (model or pipeline
+        parallel, FSDP, independent runs) keeps per-rank decisions: its ranks' flag layouts need
+        not match, and FSDP's sharded gradient norms need other rules (see the README).
+        """
+        if not active(group):
+            return None
+        if model is not None and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            logger.info("process group of %d ranks, but the model is not DistributedDataParallel: "
+                        "each rank decides on its own flags", dist.get_world_size(group))
+            return None
+        return cls(device, group)
+
+    # ------------------------------------------------------------------ the step's one read
+    def reduce(self, packed: Tensor, layout: Layout) -> List[float]:
+        """Gather every rank's packed step vector, combine on the host (a :data:`~.detect.flags.Reduce`).
+
+        Every rank must put the same layout (same model, detectors and batch structure): the
+        vectors are gathered position by position.
+
+        Returns:
+            The combined values, laid out as ``packed``.
+        """
+        n = packed.numel()
+        out = packed.new_empty(self.world * n)
+        self._gather(out, packed.contiguous(), group=self.group)  # the step's one collective
+        flat = out.tolist()  # host sync: the step's one read, every rank's row
+        rows = [flat[r * n:(r + 1) * n] for r in range(self.world)]
+        key = tuple(layout)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) > 64:  # layouts that keep changing: do not grow without bound
+                self._plans.clear()
+            plan = self._plans[key] = _plan(layout)
+        self._rows, self._layout = rows, key
+        return _combine(rows, plan)
+
+    def tripped_ranks(self) -> Dict[str, List[int]]:
+        """For the last read, each kind that tripped on some rank's own values, with those ranks."""
+        out: Dict[str, List[int]] = {}
+        for r, row in enumerate(self._rows):
+            for kind in parse_read(row, list(self._layout)).tripped():
+                out.setdefault(kind, []).append(r)
+        return out
+
+    # ------------------------------------------------------------------ slow-path agreement
+    def gather_int(self, value: int) -> List[int]:
+        """Every rank's ``value``, in rank order (one small collective; slow path only)."""
+        mine = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        out = torch.empty(self.world, dtype=torch.float64, device=self.device)
+        self._gather(out, mine, group=self.group)
+        return [int(v) for v in out.tolist()]  # host sync: slow path only
+
+    def agree_finding(self, finding: Any, fallback: Callable[[], Any]) -> Any:
+        """After a per-rank confirmation (an exact re-run): a finding on every rank if some rank
+        confirmed one (``fallback()`` gives the unconfirmed one here), else ``None`` everywhere."""
+        votes = self.gather_int(finding is not None)
+        if not any(votes):
+            return None
+        return finding if finding is not None else fallback()
+
+    def annotate(self, detail: Dict[str, Any], kind: str) -> Dict[str, Any]:
+        """An anomaly event's detail with ``ranks``: which ranks' own values tripped (for ``kind``
+        when it tripped, else every kind that did)."""
+        ranks = self.tripped_ranks()
+        return {**detail, "ranks": {kind: ranks[kind]} if kind in ranks else ranks}
+
+    def agree_weights(self, finding: Any, empty: Callable[[Tuple[int, ...]], Any]) -> Any:
+        """A weight finding on every rank when some rank has one, naming those ranks (``empty(ranks)``
+        makes it where this rank's parameters are finite), else ``None`` everywhere."""
+        ranks = tuple(r for r, v in enumerate(self.gather_int(finding is not None)) if v)
+        if not ranks:
+            return None
+        return empty(ranks) if finding is None else dataclasses.replace(finding, ranks=ranks)
+
+    def total(self, count: int) -> int:
+        """The sum of ``count`` over ranks (one small collective)."""
+        return sum(self.gather_int(count))
+
+    def same_count(self, count: int) -> bool:
+        """Whether every rank has the same ``count`` (micro-batches left to re-run, say)."""
+        return len(set(self.gather_int(count))) == 1
+
+    # ------------------------------------------------------------------ wrapping
+    def wrap_store(self, store: Any) -> DistributedStore:
+        """The guard's snapshot store, made collective (see :class:`DistributedStore`)."""
+        return DistributedStore(store, self)
+
+    def wrap_replayer(self, replayer: Any, model: torch.nn.Module) -> AgreedReplay:
+        """The guard's replayer, run without DDP collectives and agreed on ``reproducible``."""
+        return AgreedReplay(replayer, self, model)
+
+
+def _plan(layout: Layout) -> List[Tuple[int, int, int]]:
+    """``(start, end, rule)`` segments of the packed vector, adjacent equal rules merged."""
+    plan: List[Tuple[int, int, int]] = []
+    pos = 0
+    for name, count, is_bool, _ in packed_order(layout):
+        rule = _MEAN if name == "loss" else _SUM if is_bool or name in _SUMMED else _FIRST
+        if plan and plan[-1][2] == rule and plan[-1][1] == pos:
+            plan[-1] = (plan[-1][0], pos + count, rule)
+        else:
+            plan.append((pos, pos + count, rule))
+        pos += count
+    return plan
+
+
+def _combine(rows: Sequence[List[float]], plan: Sequence[Tuple[int, int, int]]) -> List[float]:
+    """Rank 0's row with: sums where counted, the mean loss, and any rank's non-finite value."""
+    out = list(rows[0])
+    others, world = rows[1:], len(rows)
+    for start, end, rule in plan:
+        if rule == _FIRST:
+            for row in others:
+                if math.isfinite(sum(row[start:end])):  # the usual case: one C-level sum per rank
+                    continue
+                for i in range(start, end):
+                    if not math.isfinite(row[i]) and math.isfinite(out[i]):
+                        out[i] = row[i]
+        elif rule == _SUM:
+            for i in range(start, end):
+                out[i] = sum(row[i] for row in rows)
+        else:  # mean, divided first so that large finite losses cannot overflow the sum
+            for i in range(start, end):
+                out[i] = sum(row[i] / world for row in rows)
+    return out
