@@ -47,8 +47,9 @@ def load_version(name: str, ref: str, into: Path) -> ModuleType:
         shutil.copytree(REPO / "safetrain", dst, ignore=shutil.ignore_patterns("__pycache__"))
     else:
         dst.mkdir()
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", ref, "safetrain"], check=True,
-                                 capture_output=True).stdout
+        archive = subprocess.run(
+            ["git", "-C", str(REPO), "archive", ref, "safetrain"], check=True, capture_output=True
+        ).stdout
         subprocess.run(["tar", "-x", "-C", str(dst), "--strip-components=1"], input=archive, check=True)
     return importlib.import_module(f"st_{name}")
 
@@ -61,7 +62,9 @@ def register(name: str, package: ModuleType) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
-    parser.add_argument("--refs", required=True, help="name=ref pairs, comma-separated (ref WORKTREE: the working tree)")
+    parser.add_argument(
+        "--refs", required=True, help="name=ref pairs, comma-separated (ref WORKTREE: the working tree)"
+    )
     args, rest = parser.parse_known_args()
     with tempfile.TemporaryDirectory(prefix="safetrain-ab-") as tmp:
         sys.path.insert(0, tmp)

@@ -65,6 +65,7 @@ def _variant(name: str, width: int, depth: int) -> Callable[[Tuple[torch.Tensor,
     model = _model(width, depth)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     if name == "plain":
+
         def step(batch: Tuple[torch.Tensor, torch.Tensor]) -> None:
             opt.zero_grad(set_to_none=True)
             F.cross_entropy(model(batch[0]), batch[1]).backward()
@@ -91,18 +92,20 @@ def _block(step: Callable, batches: List, steps: int) -> float:
 
 def _worker(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo", init_method=init, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
+    )
     rows = []
     for model_name in args.models.split(","):
         width, depth, batch = MODELS[model_name]
         g = torch.Generator().manual_seed(rank)
-        batches = [(torch.randn(batch, width, generator=g), torch.randint(0, 10, (batch,), generator=g))
-                   for _ in range(8)]
+        batches = [
+            (torch.randn(batch, width, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(8)
+        ]
         steps = {v: _variant(v, width, depth) for v in VARIANTS}
         times: Dict[str, List[float]] = {v: [] for v in VARIANTS}
         for r in range(args.rounds):
-            order = VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]
+            order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
             for v in order:
                 mine = torch.tensor([_block(steps[v], batches, args.steps)], dtype=torch.float64)
                 dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # a block is as slow as its slowest rank
@@ -127,9 +130,11 @@ def _report(rows: List[Tuple[str, Dict[str, List[float]]]], args: argparse.Names
         plain = statistics.median(times["plain"]) * 1e3
         lo, hi = min(times["plain"]) * 1e3, max(times["plain"]) * 1e3
         extra = [(a - b) * 1e6 for a, b in zip(times["guard"], times["guard_local"])]
-        print(f"| {name} | {plain:.2f} ms ({lo:.2f}-{hi:.2f}) | {_ratio(times, 'guard')} | "
-              f"{_ratio(times, 'guard_local')} | {statistics.median(extra):.0f} us "
-              f"({min(extra):.0f} to {max(extra):.0f}) |")
+        print(
+            f"| {name} | {plain:.2f} ms ({lo:.2f}-{hi:.2f}) | {_ratio(times, 'guard')} | "
+            f"{_ratio(times, 'guard_local')} | {statistics.median(extra):.0f} us "
+            f"({min(extra):.0f} to {max(extra):.0f}) |"
+        )
 
 
 def main() -> None:

@@ -37,7 +37,6 @@ from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Callable, Dict, List, Optional  # noqa: E402
 
-
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -278,8 +277,15 @@ def anomaly(s: Setup) -> Variant:
 # ----------------------------------------------------------------------------- runner
 
 
-def measure(factory: Callable[[], tuple], variants: List[str], seconds: float, groups: int = 10,
-            device: str = "cpu", amp: Optional[torch.dtype] = None, block: int = 1) -> Dict[str, dict]:
+def measure(
+    factory: Callable[[], tuple],
+    variants: List[str],
+    seconds: float,
+    groups: int = 10,
+    device: str = "cpu",
+    amp: Optional[torch.dtype] = None,
+    block: int = 1,
+) -> Dict[str, dict]:
     """Time every variant on one model, ``block`` steps each per round, order rotated every round.
 
     Each round runs one step of every variant back to back (hooks put on and taken off around
@@ -308,7 +314,7 @@ def measure(factory: Callable[[], tuple], variants: List[str], seconds: float, g
     cpu: Dict[str, List[float]] = {v: [] for v in variants}
     deadline, r = time.perf_counter() + seconds, 0
     while r < 3 * groups or time.perf_counter() < deadline:
-        for v in variants[r % len(variants):] + variants[: r % len(variants)]:
+        for v in variants[r % len(variants) :] + variants[: r % len(variants)]:
             variant = built[v]
             variant.start()
             sync()
@@ -347,8 +353,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     models = make_models()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=30.0, help="time spent on each model (default 30)")
-    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated subset of " + ",".join(models))
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
+    parser.add_argument(
+        "--models", default=",".join(DEFAULT_MODELS), help="comma-separated subset of " + ",".join(models)
+    )
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS)
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     parser.add_argument("--device", default="cpu", help="where the model and batch live (default cpu; e.g. cuda)")
     # (no float16: a plain loop would need its own GradScaler to be compared with the guard's)

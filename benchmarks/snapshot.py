@@ -80,7 +80,7 @@ def rounds(
     names = list(variants)
     times: Dict[str, List[float]] = {k: [] for k in names}
     for r in range(n):
-        order = names[r % len(names):] + names[: r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             between()
             gc.collect()
@@ -92,7 +92,10 @@ def report(title: str, nbytes: int, times: Dict[str, List[float]], pairs: List[t
     print(f"  {title}")
     for name, ts in times.items():
         med = statistics.median(ts)
-        print(f"    {name:<28} {med * 1e3:9.1f} ms  ({min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f})  {nbytes / med / 1e9:6.2f} GB/s")
+        print(
+            f"    {name:<28} {med * 1e3:9.1f} ms  ({min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f})"
+            f"  {nbytes / med / 1e9:6.2f} GB/s"
+        )
     for ours, base, label in pairs:
         per_round = [b / o for o, b in zip(times[ours], times[base])]
         ratio = statistics.median(times[base]) / statistics.median(times[ours])
@@ -120,11 +123,18 @@ def bench_memory(state: TrainState, nbytes: int, n: int) -> None:
         },
         n,
     )
-    report("memory snapshot", nbytes, times, [("MemoryStore.save", "raw _foreach_copy_", "memory / raw copy"),
-                                              ("MemoryStore(keep=1).save", "raw _foreach_copy_", "keep=1 / raw copy")])
+    report(
+        "memory snapshot",
+        nbytes,
+        times,
+        [
+            ("MemoryStore.save", "raw _foreach_copy_", "memory / raw copy"),
+            ("MemoryStore(keep=1).save", "raw _foreach_copy_", "keep=1 / raw copy"),
+        ],
+    )
     store.close()
     single.close()
-    del dst
+    dst.clear()  # frees the copies
 
 
 def _evict(path: str) -> None:
@@ -175,8 +185,12 @@ def bench_files(state: TrainState, nbytes: int, n: int, directory: str, cold: bo
     report("save to disk", nbytes, times, [("SafetensorsStore.save", "torch.save + fsync", "safetensors / torch.save")])
     torch_save()  # the file torch_load reads
     times = rounds({"torch.load + load_state_dict": torch_load, "load_snapshot": ours_load}, n)
-    report("load from disk" + (" (cold)" if cold else " (page cache)"), nbytes, times,
-           [("load_snapshot", "torch.load + load_state_dict", "safetensors / torch.load")])
+    report(
+        "load from disk" + (" (cold)" if cold else " (page cache)"),
+        nbytes,
+        times,
+        [("load_snapshot", "torch.load + load_state_dict", "safetensors / torch.load")],
+    )
     store.close()
 
 

@@ -71,8 +71,16 @@ def train(args: argparse.Namespace, rank: int, device: torch.device) -> None:
     sampler = DistributedSampler(data, shuffle=True, seed=0)  # SafeTrainer calls set_epoch()
     loader = DataLoader(Damaged(data) if rank == 1 else data, batch_size=16, sampler=sampler)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    cfg = load_config(None, [f"log.dir={args.run_dir}", "log.progress=false", "snapshot.store=safetensors",
-                             "snapshot.every=5", "recovery.actions.forward=restore"])
+    cfg = load_config(
+        None,
+        [
+            f"log.dir={args.run_dir}",
+            "log.progress=false",
+            "snapshot.store=safetensors",
+            "snapshot.every=5",
+            "recovery.actions.forward=restore",
+        ],
+    )
     trainer = SafeTrainer(model, optimizer, cfg, loss_fn=F.mse_loss)
     resume = os.path.join(args.run_dir, "snapshots") if args.resume else None
     result = trainer.fit(loader, epochs=args.epochs, max_steps=args.max_steps, resume=resume)
@@ -85,9 +93,11 @@ def train(args: argparse.Namespace, rank: int, device: torch.device) -> None:
     dist.all_gather_object(dropped, result.dropped_rows)  # rows are dropped per rank
     if rank != 0:
         return
-    print(f"{'resumed: ' if args.resume else ''}{result.steps} steps, {result.healthy_steps} healthy, "
-          f"{result.skipped_batches} skipped, {result.restores} restores, rows dropped per rank {dropped}, "
-          f"final loss {result.final_loss:.4f}")
+    print(
+        f"{'resumed: ' if args.resume else ''}{result.steps} steps, {result.healthy_steps} healthy, "
+        f"{result.skipped_batches} skipped, {result.restores} restores, rows dropped per rank {dropped}, "
+        f"final loss {result.final_loss:.4f}"
+    )
     for event in result.events:
         if event.name in ("anomaly", "restored"):
             ranks = event.detail.get("ranks")  # which ranks' own values tripped, per check
@@ -124,6 +134,17 @@ def main() -> None:
 
 if __name__ == "__main__":
     if "RANK" not in os.environ:  # started as a plain script: launch 2 ranks with torchrun
-        os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                  "--nproc_per_node", "2", os.path.abspath(__file__), *sys.argv[1:]])
+        os.execv(
+            sys.executable,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node",
+                "2",
+                os.path.abspath(__file__),
+                *sys.argv[1:],
+            ],
+        )
     main()

@@ -43,13 +43,14 @@ class TinyClassifier(torch.nn.Module):
         self.score = torch.nn.Linear(32, 1)
         self.head = torch.nn.Linear(32, 2)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                labels: Optional[torch.Tensor] = None) -> ClassifierOutput:
-        h = self.embed(input_ids)                                  # (batch, length, 32)
-        scores = self.score(h).squeeze(-1)                         # (batch, length)
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: Optional[torch.Tensor] = None
+    ) -> ClassifierOutput:
+        h = self.embed(input_ids)  # (batch, length, 32)
+        scores = self.score(h).squeeze(-1)  # (batch, length)
         keep = attention_mask.bool()
         if self.safe:
-            weights = masked_softmax(scores, keep)                 # an all-padding row gives zeros
+            weights = masked_softmax(scores, keep)  # an all-padding row gives zeros
         else:
             weights = scores.masked_fill(~keep, float("-inf")).softmax(-1)  # ... or NaN here
         logits = self.head((weights.unsqueeze(-1) * h).sum(1))
@@ -89,8 +90,10 @@ def train(safe: bool) -> None:
     with torch.no_grad():
         out = model(input_ids=data.ids, attention_mask=data.mask)
     accuracy = (out.logits.argmax(1) == data.labels).float().mean().item()
-    print(f"{'masked_softmax' if safe else 'masked_fill(-inf)+softmax'}: {result.steps} steps, "
-          f"{result.skipped_batches} skipped, final loss {result.final_loss:.3f}, accuracy {accuracy:.1%}")
+    print(
+        f"{'masked_softmax' if safe else 'masked_fill(-inf)+softmax'}: {result.steps} steps, "
+        f"{result.skipped_batches} skipped, final loss {result.final_loss:.3f}, accuracy {accuracy:.1%}"
+    )
     for event in result.events:
         if event.name == "anomaly":
             print(f"  step {event.step}: {event.message}")

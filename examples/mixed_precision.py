@@ -55,9 +55,11 @@ def train(config: Optional[str], scaler: Any = None) -> None:
     with torch.no_grad():
         accuracy = (model(x.to(DEVICE)).argmax(1) == y.to(DEVICE)).float().mean().item()
     name = cfg.amp.dtype or "float32"
-    print(f"{name:>9}{' (own GradScaler)' if scaler is not None else ''}: {result.steps} steps, "
-          f"{result.healthy_steps} healthy, {result.scaler_skips} fp16 overflow skips, {result.skipped_batches} "
-          f"skipped in all, final loss {result.final_loss:.3f}, accuracy {accuracy:.1%}")
+    print(
+        f"{name:>9}{' (own GradScaler)' if scaler is not None else ''}: {result.steps} steps, "
+        f"{result.healthy_steps} healthy, {result.scaler_skips} fp16 overflow skips, {result.skipped_batches} "
+        f"skipped in all, final loss {result.final_loss:.3f}, accuracy {accuracy:.1%}"
+    )
     for event in result.events:
         if event.name == "anomaly":
             print(f"    step {event.step}: {event.message}")

@@ -28,8 +28,10 @@ def main() -> None:
     trainer = SafeTrainer(model, optimizer, cfg, loss_fn=F.cross_entropy)
     result = trainer.fit(loader, epochs=3)
 
-    print(f"steps {result.steps}, healthy {result.healthy_steps}, rows dropped {result.dropped_rows}, "
-          f"restores {result.restores}, final loss {result.final_loss:.4f}")
+    print(
+        f"steps {result.steps}, healthy {result.healthy_steps}, rows dropped {result.dropped_rows}, "
+        f"restores {result.restores}, final loss {result.final_loss:.4f}"
+    )
     for event in result.events:
         if event.name == "anomaly":
             print(f"  step {event.step}: {event.message}")

@@ -73,8 +73,10 @@ def main(run_dir: Path) -> None:
     if not snapshots:
         raise SystemExit("no snapshot was written; nothing to resume from")
     info = inspect_snapshot(snapshots[-1])
-    print(f"newest snapshot: {Path(snapshots[-1]).name} (step {info['step']}, epoch {info['epoch']}, "
-          f"batch {info['batch']}, finite: {info['all_finite']})")
+    print(
+        f"newest snapshot: {Path(snapshots[-1]).name} (step {info['step']}, epoch {info['epoch']}, "
+        f"batch {info['batch']}, finite: {info['all_finite']})"
+    )
 
     model, trainer, loader = make(run_dir)
     result = trainer.fit(loader, epochs=EPOCHS, resume=run_dir / "snapshots")
@@ -83,8 +85,10 @@ def main(run_dir: Path) -> None:
     reference, ref_trainer, ref_loader = make(None)
     ref = ref_trainer.fit(ref_loader, epochs=EPOCHS)
     gap = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
-    print(f"uninterrupted run: {ref.steps} steps, final loss {ref.final_loss:.4f}; "
-          f"largest weight difference after resume: {gap:.2e}")
+    print(
+        f"uninterrupted run: {ref.steps} steps, final loss {ref.final_loss:.4f}; "
+        f"largest weight difference after resume: {gap:.2e}"
+    )
 
 
 if __name__ == "__main__":

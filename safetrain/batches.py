@@ -24,8 +24,7 @@ from .errors import BatchError
 if TYPE_CHECKING:
     from .detect import RowFinding
 
-__all__ = ["BatchParts", "split_batch", "compute_loss", "row_findings", "without_rows", "to_device",
-           "pageable_tensors"]
+__all__ = ["BatchParts", "split_batch", "compute_loss", "row_findings", "without_rows", "to_device", "pageable_tensors"]
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Validate a config file and overrides; print the resolved config, or the error and exit 2.",
     )
     check.add_argument("file", help="YAML config file, e.g. configs/default.yaml")
-    check.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. recovery.max_retries=5")
+    check.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. recovery.max_retries=5"
+    )
     check.set_defaults(func=_check_config)
     return parser
 
@@ -167,7 +169,8 @@ class _Handler(logging.StreamHandler):
 
 
 class _logging:
-    """Context manager: the ``safetrain`` logger prints compact lines to stderr; routine snapshots hidden unless verbose."""
+    """Context manager: the ``safetrain`` logger prints compact lines to stderr; routine snapshots
+    hidden unless verbose."""
 
     def __init__(self, level: str, verbose: bool) -> None:
         self.handler = _Handler(sys.stderr)

@@ -112,8 +112,10 @@ def _model(size: DemoSize) -> torch.nn.Module:
     h = size.hidden
     return torch.nn.Sequential(
         LogNormFeatures(),
-        torch.nn.Linear(size.dim + 1, h), torch.nn.ReLU(),
-        torch.nn.Linear(h, h), torch.nn.ReLU(),
+        torch.nn.Linear(size.dim + 1, h),
+        torch.nn.ReLU(),
+        torch.nn.Linear(h, h),
+        torch.nn.ReLU(),
         torch.nn.Linear(h, size.classes),
     )
 
@@ -126,7 +128,7 @@ def _data(size: DemoSize) -> Tuple[TensorDataset, TensorDataset]:
     component = torch.randint(2 * size.classes, (n,), generator=g)
     x = centers[component] + torch.randn(n, size.dim, generator=g)
     y = component % size.classes
-    return (TensorDataset(x[: size.n_train], y[: size.n_train]), TensorDataset(x[size.n_train:], y[size.n_train:]))
+    return (TensorDataset(x[: size.n_train], y[: size.n_train]), TensorDataset(x[size.n_train :], y[size.n_train :]))
 
 
 class _Faults:
@@ -145,8 +147,13 @@ class _Faults:
         g = torch.Generator().manual_seed(size.seed + 1)
         self.poisoned = sorted(torch.randperm(len(x), generator=g)[:3].tolist())
         x[self.poisoned, 0] = math.nan
-        self.log.append((0, f"{len(self.poisoned)} training rows hold NaN (dataset indices "
-                            f"{', '.join(map(str, self.poisoned))}), seen once per epoch"))
+        self.log.append(
+            (
+                0,
+                f"{len(self.poisoned)} training rows hold NaN (dataset indices "
+                f"{', '.join(map(str, self.poisoned))}), seen once per epoch",
+            )
+        )
         self._hooks = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
 
     def __len__(self) -> int:
@@ -172,8 +179,13 @@ class _Faults:
                 g["lr"] *= 1000.0
             step = self.trainer.guard.counters.steps if self.trainer is not None and self.trainer.guard else -1
             nth = 1 + (self.optimizer_steps - self.lr_at)
-            self.log.append((step, f"LR x1000 for one optimizer step ({nth} of 2; a scheduler bug): "
-                                   f"lr {self._saved[0]:g} -> {optimizer.param_groups[0]['lr']:g}"))
+            self.log.append(
+                (
+                    step,
+                    f"LR x1000 for one optimizer step ({nth} of 2; a scheduler bug): "
+                    f"lr {self._saved[0]:g} -> {optimizer.param_groups[0]['lr']:g}",
+                )
+            )
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._saved is not None:
@@ -186,8 +198,9 @@ class _Faults:
             h.remove()
 
 
-def demo_config(path: Union[None, str, os.PathLike] = None, overrides: Sequence[str] = (),
-                out: Union[None, str, os.PathLike] = None) -> TrainConfig:
+def demo_config(
+    path: Union[None, str, os.PathLike] = None, overrides: Sequence[str] = (), out: Union[None, str, os.PathLike] = None
+) -> TrainConfig:
     """The demo's configuration: safetrain's defaults <- :data:`DEMO_DEFAULTS` <- ``path`` <- ``overrides``.
 
     Args:
@@ -204,8 +217,10 @@ def demo_config(path: Union[None, str, os.PathLike] = None, overrides: Sequence[
     data = to_dict(cfg)
     run_dir = Path(out or cfg.log.dir or _fresh(Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")))
     if (run_dir / "events.jsonl").exists():
-        raise ConfigError(f"log.dir: {run_dir} already holds a run (events.jsonl); the demo writes a fresh run "
-                          "directory: pass another --out, or leave it out for runs/demo-<timestamp>")
+        raise ConfigError(
+            f"log.dir: {run_dir} already holds a run (events.jsonl); the demo writes a fresh run "
+            "directory: pass another --out, or leave it out for runs/demo-<timestamp>"
+        )
     data["log"]["dir"] = str(run_dir)
     return as_config(data)
 
@@ -253,8 +268,9 @@ def _fit(cfg: TrainConfig, size: DemoSize, faults: bool) -> Tuple[Any, float, Li
     from .trainer import SafeTrainer
 
     train, test = _data(size)
-    loader = DataLoader(train, batch_size=size.batch_size, shuffle=True,
-                        generator=torch.Generator().manual_seed(size.seed))
+    loader = DataLoader(
+        train, batch_size=size.batch_size, shuffle=True, generator=torch.Generator().manual_seed(size.seed)
+    )
     model = _model(size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=size.lr)
     injector = _Faults(loader, optimizer, size, size.epochs * len(loader)) if faults else None
@@ -271,8 +287,9 @@ def _fit(cfg: TrainConfig, size: DemoSize, faults: bool) -> Tuple[Any, float, Li
     return result, _accuracy(model, test), sorted(injector.log) if injector is not None else []
 
 
-def run_demo(cfg: Optional[TrainConfig] = None, size: DemoSize = DemoSize(), clean: bool = True,
-             plot: bool = True) -> DemoResult:
+def run_demo(
+    cfg: Optional[TrainConfig] = None, size: DemoSize = DemoSize(), clean: bool = True, plot: bool = True
+) -> DemoResult:
     """Train with injected faults under safetrain, then (``clean``) the same run without faults, and report.
 
     Args:
@@ -326,8 +343,12 @@ def format_summary(demo: DemoResult) -> str:
     s, r = demo.size, demo.result
     run = read_run(demo.run_dir)
     found = [e for e in run.events if e["event"] == "anomaly"]
-    lines = [f"\nsafetrain demo: {s.classes}-class Gaussian mixture, MLP {s.dim}+1-{s.hidden}-{s.hidden}-{s.classes}, "
-             f"{s.epochs} epochs of {math.ceil(s.n_train / s.batch_size)} batches", "", "faults injected -> what safetrain did:"]
+    lines = [
+        f"\nsafetrain demo: {s.classes}-class Gaussian mixture, MLP {s.dim}+1-{s.hidden}-{s.hidden}-{s.classes}, "
+        f"{s.epochs} epochs of {math.ceil(s.n_train / s.batch_size)} batches",
+        "",
+        "faults injected -> what safetrain did:",
+    ]
     starts = [step for step, _ in demo.faults] + [10**12]
     for (step, what), end in zip(demo.faults, starts[1:]):
         if step <= 0:
@@ -350,16 +371,27 @@ def format_summary(demo: DemoResult) -> str:
     if not kinds:
         lines.append("  none: every step was healthy")
     if r is not None:
-        lines += ["", f"result: {r.steps} steps, {r.healthy_steps} healthy, {r.skipped_batches} skipped, "
-                      f"{r.dropped_rows} rows dropped, {r.zeroed_grads} gradients zeroed, {r.restores} restores, "
-                      f"LR scale {r.lr_scale:g}" + (" - ABORTED by the policy" if r.aborted else "")]
-    lines.append(f"accuracy: {100 * demo.accuracy:.1f}% with faults under safetrain"
-                 + ("" if math.isnan(demo.clean_accuracy) else
-                    f", {100 * demo.clean_accuracy:.1f}% for the same run without faults "
-                    f"({100 * (demo.accuracy - demo.clean_accuracy):+.1f} points)"))
-    lines += ["", f"run directory: {demo.run_dir}  (events.jsonl, metrics.csv, report.txt"
-                  + (", report.png)" if demo.png else ")"),
-              f"  see it again with: safetrain report {demo.run_dir}"]
+        lines += [
+            "",
+            f"result: {r.steps} steps, {r.healthy_steps} healthy, {r.skipped_batches} skipped, "
+            f"{r.dropped_rows} rows dropped, {r.zeroed_grads} gradients zeroed, {r.restores} restores, "
+            f"LR scale {r.lr_scale:g}" + (" - ABORTED by the policy" if r.aborted else ""),
+        ]
+    lines.append(
+        f"accuracy: {100 * demo.accuracy:.1f}% with faults under safetrain"
+        + (
+            ""
+            if math.isnan(demo.clean_accuracy)
+            else f", {100 * demo.clean_accuracy:.1f}% for the same run without faults "
+            f"({100 * (demo.accuracy - demo.clean_accuracy):+.1f} points)"
+        )
+    )
+    lines += [
+        "",
+        f"run directory: {demo.run_dir}  (events.jsonl, metrics.csv, report.txt"
+        + (", report.png)" if demo.png else ")"),
+        f"  see it again with: safetrain report {demo.run_dir}",
+    ]
     lines += [f"note: {n}" for n in demo.notes]
     lines.append(f"done in {demo.wall_time:.1f} s")
     return "\n".join(lines)

@@ -82,25 +82,29 @@ RESTORING: FrozenSet[Action] = frozenset({Action.RESTORE, Action.SCALE_LR, Actio
 
 _ALWAYS = (Action.WARN, Action.SKIP_BATCH, Action.RESTORE, Action.SCALE_LR, Action.ABORT)
 #: The first actions that make sense for each kind (``recovery.actions``).
-ALLOWED_FIRST: Mapping[Kind, Tuple[Action, ...]] = MappingProxyType({
-    Kind.FORWARD: _ALWAYS,
-    Kind.LOSS: _ALWAYS,
-    Kind.GRADIENT: _ALWAYS[:2] + (Action.ZERO_GRADS,) + _ALWAYS[2:],
-    Kind.GRAD_NORM: _ALWAYS[:2] + (Action.ZERO_GRADS,) + _ALWAYS[2:],
-    Kind.SPIKE: _ALWAYS,
-    Kind.WEIGHTS: (Action.WARN, Action.RESTORE, Action.SCALE_LR, Action.ABORT),
-    Kind.SCALER: _ALWAYS,
-})
+ALLOWED_FIRST: Mapping[Kind, Tuple[Action, ...]] = MappingProxyType(
+    {
+        Kind.FORWARD: _ALWAYS,
+        Kind.LOSS: _ALWAYS,
+        Kind.GRADIENT: _ALWAYS[:2] + (Action.ZERO_GRADS,) + _ALWAYS[2:],
+        Kind.GRAD_NORM: _ALWAYS[:2] + (Action.ZERO_GRADS,) + _ALWAYS[2:],
+        Kind.SPIKE: _ALWAYS,
+        Kind.WEIGHTS: (Action.WARN, Action.RESTORE, Action.SCALE_LR, Action.ABORT),
+        Kind.SCALER: _ALWAYS,
+    }
+)
 #: The default first action of each kind (``recovery.actions`` in ``configs/default.yaml``).
-DEFAULT_FIRST: Mapping[Kind, Action] = MappingProxyType({
-    Kind.FORWARD: Action.SKIP_BATCH,
-    Kind.LOSS: Action.SKIP_BATCH,
-    Kind.GRADIENT: Action.ZERO_GRADS,
-    Kind.GRAD_NORM: Action.SKIP_BATCH,
-    Kind.SPIKE: Action.SKIP_BATCH,
-    Kind.WEIGHTS: Action.RESTORE,
-    Kind.SCALER: Action.RESTORE,
-})
+DEFAULT_FIRST: Mapping[Kind, Action] = MappingProxyType(
+    {
+        Kind.FORWARD: Action.SKIP_BATCH,
+        Kind.LOSS: Action.SKIP_BATCH,
+        Kind.GRADIENT: Action.ZERO_GRADS,
+        Kind.GRAD_NORM: Action.SKIP_BATCH,
+        Kind.SPIKE: Action.SKIP_BATCH,
+        Kind.WEIGHTS: Action.RESTORE,
+        Kind.SCALER: Action.RESTORE,
+    }
+)
 #: Actions allowed on the escalation ladder (``recovery.escalate``).
 ESCALATION: Tuple[Action, ...] = (Action.SKIP_BATCH, Action.ZERO_GRADS, Action.RESTORE, Action.SCALE_LR, Action.ABORT)
 #: The default ladder after the first action.

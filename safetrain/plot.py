@@ -56,8 +56,9 @@ def plot_run(run: RunLog, path: Union[None, str, os.PathLike] = None) -> Path:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise PlotUnavailable("matplotlib is not installed, so no report.png; "
-                              "install it with: pip install 'safetrain[plot]'") from None
+        raise PlotUnavailable(
+            "matplotlib is not installed, so no report.png; install it with: pip install 'safetrain[plot]'"
+        ) from None
     if not run.metrics or not run.metrics.get("step"):
         raise ReportError(f"{run.run_dir / 'metrics.csv'}: no per-step metrics to plot")
     out = Path(path) if path is not None else run.run_dir / "report.png"
@@ -74,8 +75,9 @@ def _draw(run: RunLog, out: Path) -> None:
     steps, loss, gnorm, lr = m["step"], m["loss"], m["grad_norm"], m["lr_scale"]
     by_step = {int(s): i for i, s in enumerate(steps)}
     fig = Figure(figsize=(11, 7.5), dpi=110)
-    ax_loss, ax_grad, ax_lr = fig.subplots(3, 1, sharex=True,
-                                           gridspec_kw={"height_ratios": [3, 2, 1.1], "hspace": 0.08})
+    ax_loss, ax_grad, ax_lr = fig.subplots(
+        3, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2, 1.1], "hspace": 0.08}
+    )
     trained = m.get("trained") or [1.0] * len(steps)
     _series(ax_loss, steps, loss, trained, "loss", "#4c72b0")
     _series(ax_grad, steps, gnorm, trained, "gradient norm", "#55a868")
@@ -95,16 +97,28 @@ def _draw(run: RunLog, out: Path) -> None:
     _epochs(ax_loss, m)
     seen = [a for a in _MARKERS if any(a == mark[1] for mark in marks)]
     seen += sorted({a for _, a, _ in marks if a not in _MARKERS})
-    handles = [Line2D([], [], ls="", marker=_MARKERS.get(a, ("o", "gray"))[0], color=_MARKERS.get(a, ("o", "gray"))[1],
-                      markersize=8, label=a) for a in seen]
+    handles = [
+        Line2D(
+            [],
+            [],
+            ls="",
+            marker=_MARKERS.get(a, ("o", "gray"))[0],
+            color=_MARKERS.get(a, ("o", "gray"))[1],
+            markersize=8,
+            label=a,
+        )
+        for a in seen
+    ]
     if handles:
         ax_loss.legend(handles=handles, title="action", loc="upper right", fontsize=8, title_fontsize=8, framealpha=0.9)
     s = run.summary or {}
     title = f"{run.run_dir.name}: {s.get('steps', len(steps))} steps"
     if s:
-        title += (f", {s.get('healthy_steps', '?')} healthy, {s.get('skipped_batches', '?')} skipped, "
-                  f"{s.get('dropped_rows', '?')} rows dropped, {s.get('restores', '?')} restores"
-                  + (" - ABORTED" if s.get("aborted") else ""))
+        title += (
+            f", {s.get('healthy_steps', '?')} healthy, {s.get('skipped_batches', '?')} skipped, "
+            f"{s.get('dropped_rows', '?')} rows dropped, {s.get('restores', '?')} restores"
+            + (" - ABORTED" if s.get("aborted") else "")
+        )
     elif run.cut_at is not None or not s:
         title += " (run did not close)"
     ax_loss.set_title(title, fontsize=10, loc="left")
@@ -152,8 +166,9 @@ def _series(ax: Any, steps: List[float], values: List[float], trained: List[floa
     ax.set_ylabel(label + (" (log)" if ax.get_yscale() == "log" else ""))
 
 
-def _markers(ax: Any, marks: List[Tuple[int, str, str]], values: List[float], by_step: Dict[int, int],
-             annotate: bool) -> None:
+def _markers(
+    ax: Any, marks: List[Tuple[int, str, str]], values: List[float], by_step: Dict[int, int], annotate: bool
+) -> None:
     """One marker per action at the step's value; non-finite values go in a grey NaN/Inf band on top.
 
     Several actions at (nearly) the same step are stacked so that none hides another; the first
@@ -179,12 +194,30 @@ def _markers(ax: Any, marks: List[Tuple[int, str, str]], values: List[float], by
             xy, where = (step, y), offset_copy(ax.transData, fig=ax.figure, y=-11 * stacked, units="points")
         else:  # stack sideways inside the band
             xy, where = (step, 0.95), offset_copy(band, fig=ax.figure, x=9 * stacked, units="points")
-        ax.scatter([xy[0]], [xy[1]], transform=where, marker=marker, color=colour, s=60, edgecolors="black",
-                   linewidths=0.5, zorder=5, clip_on=False)
+        ax.scatter(
+            [xy[0]],
+            [xy[1]],
+            transform=where,
+            marker=marker,
+            color=colour,
+            s=60,
+            edgecolors="black",
+            linewidths=0.5,
+            zorder=5,
+            clip_on=False,
+        )
         if annotate and (kind, action) not in labelled:
             labelled.add((kind, action))
-            ax.annotate(kind, xy, xycoords=where, xytext=(6, 2), textcoords="offset points", fontsize=7,
-                        color=colour, bbox=dict(boxstyle="round,pad=0.1", fc="white", ec="none", alpha=0.75))
+            ax.annotate(
+                kind,
+                xy,
+                xycoords=where,
+                xytext=(6, 2),
+                textcoords="offset points",
+                fontsize=7,
+                color=colour,
+                bbox=dict(boxstyle="round,pad=0.1", fc="white", ec="none", alpha=0.75),
+            )
 
 
 def _headroom(ax: Any, values: List[float]) -> None:
@@ -194,9 +227,9 @@ def _headroom(ax: Any, values: List[float]) -> None:
         return
     lo, hi = min(finite), max(finite)
     if ax.get_yscale() == "log" and lo > 0:
-        l, h = math.log10(lo), math.log10(hi)
-        pad = max(h - l, 0.5)
-        ax.set_ylim(10 ** (l - 0.04 * pad), 10 ** (h + 0.17 * pad))
+        low, high = math.log10(lo), math.log10(hi)
+        pad = max(high - low, 0.5)
+        ax.set_ylim(10 ** (low - 0.04 * pad), 10 ** (high + 0.17 * pad))
     else:
         pad = (hi - lo) or abs(hi) or 1.0
         ax.set_ylim(lo - 0.04 * pad, hi + 0.17 * pad)

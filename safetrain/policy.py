@@ -193,8 +193,9 @@ def raises(kind: Kind, rules: Rules) -> bool:
     return kind in DATA_KINDS and (rules.inputs if kind is Kind.INPUT else rules.targets) == "raise"
 
 
-def decide(anomaly: Anomaly, history: History, rules: Rules,
-           diagnosis: Optional[Diagnosed] = None) -> Tuple[Decision, History]:
+def decide(
+    anomaly: Anomaly, history: History, rules: Rules, diagnosis: Optional[Diagnosed] = None
+) -> Tuple[Decision, History]:
     """Decide what to do about an anomalous step, and how the history moves on.
 
     Args:
@@ -222,8 +223,9 @@ def decide(anomaly: Anomaly, history: History, rules: Rules,
     elif kind in (Kind.GRADIENT, Kind.GRAD_NORM, Kind.SPIKE):  # judged after the scaler's check passed
         history = replace(history, overflows=0)
     if kind in REPLAYED_KINDS and diagnosis is not None and not diagnosis.reproducible and not anomaly.retried:
-        decision = _off_ladder(kind, Action.RETRY, history, "transient (the replay from the same state was finite): "
-                               "retrying the step once")
+        decision = _off_ladder(
+            kind, Action.RETRY, history, "transient (the replay from the same state was finite): retrying the step once"
+        )
         return decision, record_step(history, rules.recovery, skipped=False)
     return _climb(kind, history, rules)
 

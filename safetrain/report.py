@@ -27,9 +27,26 @@ __all__ = [
 ]
 
 #: The summary counters shown in the report, in order.
-_COUNTERS = ("steps", "optimizer_steps", "healthy_steps", "skipped_batches", "dropped_rows", "replaced_rows",
-             "zeroed_grads", "restores", "scaler_skips", "warnings", "lr_backoffs", "retries", "rejected_batches",
-             "lr_scale", "final_loss", "wall_time", "aborted", "events")
+_COUNTERS = (
+    "steps",
+    "optimizer_steps",
+    "healthy_steps",
+    "skipped_batches",
+    "dropped_rows",
+    "replaced_rows",
+    "zeroed_grads",
+    "restores",
+    "scaler_skips",
+    "warnings",
+    "lr_backoffs",
+    "retries",
+    "rejected_batches",
+    "lr_scale",
+    "final_loss",
+    "wall_time",
+    "aborted",
+    "events",
+)
 #: Records that are bookkeeping, not something that happened to training.
 _ROUTINE = frozenset({"run_started", "run_ended", "snapshot"})
 
@@ -74,16 +91,20 @@ def reconcile(run: RunLog) -> Dict[str, Tuple[Any, Any]]:
     ev = run.events
 
     def rows(action: str) -> int:
-        return sum(int((e.get("detail") or {}).get("count", 0)) for e in ev
-                   if e["event"] == "anomaly" and e.get("action") == action and e.get("kind") in ("input", "target"))
+        return sum(
+            int((e.get("detail") or {}).get("count", 0))
+            for e in ev
+            if e["event"] == "anomaly" and e.get("action") == action and e.get("kind") in ("input", "target")
+        )
 
     found: Dict[str, Any] = {
         "events": len(ev),
         "restores": sum(1 for e in ev if e["event"] == "restored" and e.get("action") != "skip_batch"),
         "dropped_rows": rows("drop_rows"),
         "replaced_rows": rows("replace"),
-        "scaler_skips": sum(1 for e in ev if e["event"] == "anomaly" and e.get("kind") == "scaler"
-                            and e.get("action") == "skip_batch"),
+        "scaler_skips": sum(
+            1 for e in ev if e["event"] == "anomaly" and e.get("kind") == "scaler" and e.get("action") == "skip_batch"
+        ),
     }
     if run.metrics is not None and "trained" in run.metrics:
         found["steps"] = len(run.metrics["trained"])
@@ -113,29 +134,40 @@ def format_report(run: RunLog) -> str:
     if run.runs > 1:
         out.append(f"  {run.runs} runs in this journal (resumed); the summary is the last one's")
     if run.cut_at is not None:
-        out.append(f"  journal was cut at line {run.cut_at} (the run crashed while writing it); "
-                   "everything before it is reported")
+        out.append(
+            f"  journal was cut at line {run.cut_at} (the run crashed while writing it); "
+            "everything before it is reported"
+        )
     if run.bad_lines:
-        out.append(f"  unreadable journal lines skipped: {', '.join(map(str, run.bad_lines[:10]))}"
-                   + (" ..." if len(run.bad_lines) > 10 else ""))
+        out.append(
+            f"  unreadable journal lines skipped: {', '.join(map(str, run.bad_lines[:10]))}"
+            + (" ..." if len(run.bad_lines) > 10 else "")
+        )
     table = event_table(run)
     shown = [r for r in table if r.event not in _ROUTINE]
     routine = [r for r in table if r.event in _ROUTINE]
     out.append("")
     if shown:
         head = ("event", "kind", "action", "count", "first step", "epoch", "batch")
-        cells = [head] + [(r.event, r.kind, r.action or "-", str(r.count), str(r.first_step), str(r.first_epoch),
-                           str(r.first_batch)) for r in shown]
+        cells = [head] + [
+            (r.event, r.kind, r.action or "-", str(r.count), str(r.first_step), str(r.first_epoch), str(r.first_batch))
+            for r in shown
+        ]
         widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
         for i, c in enumerate(cells):
-            out.append("  " + "  ".join(x.rjust(w) if j >= 3 else x.ljust(w) for j, (x, w) in enumerate(zip(c, widths))))
+            out.append(
+                "  " + "  ".join(x.rjust(w) if j >= 3 else x.ljust(w) for j, (x, w) in enumerate(zip(c, widths)))
+            )
             if i == 0:
                 out.append("  " + "  ".join("-" * w for w in widths))
     else:
         out.append("  no anomalies, restores or LR changes: every step was healthy")
     if routine:
-        out.append("  (also: " + ", ".join(f"{r.count} {r.event}" + (f" {r.action}" if r.action else "")
-                                           for r in routine) + ")")
+        out.append(
+            "  (also: "
+            + ", ".join(f"{r.count} {r.event}" + (f" {r.action}" if r.action else "") for r in routine)
+            + ")"
+        )
     out.append("")
     if run.summary is None:
         out.append("summary: none; the run did not close (it crashed, was killed, or is still running)")
@@ -151,8 +183,10 @@ def format_report(run: RunLog) -> str:
     if checks:
         wrong = {k: v for k, v in checks.items() if v[0] != v[1]}
         if wrong:
-            out.append("journal and summary disagree: " + ", ".join(f"{k} {a} in the summary, {b} in the journal"
-                                                                  for k, (a, b) in wrong.items()))
+            out.append(
+                "journal and summary disagree: "
+                + ", ".join(f"{k} {a} in the summary, {b} in the journal" for k, (a, b) in wrong.items())
+            )
         else:
             out.append(f"journal and summary agree ({', '.join(checks)})")
     return "\n".join(out)

@@ -96,8 +96,11 @@ class AtomicFile:
         self.path = os.fspath(path)
         directory, name = os.path.split(self.path)
         self.directory = directory or "."
-        self.tmp = os.fspath(tmp) if tmp is not None else os.path.join(
-            self.directory, f"{prefix}{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+        self.tmp = (
+            os.fspath(tmp)
+            if tmp is not None
+            else os.path.join(self.directory, f"{prefix}{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+        )
         self.committed = False
 
     def commit(self, replace: Optional[Callable[[str, str], None]] = None) -> None:
@@ -211,8 +214,18 @@ class MetricsWriter:
         if self._file.tell() == 0:
             self._file.write(",".join(self.COLUMNS) + "\n")
 
-    def write(self, step: int, epoch: int, batch: int, loss: float, grad_norm: float, lr_scale: float,
-              trained: bool, action: str, flush: bool = False) -> None:
+    def write(
+        self,
+        step: int,
+        epoch: int,
+        batch: int,
+        loss: float,
+        grad_norm: float,
+        lr_scale: float,
+        trained: bool,
+        action: str,
+        flush: bool = False,
+    ) -> None:
         """Append one row; ``flush`` (an anomaly or a snapshot) hands every row so far to the OS,
         so that a killed run keeps them."""
         self._file.write(f"{step},{epoch},{batch},{loss:.6g},{grad_norm:.6g},{lr_scale:.6g},{int(trained)},{action}\n")
@@ -328,7 +341,9 @@ def _read_metrics(path: Path) -> Optional[Dict[str, List[Any]]]:
                 values = [value if name == "action" else float(value) for name, value in zip(header, row)]
             except ValueError:
                 continue
-            rows[values[key] if key is not None else len(rows)] = values  # keyed by step: a resumed run's rows replace the ones it re-runs
+            rows[values[key] if key is not None else len(rows)] = (
+                values  # keyed by step: a resumed run's rows replace the ones it re-runs
+            )
     for values in (rows[k] for k in sorted(rows)):
         for name, value in zip(header, values):
             columns[name].append(value)

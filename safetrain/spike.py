@@ -38,8 +38,14 @@ class SpikeDetector:
         True
     """
 
-    def __init__(self, window: int = 128, min_history: int = 20, zscore: float = 6.0, enabled: bool = True,
-                 min_ratio: float = 2.0) -> None:
+    def __init__(
+        self,
+        window: int = 128,
+        min_history: int = 20,
+        zscore: float = 6.0,
+        enabled: bool = True,
+        min_ratio: float = 2.0,
+    ) -> None:
         self.window, self.min_history, self.zscore, self.enabled = window, min_history, zscore, enabled
         self.min_ratio = min_ratio
         self._losses: deque = deque(maxlen=window)

@@ -15,12 +15,12 @@ import torch
 
 from . import distributed
 from .config import ConfigLike, as_config, to_dict
+from .diagnose.quarantine import QuarantineKeeper
 from .errors import TrainingAborted
 from .events import Event, EventBus, Quarantined, RunEnded, RunStarted
 from .guard import Guard, StepResult
-from .steps import Counters
-from .diagnose.quarantine import QuarantineKeeper
 from .rundir import METRICS_FILE, Journal, MetricsWriter, journal_path
+from .steps import Counters
 
 __all__ = ["SafeTrainer", "FitResult"]
 
@@ -123,8 +123,15 @@ class SafeTrainer:
         metrics = MetricsWriter(run_dir / METRICS_FILE) if run_dir and rank == 0 else None
         bus = EventBus(journal)
         guard = self.guard = Guard(
-            self.model, self.optimizer, cfg, loss_fn=self.loss_fn, step_fn=self.step_fn,
-            scheduler=self.scheduler, scaler=self.scaler, bus=bus, run_dir=str(run_dir) if run_dir else None,
+            self.model,
+            self.optimizer,
+            cfg,
+            loss_fn=self.loss_fn,
+            step_fn=self.step_fn,
+            scheduler=self.scheduler,
+            scaler=self.scaler,
+            bus=bus,
+            run_dir=str(run_dir) if run_dir else None,
         )
         result = FitResult(run_dir=str(run_dir) if run_dir else None, events=bus.events)
         start_epoch, skip, epoch_rng = 0, 0, None
@@ -133,16 +140,34 @@ class SafeTrainer:
             guard.load_state_dict(info.extra)
             start_epoch, skip = guard.counters.epoch, guard.counters.batch
             epoch_rng = info.extra_tensors.get("epoch_rng")
-        bus.emit(RunStarted(step=guard.counters.steps, epoch=start_epoch, batch=skip - 1, kind="run", rank=rank,
-                            action="resume" if resume else "start",
-                            message=f"{'resumed from ' + str(resume) if resume else 'started'}; run dir {run_dir}",
-                            detail={"config": to_dict(cfg), "resume": str(resume) if resume else None}))
+        bus.emit(
+            RunStarted(
+                step=guard.counters.steps,
+                epoch=start_epoch,
+                batch=skip - 1,
+                kind="run",
+                rank=rank,
+                action="resume" if resume else "start",
+                message=f"{'resumed from ' + str(resume) if resume else 'started'}; run dir {run_dir}",
+                detail={"config": to_dict(cfg), "resume": str(resume) if resume else None},
+            )
+        )
         bar = _progress(cfg.log.progress and rank == 0, epochs, loader)
 
         def quarantined(action: str, message: str, detail: Dict[str, Any]) -> None:
             c = guard.counters
-            bus.emit(Quarantined(step=c.steps, epoch=c.epoch, batch=c.batch - 1, kind="quarantine", action=action,
-                                 message=message, detail=detail, rank=rank))
+            bus.emit(
+                Quarantined(
+                    step=c.steps,
+                    epoch=c.epoch,
+                    batch=c.batch - 1,
+                    kind="quarantine",
+                    action=action,
+                    message=message,
+                    detail=detail,
+                    rank=rank,
+                )
+            )
 
         keeper = QuarantineKeeper(getattr(loader, "sampler", None), run_dir, quarantined)
         try:
@@ -154,9 +179,18 @@ class SafeTrainer:
         finally:
             self._finish(guard, result, started)
             c = guard.counters
-            bus.emit(RunEnded(step=c.steps, epoch=c.epoch, batch=c.batch - 1, kind="run", rank=rank,
-                              action="aborted" if result.aborted else "done", message=_describe(result),
-                              detail=result.summary()))
+            bus.emit(
+                RunEnded(
+                    step=c.steps,
+                    epoch=c.epoch,
+                    batch=c.batch - 1,
+                    kind="run",
+                    rank=rank,
+                    action="aborted" if result.aborted else "done",
+                    message=_describe(result),
+                    detail=result.summary(),
+                )
+            )
             guard.close()
             if bar is not None:
                 bar.close()
@@ -166,9 +200,20 @@ class SafeTrainer:
                 journal.close(result.summary())
         return result
 
-    def _epochs(self, guard: Guard, loader: Iterable[Any], epochs: int, max_steps: Optional[int], start_epoch: int,
-                skip: int, epoch_rng: Optional[torch.Tensor], bar: Any, result: FitResult,
-                metrics: Optional[MetricsWriter], keeper: QuarantineKeeper) -> None:
+    def _epochs(
+        self,
+        guard: Guard,
+        loader: Iterable[Any],
+        epochs: int,
+        max_steps: Optional[int],
+        start_epoch: int,
+        skip: int,
+        epoch_rng: Optional[torch.Tensor],
+        bar: Any,
+        result: FitResult,
+        metrics: Optional[MetricsWriter],
+        keeper: QuarantineKeeper,
+    ) -> None:
         cfg = self.cfg
         sampler = getattr(loader, "sampler", None)
         for epoch in range(start_epoch, epochs):
@@ -188,19 +233,34 @@ class SafeTrainer:
             else:
                 guard.begin_epoch(epoch)
                 iterator = iter(loader)
+
             def record(step: StepResult) -> None:
                 keeper.after_step(step.events)
                 if metrics is not None:  # an anomaly or a snapshot flushes: a killed run keeps every row up to here
                     c = guard.counters
-                    metrics.write(step.step, c.epoch, c.batch - 1, step.loss, step.grad_norm, guard.backoff.scale,
-                                  step.trained, step.action, flush=bool(step.events))
+                    metrics.write(
+                        step.step,
+                        c.epoch,
+                        c.batch - 1,
+                        step.loss,
+                        step.grad_norm,
+                        guard.backoff.scale,
+                        step.trained,
+                        step.action,
+                        flush=bool(step.events),
+                    )
                 if step.trained and math.isfinite(step.loss):
                     result.final_loss = step.loss
                 if bar is not None:
                     bar.update(1)
                     c = guard.counters
-                    bar.set_postfix(loss=f"{step.loss:.4g}", gnorm=f"{step.grad_norm:.3g}", skipped=c.skipped_batches,
-                                    restored=c.restores, refresh=False)
+                    bar.set_postfix(
+                        loss=f"{step.loss:.4g}",
+                        gnorm=f"{step.grad_norm:.3g}",
+                        skipped=c.skipped_batches,
+                        restored=c.restores,
+                        refresh=False,
+                    )
 
             for batch in iterator:
                 step = guard.step(batch, keeper.indices_for(batch))
@@ -234,9 +294,11 @@ def _advance(iterator: Any, n: int, keeper: QuarantineKeeper) -> int:
 
 
 def _describe(result: FitResult) -> str:
-    return (f"{'aborted' if result.aborted else 'finished'}: {result.steps} steps, {result.healthy_steps} healthy, "
-            f"{result.skipped_batches} skipped, {result.dropped_rows} rows dropped, {result.zeroed_grads} grads zeroed, "
-            f"{result.restores} restores, LR scale {result.lr_scale:g}, final loss {result.final_loss:.4g}")
+    return (
+        f"{'aborted' if result.aborted else 'finished'}: {result.steps} steps, {result.healthy_steps} healthy, "
+        f"{result.skipped_batches} skipped, {result.dropped_rows} rows dropped, {result.zeroed_grads} grads zeroed, "
+        f"{result.restores} restores, LR scale {result.lr_scale:g}, final loss {result.final_loss:.4g}"
+    )
 
 
 def _progress(enabled: bool, epochs: int, loader: Any) -> Any:

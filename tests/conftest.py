@@ -26,8 +26,15 @@ def run_two_ranks(script: str, tmp: Path, timeout: float, what: str) -> None:
     path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)  # keep the caller's
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
     env.setdefault("GOMP_SPINCOUNT", "10000")
-    proc = subprocess.Popen([sys.executable, script, str(tmp)], cwd=root, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, script, str(tmp)],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         log, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

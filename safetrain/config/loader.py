@@ -77,9 +77,7 @@ def as_config(cfg: ConfigLike) -> TrainConfig:
         return _build(OmegaConf.structured(TrainConfig), [(data, "DictConfig")], None)
     if isinstance(cfg, Mapping):
         return _build(OmegaConf.structured(TrainConfig), [(dict(cfg), "dict")], None)
-    raise ConfigError(
-        f"config: got {type(cfg).__name__}; expected a YAML path, a dict, a DictConfig or a TrainConfig"
-    )
+    raise ConfigError(f"config: got {type(cfg).__name__}; expected a YAML path, a dict, a DictConfig or a TrainConfig")
 
 
 def _read_yaml(path: Path) -> Any:
@@ -236,4 +234,3 @@ def _freeze(obj: Any) -> Any:
         elif isinstance(value, dict):
             changes[f.name] = types.MappingProxyType(dict(value))
     return dataclasses.replace(obj, **changes)
-

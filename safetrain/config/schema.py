@@ -56,12 +56,16 @@ class ReplayConfig:
     max_per_run: int = _f(20, "at most this many replays in one run; later trips are journaled without a replay", ge=0)
     time_limit_s: float = _f(60.0, "give up a replay (and its bisection) after this many seconds", gt=0)
     keep_steps: int = _f(
-        16, "keep the batches and LRs of up to this many updates after a snapshot, to replay a weights fault "
-        "to the update that broke it (0: off; those batches stay in memory)", ge=0,
+        16,
+        "keep the batches and LRs of up to this many updates after a snapshot, to replay a weights fault "
+        "to the update that broke it (0: off; those batches stay in memory)",
+        ge=0,
     )
     keep_mb: float = _f(
-        256.0, "...and stop keeping them (no weight replay until the next snapshot) once their batches "
-        "hold more than this many MiB, wherever they live (host or device memory)", ge=0,
+        256.0,
+        "...and stop keeping them (no weight replay until the next snapshot) once their batches "
+        "hold more than this many MiB, wherever they live (host or device memory)",
+        ge=0,
     )
 
 
@@ -83,11 +87,16 @@ class DetectConfig:
         factory=list,
     )
     skip_passthrough: bool = _f(
-        True, "leave ReLU-like activations, dropout, pooling and reshapes unhooked (finite in, finite out: "
-        "never where a NaN starts); about halves the eager hook cost of MLPs and CNNs"
+        True,
+        "leave ReLU-like activations, dropout, pooling and reshapes unhooked (finite in, finite out: "
+        "never where a NaN starts); about halves the eager hook cost of MLPs and CNNs",
     )
-    check_weights_every: int = _f(100, "check every parameter for NaN/Inf every N optimizer steps (0: never; a "
-                                       "forward, loss or gradient trip checks them anyway)", ge=0)
+    check_weights_every: int = _f(
+        100,
+        "check every parameter for NaN/Inf every N optimizer steps (0: never; a "
+        "forward, loss or gradient trip checks them anyway)",
+        ge=0,
+    )
     replay: ReplayConfig = _f(doc="diagnosis by replay of a tripped step", factory=ReplayConfig)
 
 
@@ -218,7 +227,6 @@ class TrainConfig:
     log: LogConfig = _f(doc="journal and progress", factory=LogConfig)
 
 
-
 def iter_fields(cfg: Any, prefix: str = "") -> Iterable[tuple]:
     """Yield ``(dotted_key, dataclasses.Field, value)`` for every field of a config, depth first."""
     for f in dataclasses.fields(cfg):
@@ -227,7 +235,6 @@ def iter_fields(cfg: Any, prefix: str = "") -> Iterable[tuple]:
         yield dotted, f, value
         if dataclasses.is_dataclass(value):
             yield from iter_fields(value, dotted + ".")
-
 
 
 def to_dict(cfg: TrainConfig) -> dict:

@@ -330,7 +330,9 @@ class ActivationMonitor:
         with torch.no_grad(), self.inspect() as seen:
             rerun()
         if seen.finding is None:
-            logger.info("forward flag at '%s' not confirmed by an exact re-run (sum overflow or transient)", found.module)
+            logger.info(
+                "forward flag at '%s' not confirmed by an exact re-run (sum overflow or transient)", found.module
+            )
             return None
         return seen.finding.with_context(step, epoch, batch_index)
 

@@ -247,8 +247,17 @@ def _plan(layout: Layout) -> Plan:
     if plan is None:
         entries, pos = [], 0
         for name, n, is_bool, _ in packed_order(layout):
-            role = (_NUMBER if name in _NUMBERS else _VECTOR if name in _VECTORS else _ROW if name in _ROWS
-                    else _FLAG if name in FLAG_KINDS else _EXTRA)
+            role = (
+                _NUMBER
+                if name in _NUMBERS
+                else _VECTOR
+                if name in _VECTORS
+                else _ROW
+                if name in _ROWS
+                else _FLAG
+                if name in FLAG_KINDS
+                else _EXTRA
+            )
             entries.append((name, pos, pos + n, role, is_bool))
             pos += n
         if len(_PLANS) >= _MAX_PLANS:

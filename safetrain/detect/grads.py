@@ -89,8 +89,12 @@ class _DotPlan:
         first = tensors[0] if tensors else None
         every = tuple(range(len(tensors)))
         self.big: Tuple[int, ...] = ()
-        if (first is not None and first.device.type == "cpu" and first.dtype in _FLOATS
-                and all(t.device == first.device and t.dtype == first.dtype for t in tensors)):
+        if (
+            first is not None
+            and first.device.type == "cpu"
+            and first.dtype in _FLOATS
+            and all(t.device == first.device and t.dtype == first.dtype for t in tensors)
+        ):
             self.big = tuple(i for i, t in enumerate(tensors) if t.numel() >= _DOT_MIN and t.is_contiguous())
         self.small = tuple(i for i in every if i not in self.big)
 
@@ -282,8 +286,10 @@ class GradCheck:
         total = math.hypot(*norms)
         if any(not math.isfinite(n) for n in norms):
             # A norm that is inf only because the squares overflowed is not a non-finite gradient.
-            exact = [not bool(torch.isfinite(p.grad).all()) if not math.isfinite(n) else False  # host sync: slow path
-                     for p, n in zip(self._with_grad, norms)]
+            exact = [
+                not bool(torch.isfinite(p.grad).all()) if not math.isfinite(n) else False  # host sync: slow path
+                for p, n in zip(self._with_grad, norms)
+            ]
         else:
             exact = [False] * len(norms)
         nonfinite = tuple(name for name, bad in zip(self.names, exact) if bad)

@@ -27,8 +27,9 @@ MAX_RECORDS = 1_000_000
 #: parameter-free elementwise activations that are bounded or at most linear, dropout, pooling
 #: and reshapes (``PReLU`` is not here: a NaN slope makes NaN from finite inputs).
 #: A NaN/Inf in their output was already in their input, so such a module is never the origin
-#: of a real fault; ``ActivationMonitor(skip_passthrough=True)`` leaves them unhooked. Edge cases accepted: dropout and average pooling can overflow only for values within a
-#: factor ``1/(1-p)`` or the window size of the float maximum.
+#: of a real fault; ``ActivationMonitor(skip_passthrough=True)`` leaves them unhooked. Edge cases
+#: accepted: dropout and average pooling can overflow only for values within a factor
+#: ``1/(1-p)`` or the window size of the float maximum.
 PASSTHROUGH = (
     nn.Identity, nn.Flatten, nn.Unflatten,
     nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.RReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
@@ -143,7 +144,8 @@ def make_hook(index: int, ids: List[int], vals: List[Tensor], nan_only: bool, gu
                 ids_append(index)
             if guard_growth and len(ids) > MAX_RECORDS:
                 logger.warning(
-                    "ActivationMonitor: %d records without reset(); dropping them (call reset() once per step)", len(ids)
+                    "ActivationMonitor: %d records without reset(); dropping them (call reset() once per step)",
+                    len(ids),
                 )
                 ids.clear()
                 vals.clear()

@@ -117,8 +117,11 @@ def drop_rows(batch: Any, rows: Sequence[int], *, batch_size: Optional[int] = No
         return t.index_select(0, idx)
 
     def walk(obj: Any) -> Any:
-        if isinstance(obj, list) and len(obj) == size and obj and not any(
-            isinstance(o, (Tensor, list, tuple, Mapping)) or is_dataclass_instance(o) for o in obj
+        if (
+            isinstance(obj, list)
+            and len(obj) == size
+            and obj
+            and not any(isinstance(o, (Tensor, list, tuple, Mapping)) or is_dataclass_instance(o) for o in obj)
         ):
             return [obj[i] for i in keep]
         if isinstance(obj, Tensor):

@@ -130,5 +130,3 @@ def batch_size_of(batch: Any, batch_size: Optional[int] = None) -> Optional[int]
         if t.dim() > 0:
             return t.shape[0]
     return None
-
-

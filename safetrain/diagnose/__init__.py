@@ -55,17 +55,28 @@ class Diagnoser:
             diagnosis = diagnoser.explain("loss", micro=[batch])
     """
 
-    def __init__(self, model: torch.nn.Module, monitor: ActivationMonitor, cfg: ReplayConfig, *, state: Any,
-                 params: Sequence[Tuple[str, torch.nn.Parameter]], loss_of: Callable[[Any], torch.Tensor],
-                 autocast: Callable[[], Any], prepare: Callable[[Any], Any], accumulate: int = 1,
-                 clip: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        monitor: ActivationMonitor,
+        cfg: ReplayConfig,
+        *,
+        state: Any,
+        params: Sequence[Tuple[str, torch.nn.Parameter]],
+        loss_of: Callable[[Any], torch.Tensor],
+        autocast: Callable[[], Any],
+        prepare: Callable[[Any], Any],
+        accumulate: int = 1,
+        clip: Optional[float] = None,
+    ) -> None:
         self.cfg, self.prepare = cfg, prepare
         self.used = 0  # replays spent, step and weight replays together
         cuda = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
         self.rng = StepRNG(cfg.enabled, cuda)
         self.step_replay: Any = StepReplay(model, monitor, cfg, loss_of, autocast, self.rng)
-        self.weight_replay = WeightReplay(state, params, cfg, loss_of=loss_of, autocast=autocast,
-                                          prepare=prepare, accumulate=accumulate, clip=clip)
+        self.weight_replay = WeightReplay(
+            state, params, cfg, loss_of=loss_of, autocast=autocast, prepare=prepare, accumulate=accumulate, clip=clip
+        )
 
     @property
     def enabled(self) -> bool:
@@ -102,8 +113,14 @@ class Diagnoser:
         """Whether an anomaly of ``kind`` gets a replay now: a kind a replay explains, and budget left."""
         return (kind in REPLAYED_KINDS or kind is Kind.WEIGHTS) and self.enabled
 
-    def explain(self, kind: Optional[str], *, micro: Sequence[Any] = (),
-                indices: Optional[Sequence[Sequence[int]]] = None, store: Any = None) -> Diagnosis:
+    def explain(
+        self,
+        kind: Optional[str],
+        *,
+        micro: Sequence[Any] = (),
+        indices: Optional[Sequence[Sequence[int]]] = None,
+        store: Any = None,
+    ) -> Diagnosis:
         """Explain an anomaly of ``kind`` by the replay that fits it; spends the budget.
 
         ``forward``, ``loss`` and ``gradient`` (and ``None``: a look at a step that did not
@@ -136,7 +153,9 @@ class Diagnoser:
             moved = self.rng.moved()  # the updates kept since the last look have that look's RNG state
             return self.weight_replay.replay(store, rng_moved=moved)
         if kind is not None and kind not in REPLAYED_KINDS:
-            raise ValueError(f"no replay explains a {str(kind)!r} anomaly; expected one of "
-                             f"{sorted(map(str, REPLAYED_KINDS | {Kind.WEIGHTS}))} or None")
+            raise ValueError(
+                f"no replay explains a {str(kind)!r} anomaly; expected one of "
+                f"{sorted(map(str, REPLAYED_KINDS | {Kind.WEIGHTS}))} or None"
+            )
         self.used += 1
         return self.step_replay.replay([self.prepare(batch) for batch in micro], indices)

@@ -46,7 +46,7 @@ def bisect_rows(size: int, is_bad: Callable[[Sequence[int]], bool]) -> List[int]
         unknown: List[int] = []
         rows, confirmed = group, not known_bad
         while len(rows) > 1:
-            left, right = rows[: len(rows) // 2], rows[len(rows) // 2:]
+            left, right = rows[: len(rows) // 2], rows[len(rows) // 2 :]
             if is_bad(left):
                 unknown.extend(right)  # may hold more bad rows: not tested yet
                 rows, confirmed = left, True
@@ -68,8 +68,13 @@ class Bisection(NamedTuple):
     note: str
 
 
-def isolate_rows(size: Optional[int], is_bad: Callable[[Sequence[int]], bool], deadline: float,
-                 time_limit_s: float, clock: Callable[[], float] = time.perf_counter) -> Bisection:
+def isolate_rows(
+    size: Optional[int],
+    is_bad: Callable[[Sequence[int]], bool],
+    deadline: float,
+    time_limit_s: float,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Bisection:
     """:func:`bisect_rows` with the replay's limits: a batch without rows, a deadline, a model
     that cannot run on a subset, a loss that is not per-sample separable each end it with a note.
 

@@ -19,8 +19,12 @@ from ..snapshot.tensors import nonfinite
 __all__ = ["any_nonfinite", "first_nonfinite_op", "nonfinite_names", "user_frames", "LIBRARY_PATHS"]
 
 #: Path prefixes of frames that are not the user's: torch, safetrain itself, the standard plumbing.
-LIBRARY_PATHS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                 "<frozen ", "/contextlib.py")
+LIBRARY_PATHS = (
+    os.path.dirname(torch.__file__),
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    "<frozen ",
+    "/contextlib.py",
+)
 
 
 def user_frames(stack: Sequence[traceback.FrameSummary]) -> List[str]:
@@ -68,8 +72,18 @@ def nonfinite_names(named: Iterable[Tuple[str, torch.Tensor]]) -> Tuple[str, ...
 
 
 # Ops whose output is uninitialised memory: whatever bits it holds (NaN included) mean nothing yet.
-_UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
-                            "empty_permuted", "resize_", "resize_as_"})
+_UNINITIALISED = frozenset(
+    {
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty",
+        "new_empty_strided",
+        "empty_permuted",
+        "resize_",
+        "resize_as_",
+    }
+)
 
 
 class first_nonfinite_op(TorchDispatchMode):

@@ -49,8 +49,9 @@ class QuarantineSampler(Sampler[int]):
         keep_length: replace instead of skip; ``None``: when torch.distributed runs more than one rank.
     """
 
-    def __init__(self, sampler: Iterable[int], quarantined: Iterable[int] = (),
-                 keep_length: Optional[bool] = None) -> None:
+    def __init__(
+        self, sampler: Iterable[int], quarantined: Iterable[int] = (), keep_length: Optional[bool] = None
+    ) -> None:
         self.sampler = sampler
         self.quarantined = set(int(i) for i in quarantined)
         self.keep_length = keep_length
@@ -76,8 +77,9 @@ class QuarantineSampler(Sampler[int]):
         shard = [int(i) for i in self.sampler]
         kept = [i for i in shard if i not in quarantined]
         if shard and not kept:
-            raise SafetrainError(f"every one of this rank's {len(shard)} samples is quarantined: "
-                                 "nothing left to train on")
+            raise SafetrainError(
+                f"every one of this rank's {len(shard)} samples is quarantined: nothing left to train on"
+            )
         missing = len(shard) - len(kept)
         self.skipped += missing
         self.repeated += missing
@@ -126,11 +128,12 @@ def read_quarantine(path: Union[str, os.PathLike]) -> List[int]:
         data = json.loads(path.read_text(encoding="utf-8"))
         return [int(i) for i in data["indices"]]
     except (ValueError, KeyError, TypeError) as exc:
-        raise SafetrainError(f"{path}: not a quarantine file ({exc}); expected {{\"indices\": [int, ...]}}") from None
+        raise SafetrainError(f'{path}: not a quarantine file ({exc}); expected {{"indices": [int, ...]}}') from None
 
 
-def write_quarantine(path: Union[str, os.PathLike], indices: Iterable[int],
-                     detail: Optional[Dict[str, Any]] = None) -> None:
+def write_quarantine(
+    path: Union[str, os.PathLike], indices: Iterable[int], detail: Optional[Dict[str, Any]] = None
+) -> None:
     """Write ``{"indices": [...], ...detail}`` atomically (temp file, fsync, rename, fsync the directory)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -176,8 +179,11 @@ class QuarantineKeeper:
         """
         if self.sampler is None:
             return
-        diagnosed = [event.detail.get("diagnosis") for event in events
-                     if event.name == "anomaly" and isinstance(event.detail.get("diagnosis"), dict)]
+        diagnosed = [
+            event.detail.get("diagnosis")
+            for event in events
+            if event.name == "anomaly" and isinstance(event.detail.get("diagnosis"), dict)
+        ]
         if not diagnosed:
             return
         indices = [i for d in diagnosed for i in d.get("dataset_indices") or ()]
@@ -189,8 +195,11 @@ class QuarantineKeeper:
                 write_quarantine(self.path, self.sampler.quarantined)
             kept = ", replaced by repeats to keep the ranks in step" if self._distributed else ""
             when = "from the next epoch on" + kept
-            self.emit("add", f"quarantined dataset samples {new}: skipped {when}",
-                      {"indices": new, "file": str(self.path) if self.path else None})
+            self.emit(
+                "add",
+                f"quarantined dataset samples {new}: skipped {when}",
+                {"indices": new, "file": str(self.path) if self.path else None},
+            )
 
     def end_epoch(self) -> None:
         """Journal how many quarantined samples the epoch passed over."""
@@ -200,5 +209,8 @@ class QuarantineKeeper:
         if skipped:
             repeated, self._repeated_seen = self.sampler.repeated - self._repeated_seen, self.sampler.repeated
             also = f" ({repeated} healthy samples repeated in their place)" if repeated else ""
-            self.emit("skip", f"skipped {skipped} quarantined samples this epoch{also}",
-                      {"skipped": skipped, "repeated": repeated, "quarantined": sorted(self.sampler.quarantined)})
+            self.emit(
+                "skip",
+                f"skipped {skipped} quarantined samples this epoch{also}",
+                {"skipped": skipped, "repeated": repeated, "quarantined": sorted(self.sampler.quarantined)},
+            )

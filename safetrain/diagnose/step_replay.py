@@ -52,8 +52,15 @@ class StepReplay:
         rng: the step RNG bookkeeping the replay starts from.
     """
 
-    def __init__(self, model: torch.nn.Module, monitor: ActivationMonitor, cfg: Any,
-                 loss_of: Callable[[Any], torch.Tensor], autocast: Callable[[], Any], rng: StepRNG) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        monitor: ActivationMonitor,
+        cfg: Any,
+        loss_of: Callable[[Any], torch.Tensor],
+        autocast: Callable[[], Any],
+        rng: StepRNG,
+    ) -> None:
         self.model, self.monitor, self.cfg = model, monitor, cfg
         self.loss_of, self.autocast, self.rng = loss_of, autocast, rng
 
@@ -100,9 +107,13 @@ class StepReplay:
         started = time.perf_counter()
         weights = nonfinite_names(self._named_parameters())
         if weights:  # an earlier update (or code outside the step) broke them: this step only shows it
-            return Diagnosis(reproducible=True, kind="weights", nonfinite_weights=weights,
-                             seconds=time.perf_counter() - started,
-                             note="parameters were non-finite before the step")
+            return Diagnosis(
+                reproducible=True,
+                kind="weights",
+                nonfinite_weights=weights,
+                seconds=time.perf_counter() - started,
+                note="parameters were non-finite before the step",
+            )
         found: Dict[str, Any] = {}
         with self._as_before():
             for k, batch in enumerate(micro):
@@ -117,10 +128,18 @@ class StepReplay:
                 grads = [n for n, p in self._named_parameters() if p.grad is not None and any_nonfinite([p.grad])]
                 if seen.finding is not None or op_mode.op is not None or loss_bad or node is not None or grads:
                     f = seen.finding
-                    found = dict(module=f.module if f else None, module_type=f.module_type if f else None,
-                                 call_index=f.call_index if f else None, op=op_mode.op, op_line=op_mode.line,
-                                 backward_node=node, traceback=tuple(frames), nonfinite_grads=tuple(grads),
-                                 micro=k, loss_bad=loss_bad)
+                    found = dict(
+                        module=f.module if f else None,
+                        module_type=f.module_type if f else None,
+                        call_index=f.call_index if f else None,
+                        op=op_mode.op,
+                        op_line=op_mode.line,
+                        backward_node=node,
+                        traceback=tuple(frames),
+                        nonfinite_grads=tuple(grads),
+                        micro=k,
+                        loss_bad=loss_bad,
+                    )
                     break
         if not found:
             return Diagnosis(reproducible=False, seconds=time.perf_counter() - started)
@@ -130,8 +149,15 @@ class StepReplay:
         if found.pop("loss_bad"):
             rows, passes, note = self._bisect(micro[k], started)
         dataset = tuple(indices[k][r] for r in rows) if indices and k < len(indices) and indices[k] else ()
-        return Diagnosis(reproducible=True, bad_rows=rows, dataset_indices=dataset, forward_passes=passes,
-                         seconds=time.perf_counter() - started, note=note, **found)
+        return Diagnosis(
+            reproducible=True,
+            bad_rows=rows,
+            dataset_indices=dataset,
+            forward_passes=passes,
+            seconds=time.perf_counter() - started,
+            note=note,
+            **found,
+        )
 
     def _backward(self, loss: torch.Tensor) -> Tuple[Optional[str], List[str]]:
         if not loss.requires_grad:

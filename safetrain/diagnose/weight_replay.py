@@ -84,9 +84,18 @@ class WeightReplay:
             diagnosis = weights.replay(store)
     """
 
-    def __init__(self, state: Any, params: Sequence[Tuple[str, torch.nn.Parameter]], cfg: ReplayConfig, *,
-                 loss_of: Callable[[Any], torch.Tensor], autocast: Callable[[], Any],
-                 prepare: Callable[[Any], Any], accumulate: int = 1, clip: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        state: Any,
+        params: Sequence[Tuple[str, torch.nn.Parameter]],
+        cfg: ReplayConfig,
+        *,
+        loss_of: Callable[[Any], torch.Tensor],
+        autocast: Callable[[], Any],
+        prepare: Callable[[Any], Any],
+        accumulate: int = 1,
+        clip: Optional[float] = None,
+    ) -> None:
         self.state, self.params, self.cfg = state, list(params), cfg
         self.loss_of, self.autocast = loss_of, autocast
         self.prepare, self.accumulate, self.clip = prepare, accumulate, clip
@@ -137,8 +146,9 @@ class WeightReplay:
         started = time.perf_counter()
         broken = nonfinite_names(self.params)
         logger.info("weight replay skipped: %s", why)
-        return Diagnosis(reproducible=True, kind="weights", nonfinite_weights=broken, note=why,
-                         seconds=time.perf_counter() - started)
+        return Diagnosis(
+            reproducible=True, kind="weights", nonfinite_weights=broken, note=why, seconds=time.perf_counter() - started
+        )
 
     def replay(self, store: Any, rng_moved: bool = False) -> Diagnosis:
         """Explain non-finite weights by replaying the kept updates from the newest snapshot.
@@ -161,16 +171,23 @@ class WeightReplay:
         try:
             live = self._set_aside()
         except Exception as exc:  # state that cannot be captured: nothing was touched yet
-            return Diagnosis(reproducible=True, kind="weights", nonfinite_weights=broken,
-                             note=f"weight replay not possible: {type(exc).__name__}: {exc}",
-                             seconds=time.perf_counter() - started)
+            return Diagnosis(
+                reproducible=True,
+                kind="weights",
+                nonfinite_weights=broken,
+                note=f"weight replay not possible: {type(exc).__name__}: {exc}",
+                seconds=time.perf_counter() - started,
+            )
         try:
             store.restore(self.state)
             found = self._run(started + self.cfg.time_limit_s, live[0])
         except Exception as exc:  # diagnosis only: training goes on with the policy's action
             logger.warning("weight replay failed: %s: %s", type(exc).__name__, exc)
-            found = {"reproducible": True, "nonfinite_weights": broken,
-                     "note": f"weight replay failed: {type(exc).__name__}: {exc}"}
+            found = {
+                "reproducible": True,
+                "nonfinite_weights": broken,
+                "note": f"weight replay failed: {type(exc).__name__}: {exc}",
+            }
         finally:
             self._put_back(live)
         found.setdefault("nonfinite_weights", broken)
@@ -189,11 +206,15 @@ class WeightReplay:
         if self._base is None or len(store) == 0:
             return "no snapshot to replay from"
         if self._over_budget:
-            return (f"the batches of the updates since the newest snapshot (step {self._base}) exceed "
-                    f"detect.replay.keep_mb={self.cfg.keep_mb:g}: not kept, not replayed")
+            return (
+                f"the batches of the updates since the newest snapshot (step {self._base}) exceed "
+                f"detect.replay.keep_mb={self.cfg.keep_mb:g}: not kept, not replayed"
+            )
         if self._applied > len(self._steps):
-            return (f"the newest snapshot (step {self._base}) is {self._applied} updates old, more than "
-                    f"detect.replay.keep_steps={self.keep}: not replayed")
+            return (
+                f"the newest snapshot (step {self._base}) is {self._applied} updates old, more than "
+                f"detect.replay.keep_steps={self.keep}: not replayed"
+            )
         return ""
 
     def _set_aside(self) -> Tuple[Any, ...]:
@@ -219,8 +240,11 @@ class WeightReplay:
         scaler = self._scaler()
         for done, applied in enumerate(self._steps):
             if time.perf_counter() > deadline:
-                return {"reproducible": True, "note": f"stopped after {done} of {len(self._steps)} updates at "
-                        f"detect.replay.time_limit_s={self.cfg.time_limit_s}"}
+                return {
+                    "reproducible": True,
+                    "note": f"stopped after {done} of {len(self._steps)} updates at "
+                    f"detect.replay.time_limit_s={self.cfg.time_limit_s}",
+                }
             bad_grads = self._gradients(applied, scaler)
             with first_nonfinite_op() as mode:
                 optimizer.step()
@@ -228,13 +252,22 @@ class WeightReplay:
                 scaler.update()
             broken = nonfinite_names(self.params)
             if broken:
-                return {"reproducible": True, "weights_step": applied.step, "nonfinite_weights": broken,
-                        "op": mode.op, "op_line": mode.line, "nonfinite_grads": bad_grads,
-                        "note": f"replayed {done + 1} update(s) from the snapshot of step {self._base}"}
+                return {
+                    "reproducible": True,
+                    "weights_step": applied.step,
+                    "nonfinite_weights": broken,
+                    "op": mode.op,
+                    "op_line": mode.line,
+                    "nonfinite_grads": bad_grads,
+                    "note": f"replayed {done + 1} update(s) from the snapshot of step {self._base}",
+                }
         differ = [n for n, p in self.params if not torch.equal(p.detach().cpu(), live.get(f"model/{n}", p.cpu()))]
-        return {"reproducible": False, "note": f"weights were changed outside the training step: the "
-                f"{len(self._steps)} update(s) replayed from the snapshot of step {self._base} stayed finite; "
-                f"live parameters that differ from the replay: {', '.join(differ) or 'none'}"}
+        return {
+            "reproducible": False,
+            "note": f"weights were changed outside the training step: the "
+            f"{len(self._steps)} update(s) replayed from the snapshot of step {self._base} stayed finite; "
+            f"live parameters that differ from the replay: {', '.join(differ) or 'none'}",
+        }
 
     def _gradients(self, applied: _Applied, scaler: Optional[torch.amp.GradScaler]) -> Tuple[str, ...]:
         """One update's gradients as the guard made them: scaled, unscaled, zeroed, clipped; the LRs set."""

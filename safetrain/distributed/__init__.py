@@ -29,5 +29,15 @@ from .resume import load_snapshot
 from .store import DistributedStore
 from .sync import DistributedSync, LocalSync, make_sync
 
-__all__ = ["LocalSync", "DistributedSync", "make_sync", "DistributedStore", "AgreedReplay", "active", "rank", "local",
-           "keep_rng", "load_snapshot"]
+__all__ = [
+    "LocalSync",
+    "DistributedSync",
+    "make_sync",
+    "DistributedStore",
+    "AgreedReplay",
+    "active",
+    "rank",
+    "local",
+    "keep_rng",
+    "load_snapshot",
+]

@@ -52,12 +52,18 @@ class AgreedReplay:
         if error is not None:
             raise error
         if 4 in votes:
-            raise RuntimeError(f"the replay failed on rank(s) {[r for r, v in enumerate(votes) if v == 4]}; "
-                               "see their log")
+            raise RuntimeError(
+                f"the replay failed on rank(s) {[r for r, v in enumerate(votes) if v == 4]}; see their log"
+            )
         if any(v & 2 for v in votes) and diagnosis.kind != "weights":
-            diagnosis = dataclasses.replace(diagnosis, reproducible=True, kind="weights", note="non-finite "
-                                            f"parameters on rank(s) {[r for r, v in enumerate(votes) if v & 2]}")
+            diagnosis = dataclasses.replace(
+                diagnosis,
+                reproducible=True,
+                kind="weights",
+                note=f"non-finite parameters on rank(s) {[r for r, v in enumerate(votes) if v & 2]}",
+            )
         elif any(votes) and not diagnosis.reproducible:
-            diagnosis = dataclasses.replace(diagnosis, reproducible=True,
-                                            note=f"reproduced on rank(s) {[r for r, v in enumerate(votes) if v]}")
+            diagnosis = dataclasses.replace(
+                diagnosis, reproducible=True, note=f"reproduced on rank(s) {[r for r, v in enumerate(votes) if v]}"
+            )
         return diagnosis

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from ..errors import SnapshotError
-from ..snapshot import SnapshotInfo, load_snapshot as _load_snapshot
+from ..snapshot import SnapshotInfo
+from ..snapshot import load_snapshot as _load_snapshot
 from .group import active, keep_rng
 from .store import agree_restored
 from .sync import DistributedSync

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Optional
 
-
 from ..errors import SnapshotError
 from ..snapshot import SafetensorsStore, SnapshotInfo
 from ..snapshot.state import Captured
@@ -65,8 +64,12 @@ class DistributedStore:
         step = captured.meta["counters"]["step"]
         if any(refused):
             where = [r for r, n in enumerate(refused) if n]
-            logger.warning("snapshot refused at step %d: non-finite state on rank(s) %s%s; keeping the previous "
-                           "snapshot", step, where, f" (here: {', '.join(bad[:5])})" if bad else "")
+            logger.warning(
+                "snapshot refused at step %d: non-finite state on rank(s) %s%s; keeping the previous snapshot",
+                step,
+                where,
+                f" (here: {', '.join(bad[:5])})" if bad else "",
+            )
             return None
         trusted = Captured(captured.tensors, captured.meta, [])  # already checked, on every rank
         if not self.shared:
@@ -81,8 +84,9 @@ class DistributedStore:
         if error is not None:
             raise error
         if failed:
-            raise SnapshotError(f"{self.inner.directory}: rank 0 could not write the snapshot of step {step}; "
-                                "see rank 0's log")
+            raise SnapshotError(
+                f"{self.inner.directory}: rank 0 could not write the snapshot of step {step}; see rank 0's log"
+            )
         if info is None:
             paths = self.inner.paths()
             path = paths[-1] if paths else None
@@ -107,15 +111,20 @@ class DistributedStore:
         return agree_restored(self.sync, info, error, "restore")
 
 
-def agree_restored(sync: "DistributedSync", info: Optional[SnapshotInfo], error: Optional[Exception],
-                    what: str) -> SnapshotInfo:
+def agree_restored(
+    sync: "DistributedSync", info: Optional[SnapshotInfo], error: Optional[Exception], what: str
+) -> SnapshotInfo:
     steps = sync.gather_int(info.step if info is not None else -1)
     if error is not None:
         raise error
     if -1 in steps:
-        raise SnapshotError(f"{what}: rank(s) {[r for r, s in enumerate(steps) if s == -1]} could not load a "
-                            "snapshot (see their log); every rank stops")
+        raise SnapshotError(
+            f"{what}: rank(s) {[r for r, s in enumerate(steps) if s == -1]} could not load a "
+            "snapshot (see their log); every rank stops"
+        )
     if len(set(steps)) != 1:
-        raise SnapshotError(f"{what}: ranks loaded snapshots of different steps {steps}; a safetensors "
-                            "snapshot directory must be shared by every rank")
+        raise SnapshotError(
+            f"{what}: ranks loaded snapshots of different steps {steps}; a safetensors "
+            "snapshot directory must be shared by every rank"
+        )
     return info  # type: ignore[return-value]  # not None: no error and no rank failed

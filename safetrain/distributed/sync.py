@@ -100,8 +100,9 @@ class DistributedSync:
         self._layout: Tuple[Any, ...] = ()
 
     @classmethod
-    def from_environment(cls, device: torch.device, model: Optional[torch.nn.Module] = None,
-                         group: Any = None) -> Optional["DistributedSync"]:
+    def from_environment(
+        cls, device: torch.device, model: Optional[torch.nn.Module] = None, group: Any = None
+    ) -> Optional["DistributedSync"]:
         """A sync when ``group`` has more than one rank and ``model`` is DDP-wrapped, else ``None``.
 
         A model that is not ``DistributedDataParallel`` in a process group (model or pipeline
@@ -111,8 +112,11 @@ class DistributedSync:
         if not active(group):
             return None
         if model is not None and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            logger.info("process group of %d ranks, but the model is not DistributedDataParallel: "
-                        "each rank decides on its own flags", dist.get_world_size(group))
+            logger.info(
+                "process group of %d ranks, but the model is not DistributedDataParallel: "
+                "each rank decides on its own flags",
+                dist.get_world_size(group),
+            )
             return None
         return cls(device, group)
 
@@ -130,7 +134,7 @@ class DistributedSync:
         out = packed.new_empty(self.world * n)
         self._gather(out, packed.contiguous(), group=self.group)  # the step's one collective
         flat = out.tolist()  # host sync: the step's one read, every rank's row
-        rows = [flat[r * n:(r + 1) * n] for r in range(self.world)]
+        rows = [flat[r * n : (r + 1) * n] for r in range(self.world)]
         key = tuple(layout)
         plan = self._plans.get(key)
         if plan is None:

@@ -14,8 +14,8 @@ from torch import Tensor
 
 from .. import detect, distributed
 from ..batches import compute_loss, split_batch
-from ..detect import TARGET_KEYS
 from ..config import SanitizeConfig
+from ..detect import TARGET_KEYS
 from ..steps import Pending
 from ..wrappers import can_force_eager, run_eagerly
 from .plumbing import Plumbing
@@ -41,9 +41,17 @@ class Forward:
         step_fn: ``step_fn(model, batch) -> loss`` for any other batch.
     """
 
-    def __init__(self, model: torch.nn.Module, named: torch.nn.Module, monitor: detect.ActivationMonitor,
-                 plumbing: Plumbing, sanitize: SanitizeConfig, accumulate: int,
-                 loss_fn: Optional[Callable[..., Tensor]], step_fn: Optional[Callable[[torch.nn.Module, Any], Tensor]]):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        named: torch.nn.Module,
+        monitor: detect.ActivationMonitor,
+        plumbing: Plumbing,
+        sanitize: SanitizeConfig,
+        accumulate: int,
+        loss_fn: Optional[Callable[..., Tensor]],
+        step_fn: Optional[Callable[[torch.nn.Module, Any], Tensor]],
+    ):
         self.model, self.named, self.monitor, self.plumbing = model, named, monitor, plumbing
         self.sanitize, self.accumulate = sanitize, accumulate
         self.loss_fn, self.step_fn = loss_fn, step_fn
@@ -102,8 +110,13 @@ class Forward:
             return type(batch)((new_inputs, new_targets)) if parts is None else parts.join(new_inputs, new_targets)
         if s.inputs == "off" and s.targets == "off":
             return batch
-        scan = detect.scan_batch(batch, replace=self._replace_inputs, target_keys=TARGET_KEYS, clean=self.clean,
-                                 target_replace=self._replace_targets)
+        scan = detect.scan_batch(
+            batch,
+            replace=self._replace_inputs,
+            target_keys=TARGET_KEYS,
+            clean=self.clean,
+            target_replace=self._replace_targets,
+        )
         if s.inputs != "off":
             p.input_values += scan.values
         if s.targets != "off":
@@ -121,8 +134,7 @@ class Forward:
         """Run the step's forwards again, exactly and quietly (RNG forked, no DDP sync): the
         monitor's exact re-run that confirms an activation flag."""
         device = self.plumbing.device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-                distributed.local(self.named):
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), distributed.local(self.named):
             for batch in micro:
                 with self.plumbing.autocast():
                     self.eager_loss(self.scan(batch))

@@ -48,9 +48,18 @@ class Judge:
         rerun: ``rerun(micro)`` runs the step's forwards again exactly (confirms an activation flag).
     """
 
-    def __init__(self, cfg: TrainConfig, counters: Counters, monitor: detect.ActivationMonitor, grads: detect.GradCheck,
-                 all_weights: detect.WeightCheck, spike: SpikeDetector, plumbing: Plumbing, sync: Any,
-                 rerun: Callable[[List[Any]], None]) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        counters: Counters,
+        monitor: detect.ActivationMonitor,
+        grads: detect.GradCheck,
+        all_weights: detect.WeightCheck,
+        spike: SpikeDetector,
+        plumbing: Plumbing,
+        sync: Any,
+        rerun: Callable[[List[Any]], None],
+    ) -> None:
         self.counters, self.monitor, self.grads, self.all_weights = counters, monitor, grads, all_weights
         self.spike, self.plumbing, self.sync, self._rerun = spike, plumbing, sync, rerun
         self.sanitize = cfg.sanitize
@@ -80,8 +89,9 @@ class Judge:
                 if self.sync.total(len(rows)):
                     return Anomaly(kind, {"rows": rows})
                 # a finite sum overflowed (on every rank): no value is NaN/Inf, judge the rest
-                logger.debug("step %d: %s flag tripped but every value is finite (sum overflow)",
-                             self.counters.steps, kind)
+                logger.debug(
+                    "step %d: %s flag tripped but every value is finite (sum overflow)", self.counters.steps, kind
+                )
         overflowed = self.plumbing.scaler is not None and bool(read.extra.get("found_inf", (0.0,))[0])
         forward_tripped, loss_tripped = read.forward_tripped, read.loss_tripped
         if forward_tripped or loss_tripped or (read.gradient and not overflowed):
@@ -105,11 +115,13 @@ class Judge:
             scale = read.extra["scale"][0]
             return Anomaly(Kind.OVERFLOW, {"scale": scale, "new_scale": scale * self.plumbing.backoff_factor()})
         if read.gradient:
-            return Anomaly(Kind.GRADIENT, {"finding": self.grads.finding(read.grad_norms, self.threshold,
-                                                                         **self.where())})
+            return Anomaly(
+                Kind.GRADIENT, {"finding": self.grads.finding(read.grad_norms, self.threshold, **self.where())}
+            )
         if self.threshold is not None and read.total_norm is not None and read.total_norm > self.threshold:
-            return Anomaly(Kind.GRAD_NORM, {"finding": self.grads.finding(read.grad_norms, self.threshold,
-                                                                          **self.where())})
+            return Anomaly(
+                Kind.GRAD_NORM, {"finding": self.grads.finding(read.grad_norms, self.threshold, **self.where())}
+            )
         evidence = self.spike.check(loss)
         if evidence is not None:
             return Anomaly(Kind.SPIKE, evidence)
@@ -134,4 +146,5 @@ class Judge:
             bad = value is not None and not math.isfinite(value.item())  # host sync: slow path
         finding = self.all_weights.finding(**self.where()) if bad else None  # None: the norms overflowed
         return self.sync.agree_weights(
-            finding, lambda ranks: detect.WeightFinding(kind="weights", nonfinite=(), ranks=ranks, **self.where()))
+            finding, lambda ranks: detect.WeightFinding(kind="weights", nonfinite=(), ranks=ranks, **self.where())
+        )

@@ -40,8 +40,14 @@ class Plumbing:
         to_device: copy a CPU loader's batches to the model's accelerator (``guard.to_device``).
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, amp: AmpConfig,
-                 scaler: Optional[torch.amp.GradScaler] = None, to_device: bool = True) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        amp: AmpConfig,
+        scaler: Optional[torch.amp.GradScaler] = None,
+        to_device: bool = True,
+    ) -> None:
         self.optimizer = optimizer
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.amp_dtype = _DTYPES[amp.dtype]
@@ -53,8 +59,9 @@ class Plumbing:
         # torch's own zero_grad (not overridden by the optimizer's class or instance): free_grads
         # may run its set_to_none loop itself. Decided here: a zero_grad patched in later is not
         # seen; a wrapper forwarding through __getattr__ always goes through optimizer.zero_grad.
-        self._plain_zero_grad = (getattr(type(optimizer), "zero_grad", None) is torch.optim.Optimizer.zero_grad
-                                 and "zero_grad" not in getattr(optimizer, "__dict__", {}))
+        self._plain_zero_grad = getattr(
+            type(optimizer), "zero_grad", None
+        ) is torch.optim.Optimizer.zero_grad and "zero_grad" not in getattr(optimizer, "__dict__", {})
         self.grads_dropped = False  # set_to_none done at the end of the last step
 
     # ------------------------------------------------------------------ batches
@@ -72,8 +79,12 @@ class Plumbing:
         self._pinned_checked = True
         pageable = pageable_tensors(batch) if self.device.type == "cuda" else ()
         if pageable:
-            logger.info("batches come from pageable host memory (%s): each copy to %s is staged by the host; "
-                        "DataLoader(pin_memory=True) makes it asynchronous", ", ".join(pageable[:3]), self.device)
+            logger.info(
+                "batches come from pageable host memory (%s): each copy to %s is staged by the host; "
+                "DataLoader(pin_memory=True) makes it asynchronous",
+                ", ".join(pageable[:3]),
+                self.device,
+            )
 
     def autocast(self) -> ContextManager[Any]:
         """The step's autocast context (a shared no-op without mixed precision)."""

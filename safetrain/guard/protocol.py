@@ -16,11 +16,11 @@ import torch
 
 from .. import detect, distributed, snapshot
 from ..config import ConfigLike, TrainConfig, as_config
+from ..diagnose import Diagnoser, Diagnosis
 from ..events import AnomalyFound, Event, EventBus, SnapshotTaken
 from ..kinds import Action
 from ..lr import LRBackoff
 from ..policy import Anomaly, History, Rules, decide, newest_taken, raises, vouch
-from ..diagnose import Diagnoser, Diagnosis
 from ..spike import SpikeDetector
 from ..steps import Counters, Pending, Phase, StepResult
 from ..wrappers import plain_namer, unwrap_compiled
@@ -117,26 +117,56 @@ class Guard:
         self.weights = detect.WeightCheck(self._params, c.detect.check_weights_every, enabled=c.detect.mode != "off")
         self.monitor = detect.ActivationMonitor.from_config(named, c.detect)
         self.monitor.attach()
-        self.forward = Forward(model, named, self.monitor, self.plumbing, c.sanitize, c.guard.accumulate_steps,
-                               loss_fn, step_fn)
+        self.forward = Forward(
+            model, named, self.monitor, self.plumbing, c.sanitize, c.guard.accumulate_steps, loss_fn, step_fn
+        )
         # Distributed (a process group of > 1 rank and a DDP model): the one read combines every
         # rank's flags with one collective, and snapshots and replays agree across ranks.
         self.sync = distributed.make_sync(self.device, named)
         self.rank = self.sync.rank  # stamped on every event
         self._flags = detect.StepFlags(reduce=self.sync.reduce)
         self.store = self.sync.wrap_store(snapshot.make_store(c.snapshot, run_dir=run_dir))
-        self.diagnoser = Diagnoser(named, self.monitor, c.detect.replay, state=self.state, params=self._params,
-                                   loss_of=self.forward.eager_loss, autocast=self.plumbing.autocast,
-                                   prepare=self.forward.scan, accumulate=c.guard.accumulate_steps,
-                                   clip=c.guard.clip_grad_norm)
+        self.diagnoser = Diagnoser(
+            named,
+            self.monitor,
+            c.detect.replay,
+            state=self.state,
+            params=self._params,
+            loss_of=self.forward.eager_loss,
+            autocast=self.plumbing.autocast,
+            prepare=self.forward.scan,
+            accumulate=c.guard.accumulate_steps,
+            clip=c.guard.clip_grad_norm,
+        )
         self.diagnoser.wrap_step_replay(lambda replay: self.sync.wrap_replayer(replay, named))
-        self.judge = Judge(c, self.counters, self.monitor, self.grads, detect.WeightCheck(all_params, 0), self.spike,
-                           self.plumbing, self.sync, self.forward.rerun)
-        self.updates = Updates(c.guard, self.plumbing, self.grads, self.counters, scheduler, self.backoff,
-                               self.diagnoser.record_update)
-        self.recovery = Recovery(c, self.counters, self.recovery_state, self.store, self.state, self.backoff,
-                                 self.grads, dict(self._params), self._emit, lambda: self.updates.not_applied(self.last_loss),
-                                 self._after_restore, self.sync)
+        self.judge = Judge(
+            c,
+            self.counters,
+            self.monitor,
+            self.grads,
+            detect.WeightCheck(all_params, 0),
+            self.spike,
+            self.plumbing,
+            self.sync,
+            self.forward.rerun,
+        )
+        self.updates = Updates(
+            c.guard, self.plumbing, self.grads, self.counters, scheduler, self.backoff, self.diagnoser.record_update
+        )
+        self.recovery = Recovery(
+            c,
+            self.counters,
+            self.recovery_state,
+            self.store,
+            self.state,
+            self.backoff,
+            self.grads,
+            dict(self._params),
+            self._emit,
+            lambda: self.updates.not_applied(self.last_loss),
+            self._after_restore,
+            self.sync,
+        )
         self.phase = Phase.READY
         self._pending = Pending()
         self._weight_flag: Optional[torch.Tensor] = None
@@ -335,8 +365,14 @@ class Guard:
             self.recovery_state.count_loss(self.last_loss)
             self.spike.add(self.last_loss)  # ignores a non-finite loss
         self.phase = Phase.READY
-        return StepResult(self.counters.steps, trained, self.last_loss, self.last_grad_norm,
-                          str(outcome.action) or rerun_action, tuple(events))
+        return StepResult(
+            self.counters.steps,
+            trained,
+            self.last_loss,
+            self.last_grad_norm,
+            str(outcome.action) or rerun_action,
+            tuple(events),
+        )
 
     def diagnose(self) -> Diagnosis:
         """Replay the pending step from its pre-step state and say where it goes non-finite.
@@ -387,22 +423,40 @@ class Guard:
         """
         self.recovery_state.since_snapshot = 0
         tensors = {"epoch_rng": self.epoch_rng} if self.epoch_rng is not None else {}
-        info = self.store.save(self.state, counters={"step": self.counters.steps, **vars(self.counters)},
-                               extra=self.state_dict(), extra_tensors=tensors)
+        info = self.store.save(
+            self.state,
+            counters={"step": self.counters.steps, **vars(self.counters)},
+            extra=self.state_dict(),
+            extra_tensors=tensors,
+        )
         if info is None:
-            return self._emit(SnapshotTaken, "snapshot", "refused",
-                              "snapshot refused: the state is not finite; the previous one stays", {})
+            return self._emit(
+                SnapshotTaken,
+                "snapshot",
+                "refused",
+                "snapshot refused: the state is not finite; the previous one stays",
+                {},
+            )
         # taken after an update: unverified until the next step reads clean (a forced one is sound)
         self.history = newest_taken(self.history) if not force else vouch(self.history)
         self.diagnoser.clear(self.counters.steps)
-        return self._emit(SnapshotTaken, "snapshot", "saved", f"snapshot of step {self.counters.steps}",
-                          {"path": str(info.path) if info.path else None, "forced": force})
+        return self._emit(
+            SnapshotTaken,
+            "snapshot",
+            "saved",
+            f"snapshot of step {self.counters.steps}",
+            {"path": str(info.path) if info.path else None, "forced": force},
+        )
 
     def state_dict(self) -> Dict[str, Any]:
         """The guard's own state, JSON-ready: counters, policy history (with the fp16 overflow
         streak), LR backoff, spike window, and the epoch's loss sum and count."""
-        return {"counters": vars(self.counters).copy(), "lr": self.backoff.state_dict(),
-                "spike": self.spike.state_dict(), **self.recovery_state.state_dict()}
+        return {
+            "counters": vars(self.counters).copy(),
+            "lr": self.backoff.state_dict(),
+            "spike": self.spike.state_dict(),
+            **self.recovery_state.state_dict(),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Put back what :meth:`state_dict` returned (on resume)."""
@@ -415,5 +469,15 @@ class Guard:
         c, kind = self.counters, str(kind)  # the journal holds plain strings
         if cls is AnomalyFound:  # under DDP: which ranks' own values tripped
             detail = self.sync.annotate(detail, kind)
-        return self.bus.emit(cls(step=c.steps, epoch=c.epoch, batch=c.batch - 1, kind=kind, action=str(action),
-                                 message=message, detail=detail, rank=self.rank))
+        return self.bus.emit(
+            cls(
+                step=c.steps,
+                epoch=c.epoch,
+                batch=c.batch - 1,
+                kind=kind,
+                action=str(action),
+                message=message,
+                detail=detail,
+                rank=self.rank,
+            )
+        )

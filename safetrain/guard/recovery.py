@@ -15,8 +15,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from ..batches import without_rows
-from ..detect import batch_error
 from ..config import TrainConfig
+from ..detect import batch_error
 from ..errors import TrainingAborted
 from ..events import Aborted, AnomalyFound, Event, LRChanged, Restored
 from ..kinds import Action, Kind
@@ -96,8 +96,9 @@ class Recovery:
     after_restore: Callable[[int], None]
     sync: Any
 
-    def carry_out(self, anomaly: Anomaly, decision: Decision, read: Any, pending: Pending,
-                  diagnosis: Any = None) -> Outcome:
+    def carry_out(
+        self, anomaly: Anomaly, decision: Decision, read: Any, pending: Pending, diagnosis: Any = None
+    ) -> Outcome:
         """Carry out ``decision`` about ``anomaly`` (found in ``read``, for the step in ``pending``).
 
         Raises:
@@ -106,15 +107,26 @@ class Recovery:
         action, kind = decision.action, decision.kind
         if action is Action.RETRY:
             self.counters.retries += 1
-            event = self.emit(AnomalyFound, kind, action, f"{kind} anomaly: {summary(kind, anomaly.detail)} -> "
-                              "transient (the replay from the same state was finite): retrying the step once",
-                              _payload(anomaly.detail, diagnosis))
+            event = self.emit(
+                AnomalyFound,
+                kind,
+                action,
+                f"{kind} anomaly: {summary(kind, anomaly.detail)} -> "
+                "transient (the replay from the same state was finite): retrying the step once",
+                _payload(anomaly.detail, diagnosis),
+            )
             return Outcome(action, (event,), rerun=Rerun(list(pending.micro), list(pending.indices)))
         if anomaly.kind is Kind.OVERFLOW and kind is Kind.OVERFLOW:  # normal in fp16: the scaler backs off
             self.not_applied()
             self.counters.scaler_skips += 1
-            event = self.emit(AnomalyFound, Kind.SCALER, Action.SKIP_BATCH, "fp16 overflow: GradScaler skipped the "
-                              f"step and lowered the scale to {anomaly.detail['new_scale']:g} (normal)", anomaly.detail)
+            event = self.emit(
+                AnomalyFound,
+                Kind.SCALER,
+                Action.SKIP_BATCH,
+                "fp16 overflow: GradScaler skipped the "
+                f"step and lowered the scale to {anomaly.detail['new_scale']:g} (normal)",
+                anomaly.detail,
+            )
             return Outcome(Action.SKIP_BATCH, (event,))
         detail = dict(anomaly.detail)
         if anomaly.kind is Kind.OVERFLOW:  # escalated: too many in a row, or the scale too low
@@ -123,15 +135,20 @@ class Recovery:
             return self.bad_rows(kind, decision, detail["rows"], pending)
         replayed = f"; replay: {diagnosis.describe()}" if diagnosis is not None else ""
         message = f"{kind} anomaly: {summary(kind, detail)}{replayed} -> {action} ({decision.reason})"
-        events: List[Event] = [self.emit(AnomalyFound, kind, action, message,
-                                         {**_payload(detail, diagnosis), "rung": decision.rung})]
+        events: List[Event] = [
+            self.emit(AnomalyFound, kind, action, message, {**_payload(detail, diagnosis), "rung": decision.rung})
+        ]
         if action in (Action.WARN, Action.ZERO_GRADS):
             self.counters.warnings += action is Action.WARN
             total = read.total_norm
             if action is Action.ZERO_GRADS:
                 total = self.zero_nonfinite_grads_(detail.get("finding"))
-            return Outcome(action, tuple(events), apply=True,
-                           total_norm=total if total is not None and math.isfinite(total) else None)
+            return Outcome(
+                action,
+                tuple(events),
+                apply=True,
+                total_norm=total if total is not None and math.isfinite(total) else None,
+            )
         self.not_applied()
         if action in (Action.RESTORE, Action.SCALE_LR, Action.ABORT):
             events.append(self.restore(decision))
@@ -139,8 +156,13 @@ class Recovery:
             self.counters.lr_backoffs += 1
             events.append(self.lr_changed(decision.lr_scale, f"backoff after {kind}"))
         if action is Action.ABORT:
-            aborted = self.emit(Aborted, kind, Action.ABORT, f"training aborted: {decision.reason}; "
-                                "model and optimizer left at the last good snapshot", {"reason": decision.reason})
+            aborted = self.emit(
+                Aborted,
+                kind,
+                Action.ABORT,
+                f"training aborted: {decision.reason}; model and optimizer left at the last good snapshot",
+                {"reason": decision.reason},
+            )
             raise TrainingAborted(decision.reason, result=None, event=aborted)
         return Outcome(action, tuple(events))
 
@@ -173,8 +195,9 @@ class Recovery:
         n_rows = len({(f.path.split("]")[0], r) for f in rows for r in f.rows})
         kept: List[Any] = []
         if action is Action.DROP_ROWS:  # each micro-batch without its bad rows, to run the step again
-            cleaned = [without_rows(b, found) for b, found in zip(pending.micro, micro_rows(pending.micro,
-                                                                                             self.cfg.sanitize))]
+            cleaned = [
+                without_rows(b, found) for b, found in zip(pending.micro, micro_rows(pending.micro, self.cfg.sanitize))
+            ]
             kept = [b for b, _ in cleaned if b is not None]
             if not self.sync.same_count(len(kept)) or not kept:  # all ranks or none
                 action, kept = Action.SKIP_BATCH, []
@@ -183,8 +206,13 @@ class Recovery:
                 self.counters.dropped_rows += sum(d for _, d in cleaned)
         where = "; ".join(f.describe() for f in rows[:4])
         why = " (every row is bad)" if action is not decision.action else ""
-        event = self.emit(AnomalyFound, kind, action, f"non-finite {kind} rows: {where} -> {action}{why}",
-                          {"rows": [f.to_dict() for f in rows], "count": n_rows, "rung": decision.rung})
+        event = self.emit(
+            AnomalyFound,
+            kind,
+            action,
+            f"non-finite {kind} rows: {where} -> {action}{why}",
+            {"rows": [f.to_dict() for f in rows], "count": n_rows, "rung": decision.rung},
+        )
         if action is Action.SKIP_BATCH:
             self.not_applied()
             return Outcome(action, (event,))
@@ -205,9 +233,13 @@ class Recovery:
         self.counters.restores += 1
         self.state.since_snapshot = 0
         self.state.skip_after_restore = self.cfg.recovery.skip_batches_after_restore
-        return self.emit(Restored, decision.kind, decision.action,
-                         f"restored the snapshot of step {info.step} after {decision.kind}",
-                         {"snapshot_step": info.step, "path": str(info.path) if info.path else None})
+        return self.emit(
+            Restored,
+            decision.kind,
+            decision.action,
+            f"restored the snapshot of step {info.step} after {decision.kind}",
+            {"snapshot_step": info.step, "path": str(info.path) if info.path else None},
+        )
 
     def skip_data(self, step_scheduler: Callable[[], None]) -> Optional[Event]:
         """Skip the data that led into a restore, a whole step (``accumulate_steps`` micro-batches)
@@ -223,15 +255,25 @@ class Recovery:
         s.history = record_step(s.history, self.cfg.recovery, skipped=True)
         if self.cfg.guard.scheduler_follows == "batch":
             step_scheduler()
-        return self.emit(Restored, "restore", Action.SKIP_BATCH, "skipped a step's batches after a restore "
-                         "(recovery.skip_batches_after_restore)", {"remaining": s.skip_after_restore})
+        return self.emit(
+            Restored,
+            "restore",
+            Action.SKIP_BATCH,
+            "skipped a step's batches after a restore (recovery.skip_batches_after_restore)",
+            {"remaining": s.skip_after_restore},
+        )
 
     def lr_changed(self, scale: float, why: str) -> Event:
         """Set the LR scale and journal the change."""
         old = self.backoff.lrs()
         self.backoff.set_scale(scale)
-        return self.emit(LRChanged, "lr", Action.SCALE_LR, f"LR scale {scale:g} ({why}); lr {old} -> {self.backoff.lrs()}",
-                         {"scale": scale, "old_lr": old, "new_lr": self.backoff.lrs()})
+        return self.emit(
+            LRChanged,
+            "lr",
+            Action.SCALE_LR,
+            f"LR scale {scale:g} ({why}); lr {old} -> {self.backoff.lrs()}",
+            {"scale": scale, "old_lr": old, "new_lr": self.backoff.lrs()},
+        )
 
 
 def _payload(detail: Mapping[str, Any], diagnosis: Any) -> Dict[str, Any]:

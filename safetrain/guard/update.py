@@ -31,8 +31,16 @@ class Updates:
         record: ``record(step, micro, total)`` just before an update (the weight replay keeps references).
     """
 
-    def __init__(self, cfg: GuardConfig, plumbing: Plumbing, grads: detect.GradCheck, counters: Counters,
-                 scheduler: Any, backoff: LRBackoff, record: Any) -> None:
+    def __init__(
+        self,
+        cfg: GuardConfig,
+        plumbing: Plumbing,
+        grads: detect.GradCheck,
+        counters: Counters,
+        scheduler: Any,
+        backoff: LRBackoff,
+        record: Any,
+    ) -> None:
         self.plumbing, self.grads, self.counters = plumbing, grads, counters
         self.scheduler, self.backoff, self.record = scheduler, backoff, record
         self.clip = cfg.clip_grad_norm

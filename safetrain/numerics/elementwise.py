@@ -292,9 +292,7 @@ def safe_asin(x: Tensor, eps: float | None = None) -> Tensor:
     return _SafeArc.apply(_float(x), eps, 1)
 
 
-def sanitize(
-    tensor: Tensor, nan: float = 0.0, posinf: float | None = None, neginf: float | None = None
-) -> Tensor:
+def sanitize(tensor: Tensor, nan: float = 0.0, posinf: float | None = None, neginf: float | None = None) -> Tensor:
     """``torch.nan_to_num`` whose replacements are guaranteed finite in the tensor's dtype.
 
     NaN becomes ``nan``, +inf ``posinf`` (default ``finfo.max``), -inf ``neginf`` (default

@@ -99,7 +99,7 @@ def decode(obj: Any, tensors: Mapping[str, torch.Tensor], where: str = "snapshot
     if not isinstance(obj, dict):
         return obj
     if len(obj) == 1:
-        (tag, value), = obj.items()
+        ((tag, value),) = obj.items()
         if tag == _TUPLE:
             return tuple(decode(v, tensors, where) for v in value)
         if tag == _FLOAT:

@@ -81,7 +81,9 @@ class SafetensorsStore(SnapshotStore):
         try:
             os.makedirs(self.directory, exist_ok=True)
         except OSError as exc:
-            raise SnapshotError(f"{self.directory}: cannot create the snapshot directory: {exc.strerror or exc}") from None
+            raise SnapshotError(
+                f"{self.directory}: cannot create the snapshot directory: {exc.strerror or exc}"
+            ) from None
         for name in os.listdir(self.directory):
             if name.startswith(_TMP_PREFIX):
                 log.info("removing %s, left by an interrupted snapshot write", name)

@@ -38,12 +38,25 @@ from .tensors import byte_view
 __all__ = ["Entry", "Header", "FileWriter", "read_header", "read_tensors", "checksum", "DTYPES", "ALGORITHM"]
 
 DTYPES: Dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.complex64: "C64",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.complex64: "C64",
 }
-for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16"),
-                     ("uint32", "U32"), ("uint64", "U64")):
+for _name, _code in (
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e5m2", "F8_E5M2"),
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
+):
     if hasattr(torch, _name):
         DTYPES[getattr(torch, _name)] = _code
 _CODES = {code: dtype for dtype, code in DTYPES.items()}
@@ -148,8 +161,11 @@ class FileWriter:
         self._thread.start()
 
     def _header(self, sums: Mapping[str, str]) -> bytes:
-        table = {"algorithm": ALGORITHM, "state": f"{zlib.crc32(self.state_json.encode('utf-8')):08x}",
-                 "tensors": {n: sums[n] for n in sorted(sums)}}
+        table = {
+            "algorithm": ALGORITHM,
+            "state": f"{zlib.crc32(self.state_json.encode('utf-8')):08x}",
+            "tensors": {n: sums[n] for n in sorted(sums)},
+        }
         raw = _header_bytes(self.entries, {STATE_KEY: self.state_json, CHECKSUM_KEY: json.dumps(table)})
         return len(raw).to_bytes(8, "little") + raw
 
@@ -224,9 +240,13 @@ def read_header(path: str) -> Header:
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptSnapshotError(f"{path}: header is not valid JSON ({exc}): not a safetensors file, or corrupted") from None
+        raise CorruptSnapshotError(
+            f"{path}: header is not valid JSON ({exc}): not a safetensors file, or corrupted"
+        ) from None
     if not isinstance(header, dict):
-        raise CorruptSnapshotError(f"{path}: header is a JSON {type(header).__name__}, not an object: not a safetensors file")
+        raise CorruptSnapshotError(
+            f"{path}: header is a JSON {type(header).__name__}, not an object: not a safetensors file"
+        )
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise CorruptSnapshotError(f"{path}: __metadata__ is not a map of strings: corrupted")
@@ -234,7 +254,9 @@ def read_header(path: str) -> Header:
     data_start, data_size = 8 + n, size - 8 - n
     end = entries[-1].end if entries else 0
     if end > data_size:
-        raise CorruptSnapshotError(f"{path}: truncated: header describes {end} bytes of tensor data, the file holds {data_size}")
+        raise CorruptSnapshotError(
+            f"{path}: truncated: header describes {end} bytes of tensor data, the file holds {data_size}"
+        )
     if end < data_size:
         raise CorruptSnapshotError(f"{path}: {data_size - end} unexpected bytes after the tensor data: corrupted")
     if STATE_KEY not in metadata or CHECKSUM_KEY not in metadata:
@@ -269,13 +291,17 @@ def _entries(path: str, header: Mapping[str, Any]) -> List[Entry]:
         for d in shape:
             numel *= d
         if end - begin != numel * dtype.itemsize:
-            raise CorruptSnapshotError(f"{path}: tensor {name!r}: shape {list(shape)} {dtype} does not match byte range {begin}..{end}")
+            raise CorruptSnapshotError(
+                f"{path}: tensor {name!r}: shape {list(shape)} {dtype} does not match byte range {begin}..{end}"
+            )
         entries.append(Entry(name, dtype, shape, begin, end))
     entries.sort(key=lambda e: (e.begin, e.end))
     cursor = 0
     for e in entries:
         if e.begin != cursor:
-            raise CorruptSnapshotError(f"{path}: tensor {e.name!r} starts at byte {e.begin}, expected {cursor} (overlap or gap)")
+            raise CorruptSnapshotError(
+                f"{path}: tensor {e.name!r} starts at byte {e.begin}, expected {cursor} (overlap or gap)"
+            )
         cursor = e.end
     return entries
 

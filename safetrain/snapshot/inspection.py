@@ -6,10 +6,10 @@ import datetime
 import os
 from typing import Any, Dict, List, Union
 
-from .store import CorruptSnapshotError
 from .codec import decode
 from .fileformat import read_header, read_tensors
 from .state import validate_meta
+from .store import CorruptSnapshotError
 from .tensors import nonfinite
 
 __all__ = ["inspect_snapshot", "format_inspection"]
@@ -35,7 +35,8 @@ def inspect_snapshot(path: Union[str, os.PathLike]) -> Dict[str, Any]:
 
     Example::
 
-        >>> print(format_inspection(inspect_snapshot("runs/a/snapshots/snapshot-0000000100.safetensors")))  # doctest: +SKIP
+        >>> path = "runs/a/snapshots/snapshot-0000000100.safetensors"
+        >>> print(format_inspection(inspect_snapshot(path)))  # doctest: +SKIP
     """
     path = os.fspath(path)
     header = read_header(path)
@@ -72,7 +73,9 @@ def _describe(path: str, header: Any, tensors: Dict[str, Any], bad: List[str]) -
         "nonfinite": bad_values,
         "optimizer": (meta.get("optimizer") or {}).get("type"),
         "scheduler": (meta.get("scheduler") or {}).get("type"),
-        "scaler": None if scaler is None else {"enabled": scaler["enabled"], "scale": (scaler_state or {}).get("scale")},
+        "scaler": None
+        if scaler is None
+        else {"enabled": scaler["enabled"], "scale": (scaler_state or {}).get("scale")},
         "rng": meta.get("rng") is not None,
         "extra": decode(meta.get("extra", {}), {}, path),
         "extra_tensors": list(meta.get("extra_tensors", [])),
@@ -94,10 +97,12 @@ def format_inspection(info: Dict[str, Any]) -> str:
         f"snapshot   {info['path']}",
         f"step       {info['step']}  (epoch {info['epoch']}, batch {info['batch']})",
         f"created    {info['created']}",
-        f"size       {_size(info['size_bytes'])}  ({info['n_tensors']} tensors, {info['n_model_tensors']} in the model)",
+        f"size       {_size(info['size_bytes'])}  "
+        f"({info['n_tensors']} tensors, {info['n_model_tensors']} in the model)",
         f"checksum   {ok(info['checksum_ok'])}"
         + ("" if info["checksum_ok"] else f"  ({', '.join(info['bad_checksums'][:5])})"),
-        f"finite     {ok(info['all_finite'])}" + ("" if info["all_finite"] else f"  ({', '.join(info['nonfinite'][:5])})"),
+        f"finite     {ok(info['all_finite'])}"
+        + ("" if info["all_finite"] else f"  ({', '.join(info['nonfinite'][:5])})"),
         f"optimizer  {info['optimizer']}",
         f"scheduler  {info['scheduler'] or '-'}",
         f"scaler     {'-' if info['scaler'] is None else info['scaler']}",

@@ -26,8 +26,8 @@ from typing import Any, Dict, Iterable, List, Literal, Optional
 import torch
 
 from ..errors import SnapshotError
-from .store import SnapshotInfo, SnapshotStore, make_info
 from .state import Captured, TrainState
+from .store import SnapshotInfo, SnapshotStore, make_info
 from .tensors import alloc_like, copy_all_, copy_checked_, layout_of, streamable
 
 __all__ = ["MemoryStore"]

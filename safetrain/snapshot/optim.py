@@ -40,7 +40,10 @@ def capture_optimizer(opt: torch.optim.Optimizer, sink: Any) -> Dict[str, Any]:
 
 
 def check_optimizer(
-    opt: torch.optim.Optimizer, specs: Mapping[str, Tuple[Tuple[int, ...], torch.dtype]], meta: Mapping[str, Any], where: str
+    opt: torch.optim.Optimizer,
+    specs: Mapping[str, Tuple[Tuple[int, ...], torch.dtype]],
+    meta: Mapping[str, Any],
+    where: str,
 ) -> None:
     """Refuse optimizer state that does not fit ``opt``: type, groups, parameter shapes, state tensors.
 
@@ -48,13 +51,16 @@ def check_optimizer(
         SnapshotError: naming the first mismatch.
     """
     if meta["type"] != _type_name(opt):
-        raise SnapshotError(f"{where}: optimizer is {meta['type']} in the snapshot, {_type_name(opt)} in the live state")
+        raise SnapshotError(
+            f"{where}: optimizer is {meta['type']} in the snapshot, {_type_name(opt)} in the live state"
+        )
     live_groups = opt.state_dict()["param_groups"]
     saved_sizes = [len(g["params"]) for g in meta["param_groups"]]
     live_sizes = [len(g["params"]) for g in live_groups]
     if saved_sizes != live_sizes:
         raise SnapshotError(
-            f"{where}: optimizer has param groups of sizes {saved_sizes} in the snapshot, {live_sizes} in the live state"
+            f"{where}: optimizer has param groups of sizes {saved_sizes} in the snapshot, "
+            f"{live_sizes} in the live state"
         )
     params = _params(opt)
     for i, (p, (shape, dtype)) in enumerate(zip(params, meta["params"])):

@@ -78,8 +78,14 @@ def restore_rng(meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], wh
             if torch.cuda.is_available():
                 n_here = torch.cuda.device_count()
                 if n_here != n_saved:
-                    log.warning("%s: snapshot has %d CUDA generator states, this process sees %d devices; "
-                                "restoring the first %d", where, n_saved, n_here, min(n_saved, n_here))
+                    log.warning(
+                        "%s: snapshot has %d CUDA generator states, this process sees %d devices; "
+                        "restoring the first %d",
+                        where,
+                        n_saved,
+                        n_here,
+                        min(n_saved, n_here),
+                    )
                 for i in range(min(n_saved, n_here)):
                     torch.cuda.set_rng_state(tensors[f"rng/cuda/{i}"].cpu(), i)
             else:

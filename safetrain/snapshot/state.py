@@ -27,10 +27,10 @@ import torch
 
 from ..errors import SnapshotError
 from ..wrappers import plain_namer
-from .store import CorruptSnapshotError
 from .codec import decode, encode, tensor_refs
 from .optim import capture_optimizer, check_optimizer, restore_optimizer
 from .rng import capture_rng, restore_rng
+from .store import CorruptSnapshotError
 from .tensors import copy_all_
 
 __all__ = ["TrainState", "Captured", "FORMAT", "VERSION", "validate_meta"]
@@ -160,8 +160,10 @@ class TrainState:
         named = {plain(k): v for k, v in state.items()}
         if len(named) < len(state):  # two names the same once the wrappers' segments are gone
             clash = {plain(k) for k in state if sum(plain(j) == plain(k) for j in state) > 1}
-            raise SnapshotError(f"model.state_dict(): names clash once torch.compile's '_orig_mod' segments are "
-                                f"dropped: {_few(sorted(k for k in state if plain(k) in clash))}")
+            raise SnapshotError(
+                f"model.state_dict(): names clash once torch.compile's '_orig_mod' segments are "
+                f"dropped: {_few(sorted(k for k in state if plain(k) in clash))}"
+            )
         return named
 
     def _capture_model(self, sink: Any) -> Dict[str, str]:
@@ -208,7 +210,7 @@ class TrainState:
                 raise SnapshotError(f"{where}: metadata refers to tensor {name!r}, which the file lacks (corrupted?)")
         live = self._model_state()
         aliases = meta["model"]["aliases"]
-        saved = {n[len("model/"):] for n in specs if n.startswith("model/")} | set(aliases)
+        saved = {n[len("model/") :] for n in specs if n.startswith("model/")} | set(aliases)
         missing, unexpected = sorted(set(live) - saved), sorted(saved - set(live))
         if missing or unexpected:
             raise SnapshotError(
@@ -277,8 +279,13 @@ class TrainState:
 
 
 _SECTIONS = {
-    "counters": dict, "model": dict, "optimizer": dict, "scheduler": (dict, type(None)),
-    "scaler": (dict, type(None)), "rng": (dict, type(None)), "extra_tensors": list,
+    "counters": dict,
+    "model": dict,
+    "optimizer": dict,
+    "scheduler": (dict, type(None)),
+    "scaler": (dict, type(None)),
+    "rng": (dict, type(None)),
+    "extra_tensors": list,
 }
 
 
@@ -297,7 +304,9 @@ def validate_meta(meta: Any, where: str) -> None:
         )
     for key, kind in _SECTIONS.items():
         if not isinstance(meta.get(key), kind):
-            raise CorruptSnapshotError(f"{where}: malformed snapshot metadata: {key!r} is {type(meta.get(key)).__name__}")
+            raise CorruptSnapshotError(
+                f"{where}: malformed snapshot metadata: {key!r} is {type(meta.get(key)).__name__}"
+            )
     counters = meta["counters"]
     if "step" not in counters or not all(isinstance(v, int) and not isinstance(v, bool) for v in counters.values()):
         raise CorruptSnapshotError(f"{where}: malformed snapshot metadata: counters {counters!r}")
@@ -320,7 +329,9 @@ def _check_same_kind(where: str, what: str, saved: Optional[Mapping[str, Any]], 
     if saved is None:
         raise SnapshotError(f"{where}: snapshot has no {what} state but the live state has a {type(live).__name__}")
     if live is None:
-        raise SnapshotError(f"{where}: snapshot has {what} state ({saved.get('type', what)}) but the live state has none")
+        raise SnapshotError(
+            f"{where}: snapshot has {what} state ({saved.get('type', what)}) but the live state has none"
+        )
     if "type" in saved and saved["type"] != _type_name(live):
         raise SnapshotError(f"{where}: {what} is {saved['type']} in the snapshot, {_type_name(live)} in the live state")
 

@@ -147,7 +147,10 @@ class SnapshotStore(abc.ABC):
         more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
         log.warning(
             "snapshot refused at step %d: non-finite values in %s%s; keeping the previous snapshot%s",
-            captured.meta["counters"]["step"], ", ".join(bad[:5]), more, lost,
+            captured.meta["counters"]["step"],
+            ", ".join(bad[:5]),
+            more,
+            lost,
         )
 
     def restore(self, state: Any, older: int = 0) -> SnapshotInfo:
@@ -242,8 +245,8 @@ class SnapshotStore(abc.ABC):
         """Forget a snapshot that is whole but not wanted (slots dropped, files deleted)."""
         self._set_aside(candidate)
 
-    def _set_aside(self, candidate: Any) -> None:
+    def _set_aside(self, candidate: Any) -> None:  # noqa: B027 (an optional hook: a no-op by default)
         """Keep a damaged snapshot from being tried again (files are renamed, slots dropped)."""
 
-    def _close(self) -> None:
+    def _close(self) -> None:  # noqa: B027 (an optional hook: a no-op by default)
         """Free the store's resources."""

@@ -24,7 +24,14 @@ import numpy as np
 import torch
 
 __all__ = [
-    "nonfinite", "alloc_like", "layout_of", "copy_all_", "copy_checked_", "streamable", "byte_view", "is_cuda_available",
+    "nonfinite",
+    "alloc_like",
+    "layout_of",
+    "copy_all_",
+    "copy_checked_",
+    "streamable",
+    "byte_view",
+    "is_cuda_available",
 ]
 
 _FAST_DOT = (torch.float32, torch.float64)
@@ -146,7 +153,9 @@ def copy_checked_(
     return [named[i][0] for i in sorted(bad)]
 
 
-def _copy_check(share: Sequence[Tuple[int, np.ndarray, np.ndarray, int, int]]) -> List[Tuple[int, np.ndarray, int, int]]:
+def _copy_check(
+    share: Sequence[Tuple[int, np.ndarray, np.ndarray, int, int]],
+) -> List[Tuple[int, np.ndarray, int, int]]:
     """Copy and probe one thread's chunks; the chunks whose probe is not finite."""
     flagged = []
     with np.errstate(over="ignore", invalid="ignore"):  # an overflowing probe is expected, not an error

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from safetrain import SafeTrainer, load_config, safe_div, safe_log
-from safetrain.testing import count_host_syncs
 from safetrain.guard import Guard
 from safetrain.snapshot import MemoryStore, SafetensorsStore, TrainState
+from safetrain.testing import count_host_syncs
 from tests.conftest import loader, mlp, regression_data
 from tests.integration import test_engine as engine
 from tests.integration import test_replay as replay_tests
@@ -35,14 +35,17 @@ def _engine_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 test_clean_run_is_healthy_and_learns = engine.test_clean_run_is_healthy_and_learns
 test_nan_input_rows = engine.test_nan_input_rows
 test_nan_target_is_skipped = engine.test_nan_target_is_skipped
-test_layer_emits_nan_once_one_step_fault_matches_clean_run = engine.test_layer_emits_nan_once_one_step_fault_matches_clean_run
+test_layer_emits_nan_once_one_step_fault_matches_clean_run = (
+    engine.test_layer_emits_nan_once_one_step_fault_matches_clean_run
+)
 test_inf_gradient_in_one_parameter_is_zeroed = engine.test_inf_gradient_in_one_parameter_is_zeroed
 test_weights_poisoned_after_a_step_are_restored = engine.test_weights_poisoned_after_a_step_are_restored
 test_lr_blow_up_restores_and_scales_lr = engine.test_lr_blow_up_restores_and_scales_lr
 test_loss_spike_without_nan_is_skipped = engine.test_loss_spike_without_nan_is_skipped
 test_fp16_overflow_is_a_scaler_skip_not_a_failure = engine.test_fp16_overflow_is_a_scaler_skip_not_a_failure
 test_persistent_fault_aborts_after_max_retries_with_model_finite = (
-    engine.test_persistent_fault_aborts_after_max_retries_with_model_finite)
+    engine.test_persistent_fault_aborts_after_max_retries_with_model_finite
+)
 test_guard_in_a_hand_written_loop_equals_fit = engine.test_guard_in_a_hand_written_loop_equals_fit
 
 
@@ -67,10 +70,23 @@ def test_a_healthy_step_synchronizes_with_the_gpu_exactly_once(mode, amp, optimi
     """CUDA's own sync debug mode sees every device-to-host wait, including ones inside torch ops
     that the Tensor-method count of the CPU tests cannot: a healthy guarded step makes one."""
     model = mlp().cuda()
-    opt = (torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9) if optimizer == "sgd"
-           else torch.optim.Adam(model.parameters(), lr=1e-3))
-    cfg = load_config(None, [*engine.BASE, f"detect.mode={mode}", f"amp.dtype={amp}", "guard.clip_grad_norm=1.0",
-                             "detect.check_weights_every=2", "snapshot.every=1000", "amp.init_scale=16"])
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+        if optimizer == "sgd"
+        else torch.optim.Adam(model.parameters(), lr=1e-3)
+    )
+    cfg = load_config(
+        None,
+        [
+            *engine.BASE,
+            f"detect.mode={mode}",
+            f"amp.dtype={amp}",
+            "guard.clip_grad_norm=1.0",
+            "detect.check_weights_every=2",
+            "snapshot.every=1000",
+            "amp.init_scale=16",
+        ],
+    )
     data = DataLoader(regression_data(), batch_size=16, pin_memory=True)
     batches = list(data)
     with Guard(model, opt, cfg, loss_fn=F.mse_loss) as guard:
@@ -78,7 +94,7 @@ def test_a_healthy_step_synchronizes_with_the_gpu_exactly_once(mode, amp, optimi
         for batch in batches[1:6]:
             results = []
             with count_host_syncs() as host:
-                syncs = _cuda_syncs_in(lambda: results.append(guard.step(batch)))
+                syncs = _cuda_syncs_in(lambda results=results, batch=batch: results.append(guard.step(batch)))
             assert results[0] is not None and results[0].action == "", results[0]
             assert len(syncs) == 1, syncs
             ours = [c for c in host.calls if "torch/optim/" not in c[1]]
@@ -92,8 +108,13 @@ def test_batches_from_a_pinned_cpu_loader_train_on_the_gpu_like_on_the_cpu():
     for device in ("cpu", "cuda"):
         model = mlp().to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
-        data = DataLoader(regression_data(), batch_size=16, shuffle=True, pin_memory=device == "cuda",
-                          generator=torch.Generator().manual_seed(0))
+        data = DataLoader(
+            regression_data(),
+            batch_size=16,
+            shuffle=True,
+            pin_memory=device == "cuda",
+            generator=torch.Generator().manual_seed(0),
+        )
         result = SafeTrainer(model, opt, load_config(None, engine.BASE), loss_fn=F.mse_loss).fit(data, epochs=2)
         assert result.healthy_steps == result.steps == 32
         assert all(p.device.type == device for p in model.parameters())
@@ -116,8 +137,11 @@ def test_snapshot_of_a_cuda_run_restores_bitwise_with_its_cuda_rng(store, tmp_pa
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.3), torch.nn.Linear(32, 1)).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state = TrainState(model, opt)
-    stores = {"memory_cpu": lambda: MemoryStore(device="cpu"), "memory_model": lambda: MemoryStore(device="model"),
-              "safetensors": lambda: SafetensorsStore(tmp_path)}
+    stores = {
+        "memory_cpu": lambda: MemoryStore(device="cpu"),
+        "memory_model": lambda: MemoryStore(device="model"),
+        "safetensors": lambda: SafetensorsStore(tmp_path),
+    }
     snaps = stores[store]()
     x, y = torch.randn(64, 8, device="cuda"), torch.randn(64, 1, device="cuda")
 
@@ -137,8 +161,9 @@ def test_snapshot_of_a_cuda_run_restores_bitwise_with_its_cuda_rng(store, tmp_pa
     params = [p.detach().clone() for p in model.parameters()]
     snaps.restore(state)
     assert all(p.device.type == "cuda" for p in model.parameters())
-    assert all(t.device.type == "cuda" for s in opt.state.values() for t in s.values() if torch.is_tensor(t)
-               and t.dim() > 0)
+    assert all(
+        t.device.type == "cuda" for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0
+    )
     assert train(4) == expected  # parameters, optimizer state and the CUDA RNG all came back
     assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
     snaps.close()
@@ -195,7 +220,8 @@ def test_a_step_fn_gets_the_moved_batch_unless_to_device_is_off_and_pageable_bat
     caplog.clear()  # only this run's records
     with caplog.at_level("INFO", logger="safetrain"):
         SafeTrainer(model, opt, load_config(None, engine.BASE), loss_fn=F.mse_loss).fit(
-            loader(regression_data()), epochs=1)  # not pinned
+            loader(regression_data()), epochs=1
+        )  # not pinned
     notes = [r.getMessage() for r in caplog.records if "pageable host memory" in r.getMessage()]
     assert len(notes) == 1 and "batch[0]" in notes[0], notes
 

@@ -46,7 +46,8 @@ def test_a_non_finite_gradient_names_the_parameter_as_the_model_does():
     GradFault(model[2].bias, calls=(5, 6), value=math.inf)  # the step and its replay
     opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
     result = SafeTrainer(compiled(model), opt, load_config(None, BASE), loss_fn=F.mse_loss).fit(
-        loader(regression_data()), epochs=1)
+        loader(regression_data()), epochs=1
+    )
     assert anomalies(result) == [("gradient", "zero_grads")]
     event = next(e for e in result.events if e.kind == "gradient")
     assert event.detail["diagnosis"]["nonfinite_grads"] == ["2.bias"], event.detail["diagnosis"]
@@ -58,7 +59,8 @@ def test_a_snapshot_of_a_compiled_run_resumes_into_the_plain_model_and_back(tmp_
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         cfg = load_config(None, [*BASE, "snapshot.store=safetensors", f"snapshot.dir={tmp_path}", "snapshot.every=5"])
         SafeTrainer(wrap(model), opt, cfg, loss_fn=F.mse_loss).fit(
-            loader(regression_data()), epochs=2, max_steps=max_steps, resume=resume)
+            loader(regression_data()), epochs=2, max_steps=max_steps, resume=resume
+        )
         return model
 
     full = run(lambda m: m)

@@ -60,25 +60,49 @@ def _digest(model: torch.nn.Module) -> str:
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
 
 
-def _run(rank: int, overrides: List[str], poison: Callable[[int, torch.Tensor], None], steps: int = 10,
-         after: Callable[[Any], Dict[str, Any]] = lambda guard: {},
-         before: Callable[[int, Any], None] = lambda step, guard: None) -> Dict[str, Any]:
+def _run(
+    rank: int,
+    overrides: List[str],
+    poison: Callable[[int, torch.Tensor], None],
+    steps: int = 10,
+    after: Callable[[Any], Dict[str, Any]] = lambda guard: {},
+    before: Callable[[int, Any], None] = lambda step, guard: None,
+) -> Dict[str, Any]:
     import torch.nn.functional as F
 
     from safetrain import TrainingAborted, load_config
-    from safetrain.testing import count_host_syncs
     from safetrain.guard import Guard
+    from safetrain.testing import count_host_syncs
 
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     cfg = load_config(None, ["log.progress=false", "snapshot.every=3", *overrides])
     out: Dict[str, Any] = {"steps": [], "anomalies": [], "restored": [], "aborted_at": None}
     with Guard(model, opt, cfg, loss_fn=F.mse_loss) as guard:
-        guard.bus.subscribe(lambda e: out["anomalies"].append([e.step, e.kind, e.action, e.rank, e.detail.get("ranks"),
-                                                               e.detail.get("diagnosis"), e.detail.get("finding")])
-                            if e.name == "anomaly" else None)
-        guard.bus.subscribe(lambda e: out["restored"].append([e.step, e.detail.get("snapshot_step"),
-                                                              e.detail.get("path")]) if e.name == "restored" else None)
+        guard.bus.subscribe(
+            lambda e: (
+                out["anomalies"].append(
+                    [
+                        e.step,
+                        e.kind,
+                        e.action,
+                        e.rank,
+                        e.detail.get("ranks"),
+                        e.detail.get("diagnosis"),
+                        e.detail.get("finding"),
+                    ]
+                )
+                if e.name == "anomaly"
+                else None
+            )
+        )
+        guard.bus.subscribe(
+            lambda e: (
+                out["restored"].append([e.step, e.detail.get("snapshot_step"), e.detail.get("path")])
+                if e.name == "restored"
+                else None
+            )
+        )
         guard.begin_epoch(0)
         try:
             for i, batch in enumerate(_batches(rank, steps, poison)):
@@ -124,11 +148,18 @@ def _restore(rank: int, tmp: str) -> Dict[str, Any]:
         torch.rand(1)  # move the generator on from where the snapshot saw it
         before = torch.get_rng_state().clone()
         info = guard.store.restore(guard.state)  # once more, from rank 0's newest file
-        return {"rng_kept": torch.equal(before, torch.get_rng_state()), "final_restore": [info.step, info.path],
-                "files": sorted(os.listdir(os.path.join(tmp, "snaps")))}
+        return {
+            "rng_kept": torch.equal(before, torch.get_rng_state()),
+            "final_restore": [info.step, info.path],
+            "files": sorted(os.listdir(os.path.join(tmp, "snaps"))),
+        }
 
-    return _run(rank, ["snapshot.store=safetensors", f"snapshot.dir={tmp}/snaps", "recovery.actions.forward=restore"],
-                poison, after=after)
+    return _run(
+        rank,
+        ["snapshot.store=safetensors", f"snapshot.dir={tmp}/snaps", "recovery.actions.forward=restore"],
+        poison,
+        after=after,
+    )
 
 
 def _abort(rank: int, tmp: str) -> Dict[str, Any]:
@@ -152,16 +183,27 @@ def _weights_checked(rank: int, tmp: str) -> Dict[str, Any]:
     return _weights(rank, tmp, ["detect.check_weights_every=1"])
 
 
-SCENARIOS = {"skip": _skip, "drop": _drop, "restore": _restore, "abort": _abort, "weights": _weights,
-             "weights_checked": _weights_checked}
+SCENARIOS = {
+    "skip": _skip,
+    "drop": _drop,
+    "restore": _restore,
+    "abort": _abort,
+    "weights": _weights,
+    "weights_checked": _weights_checked,
+}
 
 
 def _worker(rank: int, world: int, tmp: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp}/rendezvous",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
     results: Dict[str, Any] = {}
     for name, scenario in SCENARIOS.items():
         results[name] = scenario(rank, tmp)
@@ -191,12 +233,21 @@ def ranks(tmp_path_factory: Any) -> List[Dict[str, Any]]:
 
 def _torchrun(*args: str) -> str:
     """Run examples/ddp.py on 2 ranks under torchrun, killed (with its ranks) on the timeout."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "examples" / "ddp.py"), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(ROOT / "examples" / "ddp.py"),
+        *args,
+    ]
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)  # keep the caller's
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -306,8 +357,14 @@ def test_combination_rules_on_the_host():
     from safetrain.distributed.sync import _combine, _plan
 
     # Rank 1's own values: a NaN input sum, a tripped bool, found_inf, its loss, an inf activation.
-    puts = [("input", [1.0, 2.0]), ("weights", False), ("found_inf", 0.0), ("loss", 1.0),
-            ("forward", [3.0, 4.0]), ("grad_norms", torch.tensor([3.0, 4.0]))]
+    puts = [
+        ("input", [1.0, 2.0]),
+        ("weights", False),
+        ("found_inf", 0.0),
+        ("loss", 1.0),
+        ("forward", [3.0, 4.0]),
+        ("grad_norms", torch.tensor([3.0, 4.0])),
+    ]
     rank1 = {"input": [1.0, math.nan], "weights": True, "found_inf": 1.0, "loss": 3.0, "forward": [math.inf, 4.0]}
     captured: List[Any] = []
 

@@ -36,8 +36,13 @@ def _worker(rank: int, world: int, tmp: str) -> None:
     from safetrain.diagnose.quarantine import QuarantineSampler
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp}/rendezvous",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(32, 4, generator=g), torch.randint(0, 2, (32,), generator=g)
     y[list(BAD)] = 2
@@ -46,13 +51,19 @@ def _worker(rank: int, world: int, tmp: str) -> None:
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 3))
     cfg = load_config(None, ["log.progress=false", "detect.mode=lazy", f"log.dir={tmp}/run", "recovery.max_retries=9"])
-    result = SafeTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg, loss_fn=_risky_loss).fit(loader, epochs=3)
+    result = SafeTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg, loss_fn=_risky_loss).fit(
+        loader, epochs=3
+    )
     events = [e.to_dict() for e in result.events]
     out = {
         "steps": result.steps,
         "quarantined": sorted(sampler.quarantined),
-        "isolated": sorted(i for e in events if e["event"] == "anomaly"
-                           for i in (e["detail"].get("diagnosis") or {}).get("dataset_indices", [])),
+        "isolated": sorted(
+            i
+            for e in events
+            if e["event"] == "anomaly"
+            for i in (e["detail"].get("diagnosis") or {}).get("dataset_indices", [])
+        ),
         "anomaly_epochs": [e["epoch"] for e in events if e["event"] == "anomaly"],
         "quarantine_events": [(e["action"], e["detail"]) for e in events if e["event"] == "quarantine"],
         "params": [p.detach().reshape(-1).tolist() for p in model.parameters()],

@@ -40,7 +40,9 @@ class Recurrent(nn.Module):
 MODELS = {
     "mlp": (lambda: nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)), (4, 4)),
     "cnn": (
-        lambda: nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3)),
+        lambda: nn.Sequential(
+            nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3)
+        ),
         (4, 2, 4, 4),
     ),
     "transformer": (Encoder, (4, 5, 8)),
@@ -126,7 +128,9 @@ def test_poisoned_target_is_its_own_flag():
     assert step.flags.read().tripped() == ("target",)
 
 
-@pytest.mark.parametrize("name, layer", [("mlp", "2"), ("cnn", "1"), ("transformer", "encoder.layers.1.linear2"), ("lstm", "lstm")])
+@pytest.mark.parametrize(
+    "name, layer", [("mlp", "2"), ("cnn", "1"), ("transformer", "encoder.layers.1.linear2"), ("lstm", "lstm")]
+)
 def test_forward_fault_is_located_from_the_single_read(name, layer):
     torch.manual_seed(0)
     make, shape = MODELS[name]

@@ -129,8 +129,16 @@ def test_lr_blow_up_restores_and_scales_lr():
     def poison(model, opt):
         LRFault(opt, steps=(12, 13, 14), factor=1000)
 
-    result, model, _ = fit(["recovery.actions.loss=restore", "recovery.actions.spike=restore",
-                            "recovery.actions.forward=restore", "recovery.escalate=[scale_lr]"], setup=poison, epochs=3)
+    result, model, _ = fit(
+        [
+            "recovery.actions.loss=restore",
+            "recovery.actions.spike=restore",
+            "recovery.actions.forward=restore",
+            "recovery.escalate=[scale_lr]",
+        ],
+        setup=poison,
+        epochs=3,
+    )
     assert result.restores >= 1
     assert any(e.name == "lr_changed" for e in result.events), anomalies(result)
     assert result.lr_scale < 1.0
@@ -200,12 +208,12 @@ def test_journal_and_result_agree(tmp_path):
     data = PoisonRows(regression_data(), indices=[3], where="targets")
     result, _, _ = fit([f"log.dir={tmp_path}"], dataset=data, epochs=1)
     lines = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
-    assert [l["event"] for l in lines[:-1]] == [e.name for e in result.events]
+    assert [rec["event"] for rec in lines[:-1]] == [e.name for e in result.events]
     summary = lines[-1]
     assert summary["event"] == "summary"
     for key in ("steps", "healthy_steps", "skipped_batches", "restores"):
         assert summary[key] == getattr(result, key), key
-    assert sum(1 for l in lines if l["event"] == "anomaly") == summary["skipped_batches"] == 1
+    assert sum(1 for rec in lines if rec["event"] == "anomaly") == summary["skipped_batches"] == 1
 
 
 def test_passthrough_modules_are_unhooked_by_default_and_hooked_in_strict():
@@ -235,8 +243,12 @@ def test_the_batch_is_copied_only_for_a_model_whose_forward_updates_buffers():
         torch.manual_seed(0)
         layers = [Probe(), torch.nn.Linear(4, 4)] + ([torch.nn.BatchNorm1d(4)] if with_bn else [])
         model = torch.nn.Sequential(*layers)
-        with Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), load_config(None, ["log.progress=false"]),
-                   loss_fn=F.mse_loss) as guard:
+        with Guard(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            load_config(None, ["log.progress=false"]),
+            loss_fn=F.mse_loss,
+        ) as guard:
             seen.clear()
             assert guard.step((x, y)).trained
             assert (seen == [x.data_ptr()]) is not with_bn, "copied if and only if the model has buffers"
@@ -261,8 +273,12 @@ def test_step_fn_gets_a_pair_of_the_users_type_cleaned_only_when_needed(kind):
     for with_bn in (False, True):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), *([torch.nn.BatchNorm1d(4)] if with_bn else []))
-        with Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), load_config(None, ["log.progress=false"]),
-                   step_fn=step_fn) as guard:
+        with Guard(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            load_config(None, ["log.progress=false"]),
+            step_fn=step_fn,
+        ) as guard:
             got.clear()
             batch = kind((x, y))
             assert guard.step(batch).trained
@@ -293,6 +309,7 @@ def test_gradients_made_outside_the_guard_between_steps_are_not_added_to_the_nex
 def test_an_optimizer_with_its_own_zero_grad_is_asked_to_clear_its_gradients():
     """The guard frees the gradients itself only for torch's own ``zero_grad``; an optimizer that
     overrides it (one that keeps flat gradient buffers, say) has it called after every update."""
+
     class OwnZeroGrad(torch.optim.SGD):
         calls = 0
 
@@ -341,6 +358,7 @@ def test_a_zero_grad_set_on_the_optimizer_instance_is_called():
 
 def test_an_optimizer_wrapper_that_forwards_attributes_works():
     """A thin wrapper that is not an ``Optimizer`` and forwards everything through ``__getattr__``."""
+
     class Wrapped:
         def __init__(self, inner: torch.optim.Optimizer) -> None:
             self.inner = inner
@@ -350,7 +368,11 @@ def test_an_optimizer_wrapper_that_forwards_attributes_works():
 
     x, y = torch.randn(16, 8), torch.randn(16, 1)
     model = mlp()
-    with Guard(model, Wrapped(torch.optim.SGD(model.parameters(), lr=0.1)), load_config(None, ["log.progress=false"]),
-               loss_fn=F.mse_loss) as guard:
+    with Guard(
+        model,
+        Wrapped(torch.optim.SGD(model.parameters(), lr=0.1)),
+        load_config(None, ["log.progress=false"]),
+        loss_fn=F.mse_loss,
+    ) as guard:
         assert all(guard.step((x, y)).trained for _ in range(3))
     assert all(p.grad is None for p in model.parameters())

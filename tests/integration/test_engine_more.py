@@ -23,8 +23,17 @@ from tests.integration.test_engine import BASE, anomalies, fit
 def test_exactly_one_host_sync_per_healthy_step(mode, amp):
     model = mlp()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    cfg = load_config(None, [*BASE, f"detect.mode={mode}", f"amp.dtype={amp}", "guard.clip_grad_norm=1.0",
-                             "detect.check_weights_every=2", "snapshot.every=1000"])
+    cfg = load_config(
+        None,
+        [
+            *BASE,
+            f"detect.mode={mode}",
+            f"amp.dtype={amp}",
+            "guard.clip_grad_norm=1.0",
+            "detect.check_weights_every=2",
+            "snapshot.every=1000",
+        ],
+    )
     batches = list(loader(regression_data()))
     with Guard(model, opt, cfg, loss_fn=F.mse_loss) as guard:
         guard.step(batches[0])  # the first step also takes the initial snapshot (its own sync)
@@ -46,15 +55,19 @@ def test_accumulation_syncs_once_per_optimizer_step_and_matches_big_batch():
     big, small = mlp(), mlp()
     cfg = ["detect.mode=eager", "snapshot.every=1000"]
     g_big = Guard(big, torch.optim.SGD(big.parameters(), lr=0.1), load_config(None, [*BASE, *cfg]), loss_fn=F.mse_loss)
-    g_small = Guard(small, torch.optim.SGD(small.parameters(), lr=0.1),
-                    load_config(None, [*BASE, *cfg, "guard.accumulate_steps=4"]), loss_fn=F.mse_loss)
+    g_small = Guard(
+        small,
+        torch.optim.SGD(small.parameters(), lr=0.1),
+        load_config(None, [*BASE, *cfg, "guard.accumulate_steps=4"]),
+        loss_fn=F.mse_loss,
+    )
     g_small.snapshot(force=True)  # the initial snapshot (its finiteness check reads the host once)
     for i in range(0, 64, 32):
-        g_big.step((x[i:i + 32], y[i:i + 32]))
+        g_big.step((x[i : i + 32], y[i : i + 32]))
         results = []
         with count_host_syncs() as syncs:
             for j in range(i, i + 32, 8):
-                results.append(g_small.step((x[j:j + 8], y[j:j + 8])))
+                results.append(g_small.step((x[j : j + 8], y[j : j + 8])))
         assert results[:3] == [None, None, None] and results[3].trained
         assert syncs.count == 1
     for a, b in zip(big.parameters(), small.parameters()):
@@ -91,9 +104,17 @@ def test_scheduler_follows_batches_when_configured():
 def test_backoff_survives_the_scheduler_through_fit():
     holder = {}
     data = PoisonRows(regression_data(), indices=[9], where="targets", value=math.inf)
-    result, _, opt = fit(["sanitize.targets=off", "recovery.actions.loss=scale_lr", "recovery.lr_factor=0.1",
-                          "recovery.escalate=[scale_lr]"],
-                         dataset=data, epochs=2, scheduler=lambda o: holder.setdefault("s", KINDS["StepLR"](o)))
+    result, _, opt = fit(
+        [
+            "sanitize.targets=off",
+            "recovery.actions.loss=scale_lr",
+            "recovery.lr_factor=0.1",
+            "recovery.escalate=[scale_lr]",
+        ],
+        dataset=data,
+        epochs=2,
+        scheduler=lambda o: holder.setdefault("s", KINDS["StepLR"](o)),
+    )
     assert [a for _, a in anomalies(result)] == ["scale_lr", "scale_lr"] and result.lr_scale == pytest.approx(0.01)
     sched = holder["s"]
     schedule_alone = 0.02 * 0.5 ** (sched.last_epoch // 5)
@@ -104,7 +125,9 @@ def test_backoff_survives_the_scheduler_through_fit():
 def test_resume_from_safetensors_is_bitwise(tmp_path):
     def run(max_steps=None, resume=None, epochs=3):
         torch.manual_seed(1)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+        )
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         sched = S.StepLR(opt, step_size=7, gamma=0.7)
         cfg = load_config(None, [*BASE, "snapshot.store=safetensors", f"snapshot.dir={tmp_path}", "snapshot.every=5"])
@@ -142,12 +165,24 @@ def test_epoch_metric_of_a_run_resumed_mid_epoch_covers_the_whole_epoch(tmp_path
         model = mlp(seed=1)
         opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
         sched = _RecordingPlateau(opt, patience=0)
-        cfg = load_config(None, [*BASE, "snapshot.store=safetensors", f"snapshot.dir={tmp_path}", "snapshot.every=5",
-                                 "guard.scheduler_interval=epoch"])
+        cfg = load_config(
+            None,
+            [
+                *BASE,
+                "snapshot.store=safetensors",
+                f"snapshot.dir={tmp_path}",
+                "snapshot.every=5",
+                "guard.scheduler_interval=epoch",
+            ],
+        )
         trainer = SafeTrainer(model, opt, cfg, loss_fn=F.mse_loss, scheduler=sched)
         _RecordingPlateau.seen = []
-        trainer.fit(torch.utils.data.DataLoader(regression_data(), batch_size=32, shuffle=True), epochs=2,
-                    max_steps=max_steps, resume=resume)
+        trainer.fit(
+            torch.utils.data.DataLoader(regression_data(), batch_size=32, shuffle=True),
+            epochs=2,
+            max_steps=max_steps,
+            resume=resume,
+        )
         return _RecordingPlateau.seen, trainer.guard
 
     full, _ = run()  # 8 batches an epoch: metrics of epochs 0 and 1
@@ -183,8 +218,9 @@ def test_dict_batches_with_loss_attribute_and_bad_float_feature_rows():
         mask = torch.ones(6, 5)
         if i == 3:
             mask[2, 1] = math.nan
-        batches.append({"input_ids": torch.randint(0, 20, (6, 5)), "attention_mask": mask,
-                        "labels": torch.randint(0, 3, (6,))})
+        batches.append(
+            {"input_ids": torch.randint(0, 20, (6, 5)), "attention_mask": mask, "labels": torch.randint(0, 3, (6,))}
+        )
     result = SafeTrainer(model, opt, load_config(None, BASE)).fit(batches, epochs=2)
     assert anomalies(result) == [("input", "drop_rows")] * 2
     assert result.dropped_rows == 2 and finite_params(model)
@@ -218,8 +254,9 @@ def test_bad_batch_types_and_losses_are_clear_errors():
     with pytest.raises(BatchError, match="no loss_fn was given"):
         SafeTrainer(model, opt, load_config(None, BASE)).fit(loader(regression_data()))
     with pytest.raises(BatchError, match=r"the loss must be a scalar tensor; got \(16, 1\)"):
-        SafeTrainer(model, opt, load_config(None, BASE),
-                    loss_fn=lambda o, t: F.mse_loss(o, t, reduction="none")).fit(loader(regression_data()))
+        SafeTrainer(model, opt, load_config(None, BASE), loss_fn=lambda o, t: F.mse_loss(o, t, reduction="none")).fit(
+            loader(regression_data())
+        )
 
 
 def test_bf16_trains_without_scaler():
@@ -231,8 +268,11 @@ def test_grad_norm_threshold_names_parameters_and_skip_after_restore_skips_data(
     def poison(model, opt):
         GradFault(model[0].weight, calls=[6], value=1e4)  # grad_norm is a finite outlier: no replay
 
-    result, model, _ = fit(["guard.grad_norm_threshold=50", "recovery.actions.grad_norm=restore",
-                            "recovery.skip_batches_after_restore=2"], setup=poison, epochs=1)
+    result, model, _ = fit(
+        ["guard.grad_norm_threshold=50", "recovery.actions.grad_norm=restore", "recovery.skip_batches_after_restore=2"],
+        setup=poison,
+        epochs=1,
+    )
     event = next(e for e in result.events if e.kind == "grad_norm")
     assert event.action == "restore"
     finding = event.detail["finding"]
@@ -244,8 +284,11 @@ def test_grad_norm_threshold_names_parameters_and_skip_after_restore_skips_data(
 
 def test_lr_scale_climbs_back_after_healthy_steps():
     data = PoisonRows(regression_data(), indices=[9], where="targets", value=math.inf)
-    result, _, opt = fit(["sanitize.targets=off", "recovery.actions.loss=scale_lr", "recovery.lr_restore_after=5"],
-                         dataset=data, epochs=1)
+    result, _, opt = fit(
+        ["sanitize.targets=off", "recovery.actions.loss=scale_lr", "recovery.lr_restore_after=5"],
+        dataset=data,
+        epochs=1,
+    )
     changes = [e.detail["scale"] for e in result.events if e.name == "lr_changed"]
     assert changes == [0.5, 1.0]
     assert result.lr_scale == 1.0 and opt.param_groups[0]["lr"] == pytest.approx(0.02)
@@ -257,8 +300,17 @@ def test_deferred_healthy_steps_are_in_the_history_every_reader_sees():
     taken mid-run restores the streak, and a fault after a long healthy run starts at rung 1."""
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.02)
-    cfg = load_config(None, [*BASE, "snapshot.every=7", "recovery.reset_after=5", "sanitize.targets=off",
-                             "detect.replay.enabled=false", "recovery.actions.loss=skip_batch"])
+    cfg = load_config(
+        None,
+        [
+            *BASE,
+            "snapshot.every=7",
+            "recovery.reset_after=5",
+            "sanitize.targets=off",
+            "detect.replay.enabled=false",
+            "recovery.actions.loss=skip_batch",
+        ],
+    )
     batches = list(loader(regression_data()))
     with Guard(model, opt, cfg, loss_fn=F.mse_loss) as guard:
         _, history = decide(Anomaly("loss"), History(), Rules.of(cfg))
@@ -293,8 +345,17 @@ def test_a_snapshot_passed_over_is_never_restored_later():
 
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.02)
-    cfg = load_config(None, [*BASE, "snapshot.every=2", "snapshot.keep=2", "detect.replay.enabled=false",
-                             "recovery.actions.loss=restore", "sanitize.targets=off"])
+    cfg = load_config(
+        None,
+        [
+            *BASE,
+            "snapshot.every=2",
+            "snapshot.keep=2",
+            "detect.replay.enabled=false",
+            "recovery.actions.loss=restore",
+            "sanitize.targets=off",
+        ],
+    )
     batches = list(loader(regression_data()))
     bad = {5, 8}  # steps 5 and 8 (1-based) have an infinite target: each comes right after a snapshot
     restored = []
@@ -310,8 +371,12 @@ def test_a_snapshot_passed_over_is_never_restored_later():
 def test_rows_of_a_rerun_step_are_counted_once(action):
     data = PoisonRows(regression_data(), indices=[7], value=math.inf)
     model = mlp()
-    trainer = SafeTrainer(model, torch.optim.SGD(model.parameters(), lr=0.02),
-                          load_config(None, [*BASE, f"sanitize.inputs={action}"]), loss_fn=F.mse_loss)
+    trainer = SafeTrainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.02),
+        load_config(None, [*BASE, f"sanitize.inputs={action}"]),
+        loss_fn=F.mse_loss,
+    )
     result = trainer.fit(loader(data))
     assert result.healthy_steps == result.steps - 1
     assert len(trainer.guard.history.recent) == result.steps, "one policy entry per step"
@@ -320,8 +385,9 @@ def test_rows_of_a_rerun_step_are_counted_once(action):
 def test_drop_rows_with_every_row_bad_is_journaled_as_a_skip():
     data = PoisonRows(regression_data(n=32), indices=range(16))
     model = mlp()
-    trainer = SafeTrainer(model, torch.optim.SGD(model.parameters(), lr=0.02), load_config(None, BASE),
-                          loss_fn=F.mse_loss)
+    trainer = SafeTrainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.02), load_config(None, BASE), loss_fn=F.mse_loss
+    )
     result = trainer.fit(loader(data, shuffle=False))  # the first batch is all bad
     event = next(e for e in result.events if e.kind == "input")
     assert event.action == "skip_batch" and "every row is bad" in event.message
@@ -339,9 +405,17 @@ def test_rerun_does_not_step_a_batch_scheduler_twice():
 def test_skip_after_restore_skips_whole_accumulation_groups_and_flush_takes_the_rest():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.02)
-    cfg = load_config(None, [*BASE, "guard.accumulate_steps=2", "recovery.actions.loss=restore",
-                             "recovery.skip_batches_after_restore=1", "sanitize.targets=off",
-                             "detect.replay.enabled=false"])
+    cfg = load_config(
+        None,
+        [
+            *BASE,
+            "guard.accumulate_steps=2",
+            "recovery.actions.loss=restore",
+            "recovery.skip_batches_after_restore=1",
+            "sanitize.targets=off",
+            "detect.replay.enabled=false",
+        ],
+    )
     batches = list(loader(regression_data(n=80)))  # 5 micro-batches
     x, y = batches[1]
     batches[1] = (x, torch.full_like(y, math.inf))

@@ -17,15 +17,27 @@ def run_example(name: str, *args: str, timeout: float = 120) -> str:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("OMP_NUM_THREADS", "2")
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / name), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, f"{name} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
 
 
 def test_every_example_is_tested():
-    tested = {"quickstart.py", "custom_loop.py", "mixed_precision.py", "resume.py", "huggingface_style.py",
-              "ddp.py"}  # ddp.py: tests/integration/test_ddp.py (under torchrun)
+    tested = {
+        "quickstart.py",
+        "custom_loop.py",
+        "mixed_precision.py",
+        "resume.py",
+        "huggingface_style.py",
+        "ddp.py",
+    }  # ddp.py: tests/integration/test_ddp.py (under torchrun)
     assert {p.name for p in (ROOT / "examples").glob("*.py")} <= tested
 
 

@@ -23,8 +23,13 @@ class CNN(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.features = torch.nn.Sequential(
-            torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
-            torch.nn.Dropout(0.2), torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+            torch.nn.Conv2d(3, 8, 3, padding=1),
+            torch.nn.BatchNorm2d(8),
+            torch.nn.ReLU(),
+            torch.nn.Dropout(0.2),
+            torch.nn.Conv2d(8, 8, 3, padding=1),
+            torch.nn.BatchNorm2d(8),
+            torch.nn.ReLU(),
         )
         self.head = torch.nn.Linear(8, 3)
 
@@ -45,8 +50,13 @@ class Encoder(torch.nn.Module):
 
 MODELS = {
     # name: (factory, input shape, name of the layer to poison)
-    "mlp": (lambda: torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16),
-                                        torch.nn.ReLU(), torch.nn.Linear(16, 3)), (8,), "2"),
+    "mlp": (
+        lambda: torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)
+        ),
+        (8,),
+        "2",
+    ),
     "cnn": (CNN, (3, 8, 8), "features.4"),
     "transformer": (Encoder, (5, 16), "encoder.layers.1.linear1"),
 }
@@ -64,8 +74,15 @@ def test_lazy_mode_names_the_poisoned_layer_by_replay(name):
     model = factory().to(DEVICE)
     OutputFault(model.get_submodule(target), calls=range(3, 10_000))  # deterministic from the 3rd call on
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    cfg = load_config(None, [*LAZY, "recovery.actions.forward=skip_batch", "recovery.actions.loss=skip_batch",
-                             "recovery.escalate=[skip_batch]"])
+    cfg = load_config(
+        None,
+        [
+            *LAZY,
+            "recovery.actions.forward=skip_batch",
+            "recovery.actions.loss=skip_batch",
+            "recovery.escalate=[skip_batch]",
+        ],
+    )
     result = SafeTrainer(model, opt, cfg, loss_fn=F.cross_entropy).fit(classification(shape), epochs=1)
     event = next(e for e in result.events if e.name == "anomaly")
     assert event.kind == "loss", "lazy mode has no hooks: the loss trips first"
@@ -144,12 +161,15 @@ def _diagnose_rows(model, x, y):
     return next(e for e in result.events if e.name == "anomaly").detail["diagnosis"]
 
 
-@pytest.mark.parametrize("rows, max_passes", [
-    ([5, 41], 2 * math.log2(64) + 2),  # the case: the train-mode replay stands for the first test
-    ([63], math.log2(64) + 1),  # every left half clean: the row reached is tested once to be sure
-    ([0], math.log2(64) + 1),
-    ([1, 20, 50], 3 * math.log2(64) + 3),
-])
+@pytest.mark.parametrize(
+    "rows, max_passes",
+    [
+        ([5, 41], 2 * math.log2(64) + 2),  # the case: the train-mode replay stands for the first test
+        ([63], math.log2(64) + 1),  # every left half clean: the row reached is tested once to be sure
+        ([0], math.log2(64) + 1),
+        ([1, 20, 50], 3 * math.log2(64) + 3),
+    ],
+)
 def test_bisection_finds_exactly_the_poisoned_rows_and_counts_passes(rows, max_passes):
     torch.manual_seed(0)
     x, y = regression_data(n=64).tensors
@@ -225,8 +245,8 @@ def test_in_place_ops_that_poison_their_own_input_are_named():
 
 
 def test_nonfinite_reads_the_host_once_for_many_tensors():
-    from safetrain.testing import count_host_syncs
     from safetrain.diagnose.nonfinite import any_nonfinite
+    from safetrain.testing import count_host_syncs
 
     tensors = [torch.ones(3) for _ in range(10)] + [torch.tensor([1.0, math.nan])]
     with count_host_syncs() as syncs:
@@ -263,8 +283,9 @@ def test_replay_budget_is_respected():
     model = mlp()
     OutputFault(model[1], calls=range(2, 10_000))
     opt = torch.optim.SGD(model.parameters(), lr=0.02)
-    cfg = load_config(None, [*LAZY, "detect.replay.max_per_run=2", "recovery.escalate=[skip_batch]",
-                             "recovery.max_skip_fraction=1.0"])
+    cfg = load_config(
+        None, [*LAZY, "detect.replay.max_per_run=2", "recovery.escalate=[skip_batch]", "recovery.max_skip_fraction=1.0"]
+    )
     result = SafeTrainer(model, opt, cfg, loss_fn=F.mse_loss).fit(loader(regression_data()), max_steps=6)
     replays = [e for e in result.events if e.name == "anomaly" and "diagnosis" in e.detail]
     assert len(replays) == 2

@@ -12,18 +12,27 @@ import torch
 import torch.nn.functional as F
 
 from safetrain import load_config
-from safetrain.guard import Guard
 from safetrain.diagnose.rng import LOOK_EVERY
+from safetrain.guard import Guard
 from safetrain.testing import OutputFault
 
-CFG = ["log.progress=false", "detect.mode=lazy", "snapshot.every=100000", "detect.check_weights_every=0",
-       "guard.spike.enabled=false", "recovery.actions.loss=skip_batch", "recovery.escalate=[skip_batch]",
-       "recovery.max_retries=50"]
+CFG = [
+    "log.progress=false",
+    "detect.mode=lazy",
+    "snapshot.every=100000",
+    "detect.check_weights_every=0",
+    "guard.spike.enabled=false",
+    "recovery.actions.loss=skip_batch",
+    "recovery.escalate=[skip_batch]",
+    "recovery.max_retries=50",
+]
 
 
 def model_with(dropout: float) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(dropout), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Dropout(dropout), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+    )
 
 
 def batches(n: int):
@@ -48,8 +57,9 @@ def test_the_copy_stops_while_the_model_draws_nothing_and_goes_on_while_it_draws
     # No copies once a whole window between two looks drew nothing (from the second look on).
     for dropout, expected in ((0.0, (2 * LOOK_EVERY, 2 * LOOK_EVERY + 5)), (0.3, (steps, steps))):
         model = model_with(dropout)
-        with Guard(model, torch.optim.SGD(model.parameters(), lr=0.01), load_config(None, CFG),
-                   loss_fn=F.mse_loss) as guard:
+        with Guard(
+            model, torch.optim.SGD(model.parameters(), lr=0.01), load_config(None, CFG), loss_fn=F.mse_loss
+        ) as guard:
             guard.step(batches(1)[0])  # the first step takes the initial snapshot (its own RNG read)
             calls = count_copies(monkeypatch)
             for batch in batches(steps):
@@ -64,8 +74,9 @@ def test_a_replay_of_a_model_that_draws_nothing_is_exact_without_the_copy():
     model = model_with(0.0)
     n = 3 * LOOK_EVERY
     OutputFault(model[0], calls=range(n, 10**6))  # the first Linear's output is NaN from the n-th forward on
-    with Guard(model, torch.optim.SGD(model.parameters(), lr=0.01), load_config(None, CFG),
-               loss_fn=F.mse_loss) as guard:
+    with Guard(
+        model, torch.optim.SGD(model.parameters(), lr=0.01), load_config(None, CFG), loss_fn=F.mse_loss
+    ) as guard:
         for batch in batches(n):
             result = guard.step(batch)
         assert guard.diagnoser.rng.idle, "the RNG copy had stopped"
@@ -82,8 +93,9 @@ def test_a_model_that_begins_to_draw_is_noticed_by_the_replay_and_copied_again(m
     model = model_with(0.0)
     n = 2 * LOOK_EVERY + 3
     fault = OutputFault(model[0], calls=[n])  # one NaN output, at the n-th forward only
-    with Guard(model, torch.optim.SGD(model.parameters(), lr=0.01), load_config(None, CFG),
-               loss_fn=F.mse_loss) as guard:
+    with Guard(
+        model, torch.optim.SGD(model.parameters(), lr=0.01), load_config(None, CFG), loss_fn=F.mse_loss
+    ) as guard:
         for batch in batches(n - 2):
             guard.step(batch)
         assert guard.diagnoser.rng.idle

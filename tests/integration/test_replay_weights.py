@@ -18,13 +18,17 @@ BASE = ["log.progress=false", "snapshot.every=1000", "detect.check_weights_every
 
 def dropout_mlp() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.2),
-                               torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.2), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+    )
 
 
-def run(overrides: List[str], between: Optional[Callable[[int, Any], None]] = None, steps: int = 10,
-        optimizer: Callable[[Any], torch.optim.Optimizer] = lambda p: torch.optim.SGD(p, lr=0.02, momentum=0.9),
-        ) -> Dict[str, Any]:
+def run(
+    overrides: List[str],
+    between: Optional[Callable[[int, Any], None]] = None,
+    steps: int = 10,
+    optimizer: Callable[[Any], torch.optim.Optimizer] = lambda p: torch.optim.SGD(p, lr=0.02, momentum=0.9),
+) -> Dict[str, Any]:
     """``steps`` calls of ``guard.step``; ``between(i, guard)`` runs before the i-th (1-based) to inject a fault."""
     model = dropout_mlp()
     opt = optimizer(model.parameters())
@@ -47,18 +51,22 @@ def anomaly(result: Dict[str, Any]) -> Any:
 
 def inf_lr_at(k: int) -> Callable[[int, Any], None]:
     """The LR is inf for the update of step k only: the optimizer's update makes the weights non-finite."""
+
     def between(step: int, guard: Any) -> None:
         for group in guard.optimizer.param_groups:
             group["lr"] = math.inf if step == k else 0.02
+
     return between
 
 
 def poison_weights_before(k: int) -> Callable[[int, Any], None]:
     """A weight turns NaN between steps k - 1 and k, outside any training step (a bit flip, user code)."""
+
     def between(step: int, guard: Any) -> None:
         if step == k:
             with torch.no_grad():
                 guard.model[4].weight[0, 3] = math.nan
+
     return between
 
 
@@ -128,8 +136,9 @@ def test_broken_weights_are_restored_at_once_without_replay_or_weight_check(mode
     """With the replay off and no periodic weight check, a forward (eager) or loss (lazy) trip
     from NaN weights is still named ``weights`` and restored at that step: skipping the batch would
     only trip again at the next one (a wasted step and a misleading ``forward``/``loss`` event)."""
-    result = run([f"detect.mode={mode}", "detect.check_weights_every=0", "detect.replay.enabled=false"],
-                 poison_weights_before(6))
+    result = run(
+        [f"detect.mode={mode}", "detect.check_weights_every=0", "detect.replay.enabled=false"], poison_weights_before(6)
+    )
     anomalies = [e for e in result["events"] if e.name == "anomaly"]
     assert [(e.step, e.kind, e.action) for e in anomalies] == [(6, "weights", "restore")], anomalies
     assert anomalies[0].detail["finding"]["nonfinite"] == ["4.weight"]
@@ -141,6 +150,7 @@ def test_broken_weights_are_restored_at_once_without_replay_or_weight_check(mode
 def test_a_frozen_parameter_gone_nan_is_a_weights_fault_restored_at_once(replay):
     """The exact check after a trip covers every parameter, not only those that train: a frozen
     layer's weight poked to NaN is named and restored at the trip (a snapshot holds it too)."""
+
     def frozen_first_layer() -> torch.nn.Module:
         model = dropout_mlp()
         model[0].weight.requires_grad_(False)
@@ -165,6 +175,7 @@ def test_a_frozen_parameter_gone_nan_is_a_weights_fault_restored_at_once(replay)
 
 def test_a_nan_loss_with_finite_weights_is_not_called_a_weights_fault():
     """The check before the replay finds finite parameters: the trip keeps its own kind."""
+
     def nan_target(step: int, guard: Any) -> None:
         guard.loss_fn = (lambda out, y: F.mse_loss(out, y) * math.nan) if step == 4 else F.mse_loss
 
@@ -177,8 +188,10 @@ def test_a_nan_loss_with_finite_weights_is_not_called_a_weights_fault():
 def test_weight_replay_leaves_the_run_bitwise_equal_to_one_without_replay(fault):
     between = inf_lr_at(4) if fault == "inf_lr" else poison_weights_before(5)
     adam = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
-    runs = [run(["detect.check_weights_every=1", f"detect.replay.enabled={on}"], between, steps=12, optimizer=adam)
-            for on in (True, False)]
+    runs = [
+        run(["detect.check_weights_every=1", f"detect.replay.enabled={on}"], between, steps=12, optimizer=adam)
+        for on in (True, False)
+    ]
     with_replay, without = runs
     assert "diagnosis" in anomaly(with_replay).detail and "diagnosis" not in anomaly(without).detail
     for (name, a), b in zip(with_replay["model"].state_dict().items(), without["model"].state_dict().values()):
@@ -194,6 +207,7 @@ def test_a_forced_weight_replay_on_a_healthy_run_changes_nothing():
     """No restore follows to hide a mistake: parameters, BatchNorm buffers, Adam state, the gradients
     accumulated so far, the model's mode and the RNG must come back exactly as the replay found them.
     The replay runs between the two micro-batches of step 3, with clipping on."""
+
     def forced(micro: int, guard: Any) -> None:
         if micro == 6:
             d = guard.diagnoser.explain("weights", store=guard.store)
@@ -248,13 +262,25 @@ def test_kept_updates_start_again_at_every_snapshot_and_restore():
 def test_describe_names_the_update_or_says_the_weights_were_changed_from_outside():
     from safetrain.diagnose import Diagnosis
 
-    found = Diagnosis(reproducible=True, kind="weights", nonfinite_weights=("fc.weight",), weights_step=4,
-                      op="aten.add_.Tensor", op_line="train.py:9 in step")
-    assert found.describe() == ("weights: the update of step 4 made fc.weight non-finite by aten.add_.Tensor "
-                                "at train.py:9 in step")
-    outside = Diagnosis(reproducible=False, kind="weights", nonfinite_weights=("fc.weight",),
-                        note="weights were changed outside the training step: ...")
+    found = Diagnosis(
+        reproducible=True,
+        kind="weights",
+        nonfinite_weights=("fc.weight",),
+        weights_step=4,
+        op="aten.add_.Tensor",
+        op_line="train.py:9 in step",
+    )
+    assert found.describe() == (
+        "weights: the update of step 4 made fc.weight non-finite by aten.add_.Tensor at train.py:9 in step"
+    )
+    outside = Diagnosis(
+        reproducible=False,
+        kind="weights",
+        nonfinite_weights=("fc.weight",),
+        note="weights were changed outside the training step: ...",
+    )
     assert outside.describe().startswith("transient: weights were changed outside the training step")
-    skipped = Diagnosis(reproducible=True, kind="weights", nonfinite_weights=("fc.weight",),
-                        note="no snapshot to replay from")
+    skipped = Diagnosis(
+        reproducible=True, kind="weights", nonfinite_weights=("fc.weight",), note="no snapshot to replay from"
+    )
     assert skipped.describe() == "weights: fc.weight non-finite (no snapshot to replay from)"

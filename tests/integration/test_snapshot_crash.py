@@ -77,7 +77,11 @@ def test_sigkill_at_random_moments_leaves_a_loadable_snapshot(tmp_path):
     directory = tmp_path / "snaps"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), *sys.path]))
     child = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, str(directory)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        [sys.executable, "-c", _CHILD, str(directory)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     mid_write, steps = 0, []
     try:

@@ -16,8 +16,10 @@ def _build(seed: int):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1))
     opt = torch.optim.AdamW(
-        [{"params": model[0].parameters()}, {"params": list(model[1].parameters()) + list(model[4].parameters()),
-                                             "lr": 5e-3}],
+        [
+            {"params": model[0].parameters()},
+            {"params": list(model[1].parameters()) + list(model[4].parameters()), "lr": 5e-3},
+        ],
         lr=1e-2,
     )
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[2e-2, 1e-2], total_steps=STEPS)
@@ -53,8 +55,9 @@ def _run(state: TrainState, loader: DataLoader, store=None, stop_at=None, start=
             state.scheduler.step()
             step += 1
             if store is not None and step % EVERY == 0:
-                store.save(state, {"step": step, "epoch": epoch, "batch": batch + 1},
-                           extra_tensors={"epoch_rng": epoch_rng})
+                store.save(
+                    state, {"step": step, "epoch": epoch, "batch": batch + 1}, extra_tensors={"epoch_rng": epoch_rng}
+                )
             if step == stop_at or step == STEPS:
                 return
         epoch, skip, epoch_rng = epoch + 1, 0, None

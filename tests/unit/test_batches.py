@@ -61,8 +61,12 @@ def test_the_guard_trains_on_the_moved_batch_and_does_not_move_a_skipped_one(mon
     monkeypatch.setattr(guard_module, "to_device", spy)
     model = mlp()
     batches = list(loader(regression_data()))
-    with Guard(model, torch.optim.SGD(model.parameters(), lr=0.01), load_config(None, ["log.progress=false"]),
-               loss_fn=F.mse_loss) as guard:
+    with Guard(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        load_config(None, ["log.progress=false"]),
+        loss_fn=F.mse_loss,
+    ) as guard:
         guard.plumbing.moves = True  # as for a model on an accelerator
         result = guard.step(batches[0])
         assert result.action == "" and len(moved) == 1 and moved[0][0] is batches[0]

@@ -29,8 +29,10 @@ def make_run(root: Path) -> Path:
     journal.write(RunStarted(step=0, epoch=0, batch=-1, kind="run", action="start", message="started").to_dict())
     journal.write(AnomalyFound(step=2, epoch=0, batch=1, kind="loss", action="skip_batch", message="nan").to_dict())
     journal.close({"steps": 3, "skipped_batches": 1, "restores": 0, "events": 2, "aborted": False})
-    (root / "metrics.csv").write_text("step,epoch,batch,loss,grad_norm,lr_scale,trained,action\n"
-                                      "1,0,0,1.0,0.5,1,1,\n2,0,1,nan,nan,1,0,skip_batch\n3,0,2,0.8,0.4,1,1,\n")
+    (root / "metrics.csv").write_text(
+        "step,epoch,batch,loss,grad_norm,lr_scale,trained,action\n"
+        "1,0,0,1.0,0.5,1,1,\n2,0,1,nan,nan,1,0,skip_batch\n3,0,2,0.8,0.4,1,1,\n"
+    )
     return root
 
 
@@ -106,11 +108,14 @@ def test_inspect_a_snapshot(tmp_path, capsys):
     assert "step       7" in out and "checksum   ok" in out and "finite     ok" in out
 
 
-@pytest.mark.parametrize("content,needle", [
-    (None, "cannot read"),
-    (b"", "empty"),
-    (b"\x80\x04\x95 this is a pickle, not safetensors", "not a safetensors file"),
-])
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        (None, "cannot read"),
+        (b"", "empty"),
+        (b"\x80\x04\x95 this is a pickle, not safetensors", "not a safetensors file"),
+    ],
+)
 def test_inspect_unreadable_snapshot_exit_2(tmp_path, capsys, content, needle):
     path = tmp_path / "snapshot-0000000001.safetensors"
     if content is not None:

@@ -116,9 +116,15 @@ ERRORS = [
     (["amp.dtype=float8"], r"amp\.dtype: got 'float8'; expected one of 'float16' \| 'bfloat16' or null"),
     (["recovery.max_retrys=3"], r"unknown key 'recovery\.max_retrys'; did you mean 'recovery\.max_retries'\?"),
     (["gaurd.clip_grad_norm=1"], r"unknown key 'gaurd'; did you mean 'guard'\?"),
-    (["recovery.actions.loss=drop_rows"], r"recovery\.actions\.loss: got 'drop_rows'; expected one of warn \| skip_batch"),
+    (
+        ["recovery.actions.loss=drop_rows"],
+        r"recovery\.actions\.loss: got 'drop_rows'; expected one of warn \| skip_batch",
+    ),
     (["recovery.actions.loss=explode"], r"recovery\.actions\.loss: got 'explode'; expected one of"),
-    (["recovery.actions.input=skip_batch"], r"recovery\.actions\.input: unknown anomaly kind \(input and target are set by sanitize"),
+    (
+        ["recovery.actions.input=skip_batch"],
+        r"recovery\.actions\.input: unknown anomaly kind \(input and target are set by sanitize",
+    ),
     (["recovery.actions.gradeint=zero_grads"], r"did you mean 'gradient'\?"),
     (["recovery.escalate=[restore,fly]"], r"recovery\.escalate: item 1: got 'fly'; expected one of"),
     (["guard.clip_grad_norm=abc"], r"guard\.clip_grad_norm: got 'abc'; expected a number or null"),
@@ -127,7 +133,10 @@ ERRORS = [
     (["log.progress=maybe"], r"log\.progress: got 'maybe'; expected true or false"),
     (["guard=3"], r"guard: got 3; expected a section with keys clip_grad_norm"),
     (["sanitize.nan=inf"], r"sanitize\.nan: got inf; expected a number \(finite\)"),
-    (["guard.spike.min_history=200"], r"guard\.spike\.min_history: got 200; expected at most guard\.spike\.window \(128\)"),
+    (
+        ["guard.spike.min_history=200"],
+        r"guard\.spike\.min_history: got 200; expected at most guard\.spike\.window \(128\)",
+    ),
     (["noequals"], r"override 'noequals': expected KEY=VALUE"),
 ]
 
@@ -198,7 +207,7 @@ def test_bare_off_in_yaml_means_the_choice_off(tmp_path):
 
 def test_readme_reference_lists_every_key_with_its_default():
     readme = (CONFIGS.parent / "README.md").read_text()
-    for dotted, f, value in iter_fields(TrainConfig()):
+    for dotted, _field, value in iter_fields(TrainConfig()):
         if dataclasses.is_dataclass(value) or isinstance(value, dict):
             continue
         default = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()

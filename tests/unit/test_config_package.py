@@ -38,8 +38,14 @@ def test_config_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", NO_TORCH], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     loaded = set(out.stdout.split())
-    assert loaded <= {"safetrain.errors", "safetrain.kinds", "safetrain.config", "safetrain.config.schema",
-                      "safetrain.config.validate", "safetrain.config.loader"}, loaded
+    assert loaded <= {
+        "safetrain.errors",
+        "safetrain.kinds",
+        "safetrain.config",
+        "safetrain.config.schema",
+        "safetrain.config.validate",
+        "safetrain.config.loader",
+    }, loaded
 
 
 def test_sanitize_choices_are_the_vocabulary():

@@ -34,7 +34,9 @@ def inject(value: float, at_call: Optional[int] = 0) -> Callable:
     return hook
 
 
-def run(model: nn.Module, *args: Any, monitor: Optional[ActivationMonitor] = None, **kw: Any) -> Optional[ModuleFinding]:
+def run(
+    model: nn.Module, *args: Any, monitor: Optional[ActivationMonitor] = None, **kw: Any
+) -> Optional[ModuleFinding]:
     """One monitored forward; the values are read once and the first non-finite call located."""
     monitor = monitor or ActivationMonitor(model)
     with monitor.attach():

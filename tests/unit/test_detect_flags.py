@@ -78,7 +78,9 @@ def test_findings_are_frozen_and_serialize_to_strict_json():
     stats = tensor_stats(torch.tensor([1.0, math.nan, math.inf, -3.0]))
     assert (stats.nan_count, stats.inf_count, stats.finite_min, stats.finite_max) == (1, 1, -3.0, 1.0)
     findings = [
-        RowFinding(kind="input", step=1, path='batch["x"]', rows=(2,), nan_count=1, inf_count=0, shape=(4, 3), dtype="float32"),
+        RowFinding(
+            kind="input", step=1, path='batch["x"]', rows=(2,), nan_count=1, inf_count=0, shape=(4, 3), dtype="float32"
+        ),
         ModuleFinding(kind="forward", module="enc.layers.0", module_type="Linear", value=math.nan, output=stats),
         LossFinding(kind="loss", value=math.inf, epoch=2),
         GradFinding(kind="gradient", total_norm=math.inf, nonfinite=("w",), norms=(("w", math.inf),)),

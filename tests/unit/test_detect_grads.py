@@ -131,8 +131,9 @@ def test_large_cpu_gradients_take_the_dot_path_with_the_same_norms():
     assert syncs.count == 0, str(syncs)
     expected = torch.stack([p.grad.norm() for p in model.parameters()])
     assert torch.allclose(result.norms, expected, rtol=1e-5), "norms in parameter order, each as torch computes it"
-    assert torch.allclose(result.total_norm, torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]),
-                          rtol=1e-5)
+    assert torch.allclose(
+        result.total_norm, torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]), rtol=1e-5
+    )
 
 
 def test_the_fused_norm_gets_only_the_small_gradients_and_a_failed_dot_path_is_not_retried(monkeypatch):

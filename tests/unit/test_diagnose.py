@@ -18,14 +18,17 @@ NEVER = math.inf
 
 
 # ---------------------------------------------------------------- bisection (no torch)
-@pytest.mark.parametrize("size, bad, expected", [
-    (1, set(), Bisection((), 0, "batch has no row dimension to bisect")),
-    (None, set(), Bisection((), 0, "batch has no row dimension to bisect")),
-    (8, {3}, Bisection((3,), 4, "")),
-    (8, {0, 7}, Bisection((0, 7), 7, "")),  # within 2 log2 B + 2
-    (64, {5, 41}, Bisection((5, 41), 14, "")),  # 2 log2 B + 2: the two-row case
-    (8, set(), Bisection((), 4, "the loss is not per-sample separable: no subset of rows is non-finite alone")),
-])
+@pytest.mark.parametrize(
+    "size, bad, expected",
+    [
+        (1, set(), Bisection((), 0, "batch has no row dimension to bisect")),
+        (None, set(), Bisection((), 0, "batch has no row dimension to bisect")),
+        (8, {3}, Bisection((3,), 4, "")),
+        (8, {0, 7}, Bisection((0, 7), 7, "")),  # within 2 log2 B + 2
+        (64, {5, 41}, Bisection((5, 41), 14, "")),  # 2 log2 B + 2: the two-row case
+        (8, set(), Bisection((), 4, "the loss is not per-sample separable: no subset of rows is non-finite alone")),
+    ],
+)
 def test_isolate_rows_table(size, bad, expected):
     found = isolate_rows(size, lambda rows: bool(bad & set(rows)), NEVER, 60.0)
     assert found == expected, f"size {size}, bad rows {sorted(bad)}"
@@ -78,27 +81,40 @@ class FakeStepReplay:
 def diagnoser(max_per_run=3, enabled=True, why_not=""):
     cfg = SimpleNamespace(enabled=enabled, max_per_run=max_per_run, time_limit_s=60.0, keep_steps=4, keep_mb=1.0)
     model = torch.nn.Linear(4, 2)
-    d = Diagnoser(model, None, cfg, state=None, params=list(model.named_parameters()), loss_of=lambda b: b,
-                  autocast=contextlib.nullcontext, prepare=lambda b: b)
+    d = Diagnoser(
+        model,
+        None,
+        cfg,
+        state=None,
+        params=list(model.named_parameters()),
+        loss_of=lambda b: b,
+        autocast=contextlib.nullcontext,
+        prepare=lambda b: b,
+    )
     step = FakeStepReplay()
     d.wrap_step_replay(lambda inner: step)
     weights = []
     d.weight_replay.why_not = lambda store: why_not
-    d.weight_replay.replay = lambda store, rng_moved=False: weights.append(("replay", rng_moved)) or Diagnosis(
-        reproducible=False, kind="weights")
-    d.weight_replay.not_replayed = lambda why: weights.append(("not_replayed", why)) or Diagnosis(
-        reproducible=True, kind="weights", note=why)
+    d.weight_replay.replay = lambda store, rng_moved=False: (
+        weights.append(("replay", rng_moved)) or Diagnosis(reproducible=False, kind="weights")
+    )
+    d.weight_replay.not_replayed = lambda why: (
+        weights.append(("not_replayed", why)) or Diagnosis(reproducible=True, kind="weights", note=why)
+    )
     return d, step, weights
 
 
-@pytest.mark.parametrize("kind, why_not, used, step_calls, weight_calls", [
-    ("forward", "", 1, 1, []),
-    ("loss", "", 1, 1, []),
-    ("gradient", "", 1, 1, []),
-    (None, "", 1, 1, []),  # Guard.diagnose(): a look at a step that did not trip
-    ("weights", "", 1, 0, [("replay", False)]),
-    ("weights", "no snapshot to replay from", 0, 0, [("not_replayed", "no snapshot to replay from")]),
-])
+@pytest.mark.parametrize(
+    "kind, why_not, used, step_calls, weight_calls",
+    [
+        ("forward", "", 1, 1, []),
+        ("loss", "", 1, 1, []),
+        ("gradient", "", 1, 1, []),
+        (None, "", 1, 1, []),  # Guard.diagnose(): a look at a step that did not trip
+        ("weights", "", 1, 0, [("replay", False)]),
+        ("weights", "no snapshot to replay from", 0, 0, [("not_replayed", "no snapshot to replay from")]),
+    ],
+)
 def test_explain_routes_by_kind_and_spends_the_one_budget(kind, why_not, used, step_calls, weight_calls):
     d, step, weights = diagnoser(why_not=why_not)
     diagnosis = d.explain(kind, micro=["batch"], indices=[[7]], store=object())
@@ -111,8 +127,16 @@ def test_explain_routes_by_kind_and_spends_the_one_budget(kind, why_not, used, s
 def test_the_replays_keep_no_budget_of_their_own():
     cfg = SimpleNamespace(enabled=True, max_per_run=1, time_limit_s=60.0, keep_steps=4, keep_mb=1.0)
     model = torch.nn.Linear(4, 2)
-    d = Diagnoser(model, None, cfg, state=None, params=list(model.named_parameters()), loss_of=lambda b: b,
-                  autocast=contextlib.nullcontext, prepare=lambda b: b)
+    d = Diagnoser(
+        model,
+        None,
+        cfg,
+        state=None,
+        params=list(model.named_parameters()),
+        loss_of=lambda b: b,
+        autocast=contextlib.nullcontext,
+        prepare=lambda b: b,
+    )
     for part in (d.step_replay, d.weight_replay, d.rng):
         assert not any(hasattr(part, name) for name in ("used", "replayer", "max_per_run")), type(part).__name__
 
@@ -128,11 +152,14 @@ def test_enabled_until_the_budget_is_spent_by_either_replay():
     assert not off.enabled
 
 
-@pytest.mark.parametrize("kind, kwargs, match", [
-    ("spike", {}, "no replay explains a 'spike' anomaly"),
-    ("input", {}, "no replay explains a 'input' anomaly"),
-    ("weights", {}, "needs the snapshot store"),
-])
+@pytest.mark.parametrize(
+    "kind, kwargs, match",
+    [
+        ("spike", {}, "no replay explains a 'spike' anomaly"),
+        ("input", {}, "no replay explains a 'input' anomaly"),
+        ("weights", {}, "needs the snapshot store"),
+    ],
+)
 def test_explain_refuses_what_no_replay_explains(kind, kwargs, match):
     d, step, weights = diagnoser()
     with pytest.raises(ValueError, match=match):

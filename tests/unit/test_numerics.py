@@ -276,9 +276,7 @@ def test_safe_norm_never_overflows(dtype, values, expected):
     assert torch.isfinite(x.grad).all() and (x.grad.abs() <= 1).all(), x.grad
 
 
-@pytest.mark.parametrize(
-    "fn, edge", [(N.safe_acos, (0.0, math.pi)), (N.safe_asin, (math.pi / 2, -math.pi / 2))]
-)
+@pytest.mark.parametrize("fn, edge", [(N.safe_acos, (0.0, math.pi)), (N.safe_asin, (math.pi / 2, -math.pi / 2))])
 def test_acos_asin_at_and_beyond_one(fn, edge):
     x = torch.tensor([1.0, -1.0, 1.0000001, -1.0000001], requires_grad=True)
     out = fn(x)

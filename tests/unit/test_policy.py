@@ -28,47 +28,79 @@ def run(outcomes, overrides=()):
 
 LADDER = [
     # (name, overrides, outcomes, expected actions)
-    ("first action per kind",
-     [], ["loss"], ["skip_batch"]),
-    ("gradient zeroes grads first",
-     [], ["gradient"], ["zero_grads"]),
-    ("weights restore first",
-     [], ["weights"], ["restore"]),
-    ("default ladder climbs skip->restore->scale_lr, then repeats scale_lr, then aborts",
-     ["recovery.max_retries=4"], ["loss"] * 6,
-     ["skip_batch", "restore", "scale_lr", "scale_lr", "scale_lr", "abort"]),
-    ("max_retries=0 aborts at the second anomaly",
-     ["recovery.max_retries=0"], ["loss", "loss"], ["skip_batch", "abort"]),
-    ("kinds share one ladder",
-     [], ["loss", "gradient", "spike"], ["skip_batch", "restore", "scale_lr"]),
-    ("a few healthy steps do not reset the ladder",
-     ["recovery.reset_after=3"], ["loss", "ok", "ok", "loss"], ["skip_batch", "ok", "ok", "restore"]),
-    ("reset_after healthy steps in a row reset it",
-     ["recovery.reset_after=3"], ["loss", "ok", "ok", "ok", "loss"], ["skip_batch", "ok", "ok", "ok", "skip_batch"]),
-    ("custom escalation",
-     ["recovery.escalate=[skip_batch,restore]", "recovery.max_retries=3"], ["spike"] * 5,
-     ["skip_batch", "skip_batch", "restore", "restore", "abort"]),
-    ("warn never climbs",
-     ["recovery.actions.grad_norm=warn", "recovery.max_retries=1"], ["grad_norm"] * 4, ["warn"] * 4),
-    ("bad input rows never climb the ladder",
-     ["recovery.max_retries=0"], ["input"] * 3, ["drop_rows"] * 3),
-    ("bad targets skip without climbing",
-     ["recovery.max_retries=0"], ["target", "target"], ["skip_batch", "skip_batch"]),
-    ("sanitize raise is an abort",
-     ["sanitize.inputs=raise"], ["input"], ["abort"]),
-    ("strict: abort at once",
-     ["recovery.actions.loss=abort"], ["loss"], ["abort"]),
-    ("skip fraction: 3 of 4 recent steps skipped is more than half",
-     ["recovery.skip_window=4", "recovery.max_skip_fraction=0.5", "sanitize.inputs=skip_batch"],
-     ["input", "ok", "input", "input"], ["skip_batch", "ok", "skip_batch", "abort"]),
-    ("skip fraction: exactly the fraction is allowed",
-     ["recovery.skip_window=4", "recovery.max_skip_fraction=0.5", "sanitize.inputs=skip_batch"],
-     ["input", "ok", "input", "ok", "ok"], ["skip_batch", "ok", "skip_batch", "ok", "ok"]),
-    ("trained actions do not count as skipped",
-     ["recovery.skip_window=2", "recovery.max_skip_fraction=0.5"], ["input", "input", "input"], ["drop_rows"] * 3),
-    ("lr climbs back after lr_restore_after healthy steps",
-     ["recovery.lr_restore_after=2", "recovery.escalate=[scale_lr]", "recovery.actions.loss=scale_lr"],
-     ["loss", "ok", "ok", "ok", "ok"], ["scale_lr", "ok", "lr->1", "ok", "ok"]),
+    ("first action per kind", [], ["loss"], ["skip_batch"]),
+    ("gradient zeroes grads first", [], ["gradient"], ["zero_grads"]),
+    ("weights restore first", [], ["weights"], ["restore"]),
+    (
+        "default ladder climbs skip->restore->scale_lr, then repeats scale_lr, then aborts",
+        ["recovery.max_retries=4"],
+        ["loss"] * 6,
+        ["skip_batch", "restore", "scale_lr", "scale_lr", "scale_lr", "abort"],
+    ),
+    (
+        "max_retries=0 aborts at the second anomaly",
+        ["recovery.max_retries=0"],
+        ["loss", "loss"],
+        ["skip_batch", "abort"],
+    ),
+    ("kinds share one ladder", [], ["loss", "gradient", "spike"], ["skip_batch", "restore", "scale_lr"]),
+    (
+        "a few healthy steps do not reset the ladder",
+        ["recovery.reset_after=3"],
+        ["loss", "ok", "ok", "loss"],
+        ["skip_batch", "ok", "ok", "restore"],
+    ),
+    (
+        "reset_after healthy steps in a row reset it",
+        ["recovery.reset_after=3"],
+        ["loss", "ok", "ok", "ok", "loss"],
+        ["skip_batch", "ok", "ok", "ok", "skip_batch"],
+    ),
+    (
+        "custom escalation",
+        ["recovery.escalate=[skip_batch,restore]", "recovery.max_retries=3"],
+        ["spike"] * 5,
+        ["skip_batch", "skip_batch", "restore", "restore", "abort"],
+    ),
+    (
+        "warn never climbs",
+        ["recovery.actions.grad_norm=warn", "recovery.max_retries=1"],
+        ["grad_norm"] * 4,
+        ["warn"] * 4,
+    ),
+    ("bad input rows never climb the ladder", ["recovery.max_retries=0"], ["input"] * 3, ["drop_rows"] * 3),
+    (
+        "bad targets skip without climbing",
+        ["recovery.max_retries=0"],
+        ["target", "target"],
+        ["skip_batch", "skip_batch"],
+    ),
+    ("sanitize raise is an abort", ["sanitize.inputs=raise"], ["input"], ["abort"]),
+    ("strict: abort at once", ["recovery.actions.loss=abort"], ["loss"], ["abort"]),
+    (
+        "skip fraction: 3 of 4 recent steps skipped is more than half",
+        ["recovery.skip_window=4", "recovery.max_skip_fraction=0.5", "sanitize.inputs=skip_batch"],
+        ["input", "ok", "input", "input"],
+        ["skip_batch", "ok", "skip_batch", "abort"],
+    ),
+    (
+        "skip fraction: exactly the fraction is allowed",
+        ["recovery.skip_window=4", "recovery.max_skip_fraction=0.5", "sanitize.inputs=skip_batch"],
+        ["input", "ok", "input", "ok", "ok"],
+        ["skip_batch", "ok", "skip_batch", "ok", "ok"],
+    ),
+    (
+        "trained actions do not count as skipped",
+        ["recovery.skip_window=2", "recovery.max_skip_fraction=0.5"],
+        ["input", "input", "input"],
+        ["drop_rows"] * 3,
+    ),
+    (
+        "lr climbs back after lr_restore_after healthy steps",
+        ["recovery.lr_restore_after=2", "recovery.escalate=[scale_lr]", "recovery.actions.loss=scale_lr"],
+        ["loss", "ok", "ok", "ok", "ok"],
+        ["scale_lr", "ok", "lr->1", "ok", "ok"],
+    ),
 ]
 
 
@@ -113,9 +145,11 @@ def test_module_imports_no_torch(module):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2] / "safetrain"
-    code = (f"import sys, types; sys.modules['torch'] = None; pkg = types.ModuleType('safetrain'); "
-            f"pkg.__path__ = [{str(root)!r}]; sys.modules['safetrain'] = pkg; "
-            f"import importlib; importlib.import_module('safetrain.{module}')")
+    code = (
+        f"import sys, types; sys.modules['torch'] = None; pkg = types.ModuleType('safetrain'); "
+        f"pkg.__path__ = [{str(root)!r}]; sys.modules['safetrain'] = pkg; "
+        f"import importlib; importlib.import_module('safetrain.{module}')"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, f"{module}.py imported torch: {proc.stderr}"
 
@@ -141,14 +175,22 @@ def test_skips_after_restore_count_toward_the_skip_fraction_but_do_not_climb():
     skip_window=st.integers(1, 120),
     restore_after=st.one_of(st.none(), st.integers(1, 20)),
 )
-def test_a_run_of_healthy_steps_at_once_equals_one_at_a_time(outcomes, run_length, reset_after, skip_window,
-                                                             restore_after):
+def test_a_run_of_healthy_steps_at_once_equals_one_at_a_time(
+    outcomes, run_length, reset_after, skip_window, restore_after
+):
     """The guard defers the policy's work on healthy steps and applies them in one call when the
     history is read; that call must give exactly what the steps one by one would have."""
-    cfg = load_config(None, [f"recovery.reset_after={reset_after}", f"recovery.skip_window={skip_window}",
-                             f"recovery.lr_restore_after={'null' if restore_after is None else restore_after}",
-                             "recovery.max_retries=1000", "recovery.max_skip_fraction=1.0",
-                             "recovery.escalate=[restore,scale_lr]"])
+    cfg = load_config(
+        None,
+        [
+            f"recovery.reset_after={reset_after}",
+            f"recovery.skip_window={skip_window}",
+            f"recovery.lr_restore_after={'null' if restore_after is None else restore_after}",
+            "recovery.max_retries=1000",
+            "recovery.max_skip_fraction=1.0",
+            "recovery.escalate=[restore,scale_lr]",
+        ],
+    )
     history = History()
     for outcome in outcomes:
         if outcome == "ok":

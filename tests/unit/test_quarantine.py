@@ -54,8 +54,15 @@ def test_under_distributed_the_keeper_unites_ranks_only_on_diagnosed_steps(monke
     keeper = QuarantineKeeper(sampler, None, lambda *a: emitted.append(a))
     keeper.after_step([SnapshotTaken(step=1, epoch=0, batch=0, kind="snapshot", action="saved", message="")])
     assert calls == [], "a step without a diagnosis makes no collective"
-    diagnosed = AnomalyFound(step=2, epoch=0, batch=1, kind="loss", action="skip_batch", message="",
-                            detail={"diagnosis": {"dataset_indices": [3]}})
+    diagnosed = AnomalyFound(
+        step=2,
+        epoch=0,
+        batch=1,
+        kind="loss",
+        action="skip_batch",
+        message="",
+        detail={"diagnosis": {"dataset_indices": [3]}},
+    )
     keeper.after_step([diagnosed])
     assert calls == [[3]] and sorted(sampler.quarantined) == [3, 9], "another rank's sample is quarantined here too"
     assert list(sampler) == [0, 1, 2, 4, 5, 6, 7, 8, 10, 11, 0, 1], "under DDP the shard keeps its length"

@@ -26,16 +26,31 @@ EVENTS = [
     (9, AnomalyFound, "input", "drop_rows", {"count": 1}),
     (10, RunEnded, "run", "done", {}),
 ]
-SUMMARY = {"steps": 10, "optimizer_steps": 7, "healthy_steps": 6, "skipped_batches": 3, "dropped_rows": 3,
-           "replaced_rows": 0, "zeroed_grads": 0, "restores": 1, "scaler_skips": 0, "lr_scale": 1.0,
-           "final_loss": 0.25, "wall_time": 0.5, "aborted": False, "run_dir": None, "events": len(EVENTS)}
+SUMMARY = {
+    "steps": 10,
+    "optimizer_steps": 7,
+    "healthy_steps": 6,
+    "skipped_batches": 3,
+    "dropped_rows": 3,
+    "replaced_rows": 0,
+    "zeroed_grads": 0,
+    "restores": 1,
+    "scaler_skips": 0,
+    "lr_scale": 1.0,
+    "final_loss": 0.25,
+    "wall_time": 0.5,
+    "aborted": False,
+    "run_dir": None,
+    "events": len(EVENTS),
+}
 
 
 def write_run(root, events=EVENTS, summary=SUMMARY, metrics=True):
     journal = Journal(root / "events.jsonl")
     for step, cls, kind, action, detail in events:
-        journal.write(cls(step=step, epoch=0, batch=step - 1, kind=kind, action=action, message="m",
-                          detail=detail).to_dict())
+        journal.write(
+            cls(step=step, epoch=0, batch=step - 1, kind=kind, action=action, message="m", detail=detail).to_dict()
+        )
     journal.close(summary)
     if metrics:
         skipped = {3, 6, 7}
@@ -118,10 +133,13 @@ def test_resumed_journal_counts_runs_and_skips_the_cross_check(tmp_path):
     assert "2 runs in this journal (resumed)" in format_report(run)
 
 
-@pytest.mark.parametrize("make,needle", [
-    (lambda p: p / "missing", "no such run directory"),
-    (lambda p: p, "no journal here"),
-])
+@pytest.mark.parametrize(
+    "make,needle",
+    [
+        (lambda p: p / "missing", "no such run directory"),
+        (lambda p: p, "no journal here"),
+    ],
+)
 def test_missing_directory_or_journal_raises_one_clear_error(tmp_path, make, needle):
     with pytest.raises(ReportError, match=needle):
         read_run(make(tmp_path))
@@ -163,8 +181,9 @@ def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
 
 def test_report_never_needs_torch_objects(tmp_path):
     # The journal is plain JSON; a record written by hand (another tool, an older version) reads too.
-    (tmp_path / "events.jsonl").write_text(json.dumps({"event": "anomaly", "step": 5, "kind": "loss",
-                                                       "action": "skip_batch"}) + "\n")
+    (tmp_path / "events.jsonl").write_text(
+        json.dumps({"event": "anomaly", "step": 5, "kind": "loss", "action": "skip_batch"}) + "\n"
+    )
     rows = event_table(read_run(tmp_path))
     assert [(r.kind, r.action, r.first_step, r.first_epoch) for r in rows] == [("loss", "skip_batch", 5, -1)]
 

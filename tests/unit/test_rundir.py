@@ -105,8 +105,10 @@ def test_journal_writes_a_line_per_record_and_a_closing_summary(tmp_path):
     with pytest.raises(ValueError, match="closed"):
         journal.write({"event": "late"})
     lines = [json.loads(x) for x in (tmp_path / "sub" / "events.jsonl").read_text().splitlines()]
-    assert lines == [{"event": "anomaly", "step": 1, "loss": "nan", "detail": {"norm": "inf"}},
-                     {"event": "summary", "steps": 2, "final_loss": "-inf"}], "non-finite floats as strings"
+    assert lines == [
+        {"event": "anomaly", "step": 1, "loss": "nan", "detail": {"norm": "inf"}},
+        {"event": "summary", "steps": 2, "final_loss": "-inf"},
+    ], "non-finite floats as strings"
     run = rundir.read_run(tmp_path / "sub")
     assert run.summary == {"steps": 2, "final_loss": "-inf"} and len(run.events) == 1 and run.cut_at is None
 

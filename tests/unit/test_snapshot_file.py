@@ -138,6 +138,7 @@ def _readable(fd: str) -> bool:
 
 # -- corruption ----------------------------------------------------------------------------------
 
+
 class _Payload:
     """Unpickling this would create a marker file: the proof that loading ran code."""
 
@@ -256,6 +257,7 @@ def test_load_snapshot_errors(tmp_path):
 
 # -- config and inspect --------------------------------------------------------------------------
 
+
 def test_make_store(tmp_path):
     assert isinstance(make_store(SnapshotConfig()), MemoryStore)
     store = make_store(SnapshotConfig(store="safetensors", keep=3), run_dir=tmp_path)
@@ -272,12 +274,25 @@ def test_make_store(tmp_path):
 def test_inspect(tmp_path):
     state = _state()
     with SafetensorsStore(tmp_path) as store:
-        path = store.save(state, {"step": 12, "epoch": 1, "batch": 4, "seen": 99}, extra={"lr_scale": 0.5},
-                          extra_tensors={"epoch_rng": torch.get_rng_state()}).path
+        path = store.save(
+            state,
+            {"step": 12, "epoch": 1, "batch": 4, "seen": 99},
+            extra={"lr_scale": 0.5},
+            extra_tensors={"epoch_rng": torch.get_rng_state()},
+        ).path
     info = inspect_snapshot(path)
-    expected = {"step": 12, "epoch": 1, "batch": 4, "checksum_ok": True, "all_finite": True,
-                "n_model_tensors": 9, "size_bytes": os.path.getsize(path), "optimizer": "torch.optim.adam.Adam",
-                "extra": {"lr_scale": 0.5}, "extra_tensors": ["epoch_rng"]}
+    expected = {
+        "step": 12,
+        "epoch": 1,
+        "batch": 4,
+        "checksum_ok": True,
+        "all_finite": True,
+        "n_model_tensors": 9,
+        "size_bytes": os.path.getsize(path),
+        "optimizer": "torch.optim.adam.Adam",
+        "extra": {"lr_scale": 0.5},
+        "extra_tensors": ["epoch_rng"],
+    }
     for key, value in expected.items():
         assert info[key] == value, f"inspect: {key}"
     json.dumps(info)  # JSON-ready for `safetrain inspect --json`
@@ -290,6 +305,7 @@ def test_inspect(tmp_path):
 
 
 # -- the checksum ----------------------------------------------------------------------------------
+
 
 def _numpy_blocksum64(t: torch.Tensor) -> str:
     """The documented definition, recomputed independently with numpy."""
@@ -355,8 +371,12 @@ def test_checksum_is_layout_and_thread_independent():
 
 @pytest.mark.parametrize(
     "state_json",
-    ['{"format": "safetrain.snapshot", "version": 1}', '{"format": "safetrain.snapshot", "version": 1, '
-     '"counters": {"step": 1}, "model": {"aliases": 3}, "optimizer": [], "extra": {"$numpy": 5}}', '[]'],
+    [
+        '{"format": "safetrain.snapshot", "version": 1}',
+        '{"format": "safetrain.snapshot", "version": 1, '
+        '"counters": {"step": 1}, "model": {"aliases": 3}, "optimizer": [], "extra": {"$numpy": 5}}',
+        "[]",
+    ],
     ids=["missing sections", "wrong types", "not an object"],
 )
 def test_metadata_with_a_valid_checksum_but_nonsense_is_a_clear_error(state_json, tmp_path):

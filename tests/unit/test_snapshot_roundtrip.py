@@ -40,8 +40,11 @@ def _setup(opt_name: str, scheduler: bool, scaler: str):
     ]
     opt = OPTIMIZERS[opt_name](groups)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if scheduler else None
-    scl = None if scaler == "none" else torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1,
-                                                              enabled=scaler == "on")
+    scl = (
+        None
+        if scaler == "none"
+        else torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1, enabled=scaler == "on")
+    )
     return TrainState(model, opt, sched, scl)
 
 
@@ -111,8 +114,12 @@ def test_roundtrip_bitwise(opt_name, scheduler, scaler, store_kind, tmp_path):
     state = _setup(opt_name, scheduler, scaler)
     _train(state, 3)
     with _store(store_kind, tmp_path) as store:
-        info = store.save(state, {"step": 3, "epoch": 0, "batch": 3}, extra={"lr_scale": 0.5, "policy": {"n": (1, 2)}},
-                          extra_tensors={"epoch_rng": torch.get_rng_state()})
+        info = store.save(
+            state,
+            {"step": 3, "epoch": 0, "batch": 3},
+            extra={"lr_scale": 0.5, "policy": {"n": (1, 2)}},
+            extra_tensors={"epoch_rng": torch.get_rng_state()},
+        )
         assert isinstance(info, SnapshotInfo) and info.step == 3, msg
         rec = _record(state)
         _train(state, 3)  # move everything on: weights, moments, scheduler, scaler, RNGs
@@ -179,8 +186,11 @@ POISON = [
     ("NaN in a weight", lambda s: s.model[0].weight.data.__setitem__((0, 0), float("nan")), "model/0.weight"),
     ("Inf in a BatchNorm buffer", lambda s: s.model[1].running_var.__setitem__(0, float("inf")), "model/1.running_var"),
     ("NaN in Adam exp_avg", lambda s: _adam_state(s, "exp_avg").__setitem__(0, float("nan")), "optim/state/2/exp_avg"),
-    ("-Inf in Adam exp_avg_sq", lambda s: _adam_state(s, "exp_avg_sq").__setitem__(0, -float("inf")),
-     "optim/state/2/exp_avg_sq"),
+    (
+        "-Inf in Adam exp_avg_sq",
+        lambda s: _adam_state(s, "exp_avg_sq").__setitem__(0, -float("inf")),
+        "optim/state/2/exp_avg_sq",
+    ),
 ]
 
 
@@ -218,6 +228,7 @@ def test_huge_finite_values_are_not_refused():
 
 
 # -- one-pass copy and check (memory store with another snapshot to fall back on) ------------
+
 
 def _poison_at(t: torch.Tensor, where: str, value: float) -> None:
     flat = t.detach().view(-1)
@@ -306,6 +317,7 @@ def test_without_a_fallback_the_check_comes_before_the_copy(keep, saves, monkeyp
 
 
 # -- misuse ----------------------------------------------------------------------------------
+
 
 def test_counters_need_an_int_step():
     state = _setup("adam", False, "none")

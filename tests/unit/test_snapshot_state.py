@@ -27,7 +27,9 @@ SCHEDULERS = {
 def _state(sched_name=None, model=None, opt_cls=torch.optim.SGD):
     torch.manual_seed(0)
     model = model or nn.Linear(4, 2)
-    opt = opt_cls(model.parameters(), lr=0.1, momentum=0.9) if opt_cls is torch.optim.SGD else opt_cls(model.parameters())
+    opt = (
+        opt_cls(model.parameters(), lr=0.1, momentum=0.9) if opt_cls is torch.optim.SGD else opt_cls(model.parameters())
+    )
     sched = SCHEDULERS[sched_name](opt) if sched_name else None
     return TrainState(model, opt, sched)
 
@@ -97,6 +99,7 @@ def test_non_tensor_model_state_is_refused():
 
 # -- a snapshot that does not fit the live state ------------------------------------------------
 
+
 def _saved(tmp_path, state: TrainState) -> str:
     with SafetensorsStore(tmp_path, keep=1) as store:
         return store.save(state, {"step": 1}).path
@@ -141,7 +144,9 @@ def test_scaler_enabled_mismatch(tmp_path):
 def test_optimizer_group_layout_mismatch(tmp_path):
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     one = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    two = TrainState(model, torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[1].parameters()}], lr=0.1))
+    two = TrainState(
+        model, torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[1].parameters()}], lr=0.1)
+    )
     with pytest.raises(SnapshotError, match=r"param groups of sizes \[4\] in the snapshot, \[2, 2\]"):
         load_snapshot(_saved(tmp_path, one), two)
 
