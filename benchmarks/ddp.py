@@ -75,7 +75,7 @@ def _variant(name: str, width: int, depth: int) -> Callable[[Tuple[torch.Tensor,
     cfg = load_config(None, ["log.progress=false", "log.level=WARNING", "snapshot.every=1000000"])
     guard = Guard(model, opt, cfg, loss_fn=F.cross_entropy)
     if name == "guard_local":
-        guard._flags = StepFlags()  # per-rank read only: for measuring, never for training
+        guard.forward.flags = StepFlags()  # per-rank read only: for measuring, never for training
     return guard.step
 
 

@@ -107,3 +107,4 @@ class Pending:
     loss: Optional[torch.Tensor] = None
     input_values: List[torch.Tensor] = field(default_factory=list)
     target_values: List[torch.Tensor] = field(default_factory=list)
+    weights: Optional[torch.Tensor] = None  # the periodic weight check's value, when it ran

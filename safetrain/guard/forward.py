@@ -43,6 +43,8 @@ class Forward:
 
     def __init__(
         self,
+        flags: detect.StepFlags,
+        grads: detect.GradCheck,
         model: torch.nn.Module,
         named: torch.nn.Module,
         monitor: detect.ActivationMonitor,
@@ -52,6 +54,7 @@ class Forward:
         loss_fn: Optional[Callable[..., Tensor]],
         step_fn: Optional[Callable[[torch.nn.Module, Any], Tensor]],
     ):
+        self.flags, self.grads = flags, grads
         self.model, self.named, self.monitor, self.plumbing = model, named, monitor, plumbing
         self.sanitize, self.accumulate = sanitize, accumulate
         self.loss_fn, self.step_fn = loss_fn, step_fn
@@ -85,6 +88,23 @@ class Forward:
         if loss.dtype is not torch.float32:  # an fp16/bf16 loss under autocast
             loss = loss.float()
         pending.loss = loss if pending.loss is None else pending.loss + loss
+
+    def read(self, pending: Pending) -> detect.StepRead:
+        """Unscale, check the gradients, and read every flag, the loss and the norms at once."""
+        self.plumbing.unscale_()
+        flags = self.flags
+        found_inf, scale = self.plumbing.scaler_values()
+        if found_inf is not None or scale is not None:
+            flags.put("found_inf", found_inf)
+            flags.put("scale", scale)
+        grads = self.grads.run()
+        flags.put("loss", pending.loss)  # the sum over micro-batches; the mean is taken on the host
+        flags.put("grad_norms", grads.norm_list if grads is not None else None)
+        flags.put("input", pending.input_values)
+        flags.put("target", pending.target_values)
+        flags.put("forward", self.monitor.records)
+        flags.put("weights", pending.weights)
+        return flags.read()  # host sync: the one per step (flags, loss and norms together)
 
     def scan(self, batch: Any, pending: Optional[Pending] = None) -> Any:
         """Zero-fill (or replace) non-finite values on the device; keep the flags in ``pending``

@@ -96,80 +96,45 @@ class Guard:
         # and a snapshot loads into the model compiled or not.
         self._named = named = unwrap_compiled(model)
         self.bus = bus if bus is not None else EventBus()
-        self.counters = Counters()
+        self.counters = counters = Counters()
         self.rules = Rules.of(c)
         self.recovery_state = RecoveryState(c.recovery)
-        self.plumbing = Plumbing(model, optimizer, c.amp, scaler, c.guard.to_device)
-        self.device, self.scaler = self.plumbing.device, self.plumbing.scaler
-        self.backoff = LRBackoff(optimizer, c.recovery.min_lr)
+        self.plumbing = pipes = Plumbing(model, optimizer, c.amp, scaler, c.guard.to_device)
+        self.device, self.scaler = pipes.device, pipes.scaler
+        self.backoff = backoff = LRBackoff(optimizer, c.recovery.min_lr)
         sp = c.guard.spike
         self.spike = SpikeDetector(sp.window, sp.min_history, sp.zscore, sp.enabled, sp.min_ratio)
-        self.state = snapshot.TrainState(named, optimizer, scheduler=scheduler, scaler=self.scaler)
+        self.state = state = snapshot.TrainState(named, optimizer, scheduler=scheduler, scaler=self.scaler)
         plain = plain_namer(named)
         # Every parameter, frozen ones too, for the exact check after a trip (a snapshot restores them).
         all_params = [(plain(n), p) for n, p in named.named_parameters()]
-        self._params = [(n, p) for n, p in all_params if p.requires_grad]
+        self._params = params = [(n, p) for n, p in all_params if p.requires_grad]
         # Two parameters looked at per step for gradients left by someone else (O(1), not O(P)).
-        self._probe = (self._params[0][1], self._params[-1][1]) if self._params else ()
+        self._probe = (params[0][1], params[-1][1]) if params else ()
         # Gradients are always checked (clipping and the scaler need the norm anyway); the
         # activation and weight checks follow detect.mode. Disabled parts are no-ops, not ifs.
-        self.grads = detect.GradCheck(self._params)
-        self.weights = detect.WeightCheck(self._params, c.detect.check_weights_every, enabled=c.detect.mode != "off")
-        self.monitor = detect.ActivationMonitor.from_config(named, c.detect)
-        self.monitor.attach()
-        self.forward = Forward(
-            model, named, self.monitor, self.plumbing, c.sanitize, c.guard.accumulate_steps, loss_fn, step_fn
-        )
+        self.grads = grads = detect.GradCheck(params)
+        self.weights = detect.WeightCheck(params, c.detect.check_weights_every, enabled=c.detect.mode != "off")
+        self.monitor = monitor = detect.ActivationMonitor.from_config(named, c.detect)
+        monitor.attach()
         # Distributed (a process group of > 1 rank and a DDP model): the one read combines every
         # rank's flags with one collective, and snapshots and replays agree across ranks.
-        self.sync = distributed.make_sync(self.device, named)
-        self.rank = self.sync.rank  # stamped on every event
-        self._flags = detect.StepFlags(reduce=self.sync.reduce)
-        self.store = self.sync.wrap_store(snapshot.make_store(c.snapshot, run_dir=run_dir))
-        self.diagnoser = Diagnoser(
-            named,
-            self.monitor,
-            c.detect.replay,
-            state=self.state,
-            params=self._params,
-            loss_of=self.forward.eager_loss,
-            autocast=self.plumbing.autocast,
-            prepare=self.forward.scan,
-            accumulate=c.guard.accumulate_steps,
-            clip=c.guard.clip_grad_norm,
-        )
-        self.diagnoser.wrap_step_replay(lambda replay: self.sync.wrap_replayer(replay, named))
-        self.judge = Judge(
-            c,
-            self.counters,
-            self.monitor,
-            self.grads,
-            detect.WeightCheck(all_params, 0),
-            self.spike,
-            self.plumbing,
-            self.sync,
-            self.forward.rerun,
-        )
-        self.updates = Updates(
-            c.guard, self.plumbing, self.grads, self.counters, scheduler, self.backoff, self.diagnoser.record_update
-        )
-        self.recovery = Recovery(
-            c,
-            self.counters,
-            self.recovery_state,
-            self.store,
-            self.state,
-            self.backoff,
-            self.grads,
-            dict(self._params),
-            self._emit,
-            lambda: self.updates.not_applied(self.last_loss),
-            self._after_restore,
-            self.sync,
-        )
+        self.sync = sync = distributed.make_sync(self.device, named)
+        self.rank = sync.rank  # stamped on every event
+        flags, k = detect.StepFlags(reduce=sync.reduce), c.guard.accumulate_steps
+        self.forward = fwd = Forward(flags, grads, model, named, monitor, pipes, c.sanitize, k, loss_fn, step_fn)
+        self.store = store = sync.wrap_store(snapshot.make_store(c.snapshot, run_dir=run_dir))
+        self.diagnoser = diag = Diagnoser(named, monitor, c.detect.replay, state=state, params=params,
+                                          loss_of=fwd.eager_loss, autocast=pipes.autocast, prepare=fwd.scan,
+                                          accumulate=k, clip=c.guard.clip_grad_norm)  # fmt: skip
+        diag.wrap_step_replay(lambda replay: sync.wrap_replayer(replay, named))
+        all_weights = detect.WeightCheck(all_params, 0)
+        self.judge = Judge(c, counters, monitor, grads, all_weights, self.spike, pipes, sync, fwd.rerun)
+        self.updates = Updates(c.guard, pipes, grads, counters, scheduler, backoff, diag.record_update)
+        self.recovery = Recovery(c, counters, self.recovery_state, store, state, backoff, grads, dict(params),
+                                 self._emit, self._not_applied, self._after_restore, sync)  # fmt: skip
         self.phase = Phase.READY
         self._pending = Pending()
-        self._weight_flag: Optional[torch.Tensor] = None
         self.epoch_rng: Optional[torch.Tensor] = None  # torch RNG at the start of the current epoch
         self.last_loss = math.nan
         self.last_grad_norm = math.nan
@@ -290,7 +255,7 @@ class Guard:
         self.monitor.reset()
         self.diagnoser.begin_step()
         steps = self.counters.optimizer_steps
-        self._weight_flag = self.weights.maybe_run(steps) if steps > 0 else None
+        self._pending.weights = self.weights.maybe_run(steps) if steps > 0 else None
 
     def _feed(self, batch: Any, indices: List[int]) -> None:
         self._pending.micro.append(batch)
@@ -298,22 +263,8 @@ class Guard:
         self.forward.run(batch, self._pending)
 
     def _read(self) -> detect.StepRead:
-        """Unscale, check the gradients, and read every flag, the loss and the norms at once."""
-        p, flags = self._pending, self._flags
         self.counters.steps += 1
-        self.plumbing.unscale_()
-        found_inf, scale = self.plumbing.scaler_values()
-        if found_inf is not None or scale is not None:
-            flags.put("found_inf", found_inf)
-            flags.put("scale", scale)
-        grads = self.grads.run()
-        flags.put("loss", p.loss)  # the sum over micro-batches; the mean is taken on the host
-        flags.put("grad_norms", grads.norm_list if grads is not None else None)
-        flags.put("input", p.input_values)
-        flags.put("target", p.target_values)
-        flags.put("forward", self.monitor.records)
-        flags.put("weights", self._weight_flag)
-        read = flags.read()  # host sync: the one per step (flags, loss and norms together)
+        p, read = self._pending, self.forward.read(self._pending)  # host sync: the one per step
         self.last_loss = read.loss / len(p.micro) if read.loss is not None else math.nan
         self.last_grad_norm = read.total_norm if read.total_norm is not None else math.nan
         return read
@@ -410,10 +361,13 @@ class Guard:
             return None
         return StepResult(self.counters.steps, False, math.nan, math.nan, str(Action.SKIP_BATCH), (event,))
 
+    def _not_applied(self) -> None:
+        self.updates.not_applied(self.last_loss)
+
     def _after_restore(self, step: int) -> None:
         self.diagnoser.rng_reset()  # the snapshot's RNG state is back
         self.diagnoser.clear(step)
-        self._weight_flag = None
+        self._pending.weights = None
 
     def snapshot(self, force: bool = False) -> Event:
         """Snapshot the whole training state now (the guard also does it every ``snapshot.every`` healthy steps).

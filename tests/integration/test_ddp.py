@@ -405,7 +405,7 @@ def test_one_process_has_no_distributed_state():
 
     model = torch.nn.Linear(4, 2)
     with Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.mse_loss) as guard:
-        assert isinstance(guard.sync, LocalSync) and guard.rank == 0 and guard._flags._reduce is None
+        assert isinstance(guard.sync, LocalSync) and guard.rank == 0 and guard.forward.flags._reduce is None
     assert not distributed.active() and distributed.rank() == 0
     with distributed.local(model):  # a no-op for a plain module
         model(torch.ones(1, 4))
