@@ -192,7 +192,7 @@ class Recovery:
         """Non-finite input or target rows: skip the step, replace (already done before the
         forward: judge the rest), or drop them and run the step again on what is left."""
         action = decision.action
-        n_rows = len({(f.path.split("]")[0], r) for f in rows for r in f.rows})
+        n_rows = len({(_micro_batch(f.path), r) for f in rows for r in f.rows})
         kept: List[Any] = []
         if action is Action.DROP_ROWS:  # each micro-batch without its bad rows, to run the step again
             cleaned = [
@@ -274,6 +274,12 @@ class Recovery:
             f"LR scale {scale:g} ({why}); lr {old} -> {self.backoff.lrs()}",
             {"scale": scale, "old_lr": old, "new_lr": self.backoff.lrs()},
         )
+
+
+def _micro_batch(path: str) -> str:
+    """Which micro-batch a row finding's path is in: ``micro[i]`` of an accumulated step, else
+    ``batch`` (a row bad in several tensors of one batch, ``batch["x"]`` and ``batch["z"]``, is one row)."""
+    return path.split("]")[0] if path.startswith("micro[") else "batch"
 
 
 def _payload(detail: Mapping[str, Any], diagnosis: Any) -> Dict[str, Any]:

@@ -35,8 +35,11 @@ def poisoned(where):
 
 # action -> (config overrides, dataset wrapper, setup(model, opt) installing a fault)
 SCENARIOS = {
-    Action.WARN: (["guard.grad_norm_threshold=20", "recovery.actions.grad_norm=warn", "guard.clip_grad_norm=1.0"],
-                  None, lambda m, o: GradFault(m[2].bias, calls=[3], value=1000.0)),
+    Action.WARN: (
+        ["guard.grad_norm_threshold=20", "recovery.actions.grad_norm=warn", "guard.clip_grad_norm=1.0"],
+        None,
+        lambda m, o: GradFault(m[2].bias, calls=[3], value=1000.0),
+    ),
     Action.SKIP_BATCH: ([], poisoned("targets"), None),
     Action.DROP_ROWS: (["sanitize.inputs=drop_rows"], poisoned("inputs"), None),
     Action.REPLACE: (["sanitize.inputs=replace"], poisoned("inputs"), None),
@@ -86,7 +89,10 @@ def run(action, run_dir):
     data = wrap(data) if wrap is not None else data
     cfg = load_config(None, [*BASE, f"log.dir={run_dir}", *overrides])
     trainer = SafeTrainer(model, opt, cfg, loss_fn=F.mse_loss)
-    fit = lambda: trainer.fit(loader(data, batch_size=8, shuffle=False), epochs=1)
+
+    def fit():
+        return trainer.fit(loader(data, batch_size=8, shuffle=False), epochs=1)
+
     if action is Action.ABORT:
         with pytest.raises(TrainingAborted) as info:
             fit()

@@ -51,8 +51,9 @@ class Rig:
         for step in snapshots:  # each snapshot's parameters differ: a restore says which came back
             with torch.no_grad():
                 self.model.weight.add_(1.0)
-            self.store.save(self.train_state, {"step": step, "epoch": 0, "batch": step},
-                            extra={"lr": self.backoff.state_dict()})
+            self.store.save(
+                self.train_state, {"step": step, "epoch": 0, "batch": step}, extra={"lr": self.backoff.state_dict()}
+            )
             self.saved[step] = {n: p.detach().clone() for n, p in self.params.items()}
         with torch.no_grad():  # the live parameters moved on since
             self.model.weight.add_(1.0)
@@ -64,13 +65,31 @@ class Rig:
         self.batch = (x, y)
         self.pending = Pending(micro=[self.batch], indices=[[10, 11, 12, 13]])
         F.mse_loss(self.model(torch.nan_to_num(x, 0.0)), y).backward()
-        self.recovery = Recovery(cfg, self.counters, self.state, self.store, self.train_state, self.backoff,
-                                 self.grads, self.params, self.emit, lambda: self.not_applied.append(True),
-                                 self.restored.append, LocalSync())
+        self.recovery = Recovery(
+            cfg,
+            self.counters,
+            self.state,
+            self.store,
+            self.train_state,
+            self.backoff,
+            self.grads,
+            self.params,
+            self.emit,
+            lambda: self.not_applied.append(True),
+            self.restored.append,
+            LocalSync(),
+        )
 
     def emit(self, cls, kind, action, message, detail):
-        event = cls(step=self.counters.steps, epoch=0, batch=4, kind=str(kind), action=str(action), message=message,
-                    detail=detail)
+        event = cls(
+            step=self.counters.steps,
+            epoch=0,
+            batch=4,
+            kind=str(kind),
+            action=str(action),
+            message=message,
+            detail=detail,
+        )
         self.events.append(event)
         return event
 
@@ -116,14 +135,21 @@ def transient(rig):
 
 # What each row checks beyond the table's columns.
 def zeroed_exactly_the_bias(rig, outcome):
-    return (torch.equal(rig.model.bias.grad, torch.zeros(2)) and bool(rig.model.weight.grad.abs().sum() > 0)
-            and outcome.total_norm == pytest.approx(rig.total_norm()))
+    return (
+        torch.equal(rig.model.bias.grad, torch.zeros(2))
+        and bool(rig.model.weight.grad.abs().sum() > 0)
+        and outcome.total_norm == pytest.approx(rig.total_norm())
+    )
 
 
 def restored_step(step):
     def check(rig, outcome):
-        return rig.params_equal(rig.saved[step]) and rig.restored == [step] and next(
-            e for e in rig.events if e.name == "restored").detail["snapshot_step"] == step
+        return (
+            rig.params_equal(rig.saved[step])
+            and rig.restored == [step]
+            and next(e for e in rig.events if e.name == "restored").detail["snapshot_step"] == step
+        )
+
     return check
 
 
@@ -133,14 +159,19 @@ def not_restored(rig, outcome):
 
 def retried_the_same_batches(rig, outcome):
     rerun = outcome.rerun
-    return (len(rerun.batches) == 1 and rerun.batches[0] is rig.batch and rerun.indices == [[10, 11, 12, 13]]
-            and rig.events[0].detail["diagnosis"]["reproducible"] is False)
+    return (
+        len(rerun.batches) == 1
+        and rerun.batches[0] is rig.batch
+        and rerun.indices == [[10, 11, 12, 13]]
+        and rig.events[0].detail["diagnosis"]["reproducible"] is False
+    )
 
 
 def kept_rows(n):
     def check(rig, outcome):
-        (x, y), = outcome.rerun.batches
+        ((x, y),) = outcome.rerun.batches
         return x.shape[0] == y.shape[0] == n and bool(torch.isfinite(x).all())
+
     return check
 
 
@@ -160,66 +191,241 @@ ANOMALY = "anomaly"
 TABLE = [
     # (id, overrides, rig kwargs, anomaly, history, diagnosis,
     #  action, apply, rerun, counters moved, events (name, kind, action), not_applied calls, check, msg)
-    ("skip_batch", [], {}, loss_anomaly, None, None,
-     "skip_batch", False, None, {}, [(ANOMALY, "loss", "skip_batch")], 1, not_restored,
-     "skip_batch: the step is not applied, nothing restored"),
-    ("warn", ["recovery.actions.loss=warn"], {}, loss_anomaly, None, None,
-     "warn", True, None, {"warnings": 1}, [(ANOMALY, "loss", "warn")], 0,
-     lambda rig, o: o.total_norm == pytest.approx(rig.total_norm()) and not_restored(rig, o),
-     "warn: applied with the read's norm"),
-    ("zero_grads", [], {}, gradient_anomaly, None, None,
-     "zero_grads", True, None, {"zeroed_grads": 1}, [(ANOMALY, "gradient", "zero_grads")], 0, zeroed_exactly_the_bias,
-     "zero_grads: exactly the named non-finite gradients are zeroed; the norm of the rest is returned"),
-    ("restore", ["recovery.actions.loss=restore", "recovery.skip_batches_after_restore=2"], {}, loss_anomaly,
-     None, None, "restore", False, None, {"restores": 1},
-     [(ANOMALY, "loss", "restore"), ("restored", "loss", "restore")], 1,
-     lambda rig, o: restored_step(2)(rig, o) and rig.state.skip_after_restore == 2 and rig.state.since_snapshot == 0,
-     "restore: parameters back to the snapshot, data after it to skip"),
-    ("restore passes over an unverified newest", ["recovery.actions.loss=restore"], {"snapshots": (2, 4)},
-     loss_anomaly, History(unverified=True), None, "restore", False, None, {"restores": 1},
-     [(ANOMALY, "loss", "restore"), ("restored", "loss", "restore")], 1,
-     lambda rig, o: restored_step(2)(rig, o) and len(rig.store) == 1,
-     "restore with pass_over_newest: the newest snapshot is dropped, the older one comes back"),
-    ("restore takes a vouched newest", ["recovery.actions.loss=restore"], {"snapshots": (2, 4)},
-     loss_anomaly, History(unverified=False), None, "restore", False, None, {"restores": 1},
-     [(ANOMALY, "loss", "restore"), ("restored", "loss", "restore")], 1,
-     lambda rig, o: restored_step(4)(rig, o) and len(rig.store) == 2,
-     "restore without pass_over_newest: the newest snapshot comes back"),
-    ("scale_lr", ["recovery.actions.loss=scale_lr"], {}, loss_anomaly, None, None,
-     "scale_lr", False, None, {"restores": 1, "lr_backoffs": 1},
-     [(ANOMALY, "loss", "scale_lr"), ("restored", "loss", "scale_lr"), ("lr_changed", "lr", "scale_lr")], 1,
-     lambda rig, o: restored_step(2)(rig, o) and scaled_lr(rig, o),
-     "scale_lr: restores, then scales the LR by recovery.lr_factor"),
-    ("retry", [], {}, loss_anomaly, None, transient,
-     "retry", False, Rerun, {"retries": 1}, [(ANOMALY, "loss", "retry")], 0, retried_the_same_batches,
-     "retry: a transient fault runs the same micro-batches again"),
-    ("drop_rows", [], {"nan_rows": (1,)}, input_anomaly, None, None,
-     "drop_rows", False, Rerun, {"dropped_rows": 1}, [(ANOMALY, "input", "drop_rows")], 0, kept_rows(3),
-     "drop_rows: the step runs again on the rows kept"),
-    ("drop_rows, every row bad", [], {"nan_rows": range(ROWS)}, input_anomaly, None, None,
-     "skip_batch", False, None, {}, [(ANOMALY, "input", "skip_batch")], 1, marked_skipped,
-     "drop_rows with every row bad is a skip_batch; the history's last step is marked skipped"),
-    ("skip_batch for input rows", ["sanitize.inputs=skip_batch"], {"nan_rows": (0, 2)}, input_anomaly, None, None,
-     "skip_batch", False, None, {}, [(ANOMALY, "input", "skip_batch")], 1, not_restored,
-     "sanitize.inputs=skip_batch: the step is not applied"),
-    ("replace", ["sanitize.inputs=replace"], {"nan_rows": (1, 3)}, input_anomaly, None, None,
-     "replace", False, Rerun, {"replaced_rows": 2}, [(ANOMALY, "input", "replace")], 0,
-     lambda rig, o: o.rerun == Rerun() and rig.events[0].detail["count"] == 2,
-     "replace: judged again with no batch run (the values were replaced before the forward)"),
-    ("fp16 overflow", ["amp.dtype=float16"], {}, overflow_anomaly, None, None,
-     "skip_batch", False, None, {"scaler_skips": 1}, [(ANOMALY, "scaler", "skip_batch")], 1, not_restored,
-     "an fp16 overflow is the scaler's skip: counted in scaler_skips, journaled as scaler/skip_batch"),
-    ("fp16 overflows too many", ["amp.dtype=float16", "amp.max_overflows=1"], {}, overflow_anomaly, None, None,
-     "restore", False, None, {"restores": 1}, [(ANOMALY, "scaler", "restore"), ("restored", "scaler", "restore")],
-     1, lambda rig, o: restored_step(2)(rig, o) and overflow_detail(rig, o),
-     "overflows past amp.max_overflows are a scaler anomaly: its first action (restore)"),
+    (
+        "skip_batch",
+        [],
+        {},
+        loss_anomaly,
+        None,
+        None,
+        "skip_batch",
+        False,
+        None,
+        {},
+        [(ANOMALY, "loss", "skip_batch")],
+        1,
+        not_restored,
+        "skip_batch: the step is not applied, nothing restored",
+    ),
+    (
+        "warn",
+        ["recovery.actions.loss=warn"],
+        {},
+        loss_anomaly,
+        None,
+        None,
+        "warn",
+        True,
+        None,
+        {"warnings": 1},
+        [(ANOMALY, "loss", "warn")],
+        0,
+        lambda rig, o: o.total_norm == pytest.approx(rig.total_norm()) and not_restored(rig, o),
+        "warn: applied with the read's norm",
+    ),
+    (
+        "zero_grads",
+        [],
+        {},
+        gradient_anomaly,
+        None,
+        None,
+        "zero_grads",
+        True,
+        None,
+        {"zeroed_grads": 1},
+        [(ANOMALY, "gradient", "zero_grads")],
+        0,
+        zeroed_exactly_the_bias,
+        "zero_grads: exactly the named non-finite gradients are zeroed; the norm of the rest is returned",
+    ),
+    (
+        "restore",
+        ["recovery.actions.loss=restore", "recovery.skip_batches_after_restore=2"],
+        {},
+        loss_anomaly,
+        None,
+        None,
+        "restore",
+        False,
+        None,
+        {"restores": 1},
+        [(ANOMALY, "loss", "restore"), ("restored", "loss", "restore")],
+        1,
+        lambda rig, o: restored_step(2)(rig, o) and rig.state.skip_after_restore == 2 and rig.state.since_snapshot == 0,
+        "restore: parameters back to the snapshot, data after it to skip",
+    ),
+    (
+        "restore passes over an unverified newest",
+        ["recovery.actions.loss=restore"],
+        {"snapshots": (2, 4)},
+        loss_anomaly,
+        History(unverified=True),
+        None,
+        "restore",
+        False,
+        None,
+        {"restores": 1},
+        [(ANOMALY, "loss", "restore"), ("restored", "loss", "restore")],
+        1,
+        lambda rig, o: restored_step(2)(rig, o) and len(rig.store) == 1,
+        "restore with pass_over_newest: the newest snapshot is dropped, the older one comes back",
+    ),
+    (
+        "restore takes a vouched newest",
+        ["recovery.actions.loss=restore"],
+        {"snapshots": (2, 4)},
+        loss_anomaly,
+        History(unverified=False),
+        None,
+        "restore",
+        False,
+        None,
+        {"restores": 1},
+        [(ANOMALY, "loss", "restore"), ("restored", "loss", "restore")],
+        1,
+        lambda rig, o: restored_step(4)(rig, o) and len(rig.store) == 2,
+        "restore without pass_over_newest: the newest snapshot comes back",
+    ),
+    (
+        "scale_lr",
+        ["recovery.actions.loss=scale_lr"],
+        {},
+        loss_anomaly,
+        None,
+        None,
+        "scale_lr",
+        False,
+        None,
+        {"restores": 1, "lr_backoffs": 1},
+        [(ANOMALY, "loss", "scale_lr"), ("restored", "loss", "scale_lr"), ("lr_changed", "lr", "scale_lr")],
+        1,
+        lambda rig, o: restored_step(2)(rig, o) and scaled_lr(rig, o),
+        "scale_lr: restores, then scales the LR by recovery.lr_factor",
+    ),
+    (
+        "retry",
+        [],
+        {},
+        loss_anomaly,
+        None,
+        transient,
+        "retry",
+        False,
+        Rerun,
+        {"retries": 1},
+        [(ANOMALY, "loss", "retry")],
+        0,
+        retried_the_same_batches,
+        "retry: a transient fault runs the same micro-batches again",
+    ),
+    (
+        "drop_rows",
+        [],
+        {"nan_rows": (1,)},
+        input_anomaly,
+        None,
+        None,
+        "drop_rows",
+        False,
+        Rerun,
+        {"dropped_rows": 1},
+        [(ANOMALY, "input", "drop_rows")],
+        0,
+        kept_rows(3),
+        "drop_rows: the step runs again on the rows kept",
+    ),
+    (
+        "drop_rows, every row bad",
+        [],
+        {"nan_rows": range(ROWS)},
+        input_anomaly,
+        None,
+        None,
+        "skip_batch",
+        False,
+        None,
+        {},
+        [(ANOMALY, "input", "skip_batch")],
+        1,
+        marked_skipped,
+        "drop_rows with every row bad is a skip_batch; the history's last step is marked skipped",
+    ),
+    (
+        "skip_batch for input rows",
+        ["sanitize.inputs=skip_batch"],
+        {"nan_rows": (0, 2)},
+        input_anomaly,
+        None,
+        None,
+        "skip_batch",
+        False,
+        None,
+        {},
+        [(ANOMALY, "input", "skip_batch")],
+        1,
+        not_restored,
+        "sanitize.inputs=skip_batch: the step is not applied",
+    ),
+    (
+        "replace",
+        ["sanitize.inputs=replace"],
+        {"nan_rows": (1, 3)},
+        input_anomaly,
+        None,
+        None,
+        "replace",
+        False,
+        Rerun,
+        {"replaced_rows": 2},
+        [(ANOMALY, "input", "replace")],
+        0,
+        lambda rig, o: o.rerun == Rerun() and rig.events[0].detail["count"] == 2,
+        "replace: judged again with no batch run (the values were replaced before the forward)",
+    ),
+    (
+        "fp16 overflow",
+        ["amp.dtype=float16"],
+        {},
+        overflow_anomaly,
+        None,
+        None,
+        "skip_batch",
+        False,
+        None,
+        {"scaler_skips": 1},
+        [(ANOMALY, "scaler", "skip_batch")],
+        1,
+        not_restored,
+        "an fp16 overflow is the scaler's skip: counted in scaler_skips, journaled as scaler/skip_batch",
+    ),
+    (
+        "fp16 overflows too many",
+        ["amp.dtype=float16", "amp.max_overflows=1"],
+        {},
+        overflow_anomaly,
+        None,
+        None,
+        "restore",
+        False,
+        None,
+        {"restores": 1},
+        [(ANOMALY, "scaler", "restore"), ("restored", "scaler", "restore")],
+        1,
+        lambda rig, o: restored_step(2)(rig, o) and overflow_detail(rig, o),
+        "overflows past amp.max_overflows are a scaler anomaly: its first action (restore)",
+    ),
 ]
 
 
-@pytest.mark.parametrize("name,overrides,rig_kw,anomaly,history,diagnosis,action,apply,rerun,moved,events,skips,"
-                         "check,msg", TABLE, ids=[r[0] for r in TABLE])
-def test_carry_out(name, overrides, rig_kw, anomaly, history, diagnosis, action, apply, rerun, moved, events, skips,
-                   check, msg):
+@pytest.mark.parametrize(
+    "name,overrides,rig_kw,anomaly,history,diagnosis,action,apply,rerun,moved,events,skips,check,msg",
+    TABLE,
+    ids=[r[0] for r in TABLE],
+)
+def test_carry_out(
+    name, overrides, rig_kw, anomaly, history, diagnosis, action, apply, rerun, moved, events, skips, check, msg
+):
     rig = Rig(overrides, **rig_kw)
     outcome = rig.carry_out(anomaly(rig), history, diagnosis(rig) if diagnosis else None)
     assert outcome.action == action, f"{msg}: action {outcome.action}"
@@ -234,9 +440,11 @@ def test_carry_out(name, overrides, rig_kw, anomaly, history, diagnosis, action,
     assert check(rig, outcome), msg
 
 
-@pytest.mark.parametrize("overrides,history", [(["recovery.actions.loss=abort"], None),
-                                              (["recovery.max_retries=0"], History(consecutive=1))],
-                         ids=["first action abort", "past recovery.max_retries"])
+@pytest.mark.parametrize(
+    "overrides,history",
+    [(["recovery.actions.loss=abort"], None), (["recovery.max_retries=0"], History(consecutive=1))],
+    ids=["first action abort", "past recovery.max_retries"],
+)
 def test_abort_restores_then_raises(overrides, history):
     """abort restores the last good snapshot, journals it, then raises TrainingAborted with the event."""
     rig = Rig(overrides)
@@ -260,8 +468,11 @@ def test_restore_puts_the_snapshot_lr_back_under_the_scale_in_force():
     assert rig.backoff.unscaled == [LR] and rig.opt.param_groups[0]["lr"] == pytest.approx(LR * 0.25)
 
 
-@pytest.mark.parametrize("accumulate,micro,whole", [(1, 1, True), (2, 1, False), (2, 2, True)],
-                         ids=["one micro-batch a step", "half a step", "a whole step of two"])
+@pytest.mark.parametrize(
+    "accumulate,micro,whole",
+    [(1, 1, True), (2, 1, False), (2, 2, True)],
+    ids=["one micro-batch a step", "half a step", "a whole step of two"],
+)
 def test_skip_data_after_a_restore_counts_whole_steps(accumulate, micro, whole):
     rig = Rig([f"guard.accumulate_steps={accumulate}", "guard.scheduler_follows=batch"])
     rig.state.skip_after_restore = 2
@@ -286,25 +497,14 @@ ROW_COUNTS = [
     # (id, batch style, action, counter, msg)
     ("tuple, replace", "tuple", "replace", "replaced_rows", "one bad row of a tuple of inputs counts once"),
     ("tuple, drop_rows", "tuple", "drop_rows", "dropped_rows", "one bad row of a tuple of inputs is dropped once"),
-    pytest.param(
-        "mapping, drop_rows", "mapping", "drop_rows", "dropped_rows", "one bad row of a mapping is dropped once",
-        marks=pytest.mark.xfail(strict=True, reason=(
-            "dropped_rows is 1 (without_rows counts distinct rows), but the event's detail['count'] is 2: "
-            "Recovery.bad_rows keys rows by path.split(']')[0], one key per tensor of a mapping batch")),
-        id="mapping, drop_rows"),
-    pytest.param(
-        "mapping, replace", "mapping", "replace", "replaced_rows", "one bad row of a mapping counts once",
-        marks=pytest.mark.xfail(strict=True, reason=(
-            "Recovery.bad_rows counts rows by (path.split(']')[0], row): for a mapping batch of one micro-batch "
-            "the key is 'batch[\"x\"' / 'batch[\"z\"', one per tensor, so a row bad in two input tensors counts "
-            "twice in replaced_rows and the event's count (drop_rows counts it once)")),
-        id="mapping, replace"),
+    ("mapping, drop_rows", "mapping", "drop_rows", "dropped_rows", "one bad row of a mapping is dropped once"),
+    ("mapping, replace", "mapping", "replace", "replaced_rows", "one bad row of a mapping counts once"),
 ]
 
 
-@pytest.mark.parametrize("name,style,action,counter,msg", ROW_COUNTS,
-                         ids=[r[0] if isinstance(r, tuple) else r.id for r in ROW_COUNTS])
+@pytest.mark.parametrize("name,style,action,counter,msg", ROW_COUNTS, ids=[r[0] for r in ROW_COUNTS])
 def test_a_row_bad_in_two_input_tensors_counts_once(name, style, action, counter, msg):
+    """A row bad in two tensors of a dict batch is one row (it counted once per tensor before)."""
     rig = Rig([f"sanitize.inputs={action}"])
     rig.batch = _two_inputs(style)
     rig.pending = Pending(micro=[rig.batch], indices=[[]])
