@@ -91,10 +91,10 @@ class Forward:
 
     def read(self, pending: Pending) -> detect.StepRead:
         """Unscale, check the gradients, and read every flag, the loss and the norms at once."""
-        self.plumbing.unscale_()
-        flags = self.flags
-        found_inf, scale = self.plumbing.scaler_values()
-        if found_inf is not None or scale is not None:
+        flags, pipes = self.flags, self.plumbing
+        if pipes.scaler is not None:  # fp16: the scaler's values join the read
+            pipes.unscale_()
+            found_inf, scale = pipes.scaler_values()
             flags.put("found_inf", found_inf)
             flags.put("scale", scale)
         grads = self.grads.run()

@@ -225,11 +225,15 @@ class Guard:
         self.counters.batch += 1
         if self.recovery_state.skip_after_restore > 0 and self.phase is Phase.READY:
             return self._skip_data()
-        batch = self.plumbing.move(batch)
+        if self.plumbing.moves:  # a CPU loader's batch to the model's accelerator
+            batch = self.plumbing.move(batch)
         if self.phase is Phase.READY:
             self._start_step()
-        self._feed(batch, list(indices) if indices is not None else [])
-        if len(self._pending.micro) < self.cfg.guard.accumulate_steps:
+        p = self._pending
+        p.micro.append(batch)
+        p.indices.append(list(indices) if indices is not None else [])
+        self.forward.run(batch, p)
+        if len(p.micro) < self.cfg.guard.accumulate_steps:
             self.phase = Phase.ACCUMULATING
             return None
         return self._finish()
@@ -256,11 +260,6 @@ class Guard:
         self.diagnoser.begin_step()
         steps = self.counters.optimizer_steps
         self._pending.weights = self.weights.maybe_run(steps) if steps > 0 else None
-
-    def _feed(self, batch: Any, indices: List[int]) -> None:
-        self._pending.micro.append(batch)
-        self._pending.indices.append(indices)
-        self.forward.run(batch, self._pending)
 
     def _read(self) -> detect.StepRead:
         self.counters.steps += 1
@@ -304,8 +303,11 @@ class Guard:
         self.plumbing.drop_grads()
         self.counters.steps -= 1
         self._start_step()
+        p = self._pending
         for i, batch in enumerate(rerun.batches):
-            self._feed(batch, rerun.indices[i] if rerun.indices else [])
+            p.micro.append(batch)
+            p.indices.append(rerun.indices[i] if rerun.indices else [])
+            self.forward.run(batch, p)
         return self._read()
 
     def _settle(self, outcome: Outcome, events: List[Event], rerun_action: str) -> StepResult:

@@ -54,7 +54,7 @@ class RecoveryState:
     def healthy(self) -> Optional[float]:
         """Count a healthy step; returns the new LR scale when it climbs back a notch (an event at
         its own step), else ``None``. Without a pending climb only a counter moves."""
-        if climb_pending(self._history, self.recovery):
+        if self.recovery.lr_restore_after is not None and climb_pending(self._history, self.recovery):
             self._history, new_scale = observe_healthy(self.history, self.recovery)
             return new_scale
         self._healthy_run += 1

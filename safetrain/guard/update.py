@@ -54,7 +54,8 @@ class Updates:
         self.record(self.counters.steps, micro, total)  # references only
         self.plumbing.step_optimizer()
         self.counters.optimizer_steps += 1
-        self.step_scheduler(loss)
+        if self.per_step:
+            self.backoff.step(self.scheduler, loss)
         self.plumbing.free_grads()
         self.plumbing.grads_dropped = True  # the next step need not zero them again
 
