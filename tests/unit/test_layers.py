@@ -1,0 +1,140 @@
+"""The package's shape: no import circle between safetrain's modules, no module over ~400 lines.
+
+The import graph is read from the source (module-level imports only: an import inside a
+function, or under ``if TYPE_CHECKING:``, runs late or never and makes no circle at load time).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Dict, List, Set
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2] / "safetrain"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_package(name: str) -> bool:
+    return (ROOT.parent / Path(*name.split(".")) / "__init__.py").exists()
+
+
+def _exists(name: str) -> bool:
+    return _is_package(name) or (ROOT.parent / Path(*name.split("."))).with_suffix(".py").exists()
+
+
+def _top_level_imports(tree: ast.Module) -> List[ast.stmt]:
+    out: List[ast.stmt] = []
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.append(node)
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+            out += [n for n in node.body + node.orelse if isinstance(n, (ast.Import, ast.ImportFrom))]
+        elif isinstance(node, ast.Try):
+            out += [n for n in node.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    return out
+
+
+def import_graph() -> Dict[str, Set[str]]:
+    """Each safetrain module -> the safetrain modules it imports when it is loaded."""
+    graph: Dict[str, Set[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        name = _module_name(path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges: Set[str] = set()
+        for node in _top_level_imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name.startswith("safetrain")}
+                continue
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("safetrain"):
+                continue
+            for alias in node.names:  # `from .pkg import module` imports the module itself
+                sub = f"{target}.{alias.name}"
+                edges.add(sub if _exists(sub) else target)
+        graph[name] = {e for e in edges if e != name and _exists(e)}
+    return graph
+
+
+def _cycle(graph: Dict[str, Set[str]]) -> List[str]:
+    state: Dict[str, int] = {}
+    stack: List[str] = []
+
+    def visit(node: str) -> List[str]:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return []
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return []
+
+
+def test_the_import_graph_is_read():
+    graph = import_graph()
+    assert "safetrain.guard.judge" in graph["safetrain.guard.protocol"], "a relative module import is an edge"
+    assert "safetrain.policy" in graph["safetrain.guard.protocol"]
+    assert "safetrain.kinds" in graph["safetrain.policy"]
+    assert "safetrain.config" not in graph["safetrain.policy"], "an import under TYPE_CHECKING is no edge"
+
+
+def test_no_import_circle():
+    assert _cycle(import_graph()) == []
+
+
+def test_the_circle_finder_finds_one():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) == []
+
+
+@pytest.mark.parametrize("module", ["kinds", "policy", "config", "rundir", "report"])
+def test_the_lower_layers_import_no_torch_module(module):
+    """The layers below the guard that promise no torch import none of the torch-using layers."""
+    graph = import_graph()
+    pure = {
+        "safetrain.kinds",
+        "safetrain.policy",
+        "safetrain.errors",
+        "safetrain.events",
+        "safetrain.rundir",
+        "safetrain.report",
+        "safetrain.plot",
+    }
+    pure |= {m for m in graph if m.startswith("safetrain.config")}
+    start = f"safetrain.{module}"
+    seen, todo = set(), [start]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += graph.get(m, ())
+    assert seen <= pure, f"{module} reaches {sorted(seen - pure)}"
+
+
+def test_no_module_is_over_about_400_lines():
+    long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py") if (n := len(p.read_text().splitlines())) > 450}
+    assert long == {}, "one concept per module, about 400 lines at most"
