@@ -1,18 +1,7 @@
 """``safetrain demo``: a small training run with realistic faults, next to the same run without them.
 
-A 2-hidden-layer MLP learns a synthetic Gaussian-mixture classification task (no download, fixed
-seeds, a few seconds on two CPU cores). Along the way the demo injects what goes wrong in real
-runs: poisoned rows in the dataset (NaN features), an all-zero row that sends the model's
-``log(|x|^2)`` feature to ``log(0) = -inf``, a batch with corrupted labels (a loss spike), and a
-learning rate multiplied by 1000 for two optimizer steps (through the optimizer's step hooks).
-safetrain journals and recovers from each; the same run without faults gives the reference
-accuracy. The run directory gets ``events.jsonl``, ``metrics.csv``, ``report.txt`` and ``report.png``.
-
-Example::
-
-    >>> cfg = demo_config(out="runs/demo")                      # doctest: +SKIP
-    >>> demo = run_demo(cfg)                                    # doctest: +SKIP
-    >>> print(format_summary(demo))                             # doctest: +SKIP
+Cost: two short ``SafeTrainer.fit`` runs on one CPU thread (a few seconds each by default). At the top of the layers,
+under :mod:`safetrain.cli`'s ``demo`` command: :func:`run_demo` (what it trains and injects), :func:`format_summary`.
 """
 
 from __future__ import annotations
@@ -292,6 +281,14 @@ def run_demo(
 ) -> DemoResult:
     """Train with injected faults under safetrain, then (``clean``) the same run without faults, and report.
 
+    A 2-hidden-layer MLP learns a synthetic Gaussian-mixture classification task (no download, fixed seeds, a few
+    seconds on two CPU cores). Along the way the demo injects what goes wrong in real runs: poisoned rows in the
+    dataset (NaN features), an all-zero row that sends the model's ``log(|x|^2)`` feature to ``log(0) = -inf``, a
+    batch with corrupted labels (a loss spike), and a learning rate multiplied by 1000 for two optimizer steps
+    (through the optimizer's step hooks). safetrain journals and recovers from each; the same run without faults
+    gives the reference accuracy. The run directory gets ``events.jsonl``, ``metrics.csv``, ``report.txt`` and
+    ``report.png``.
+
     Args:
         cfg: the configuration (:func:`demo_config`); its ``log.dir`` is the run directory.
         size: problem size, epochs and seed.
@@ -339,7 +336,14 @@ def run_demo(
 
 def format_summary(demo: DemoResult) -> str:
     """The demo's closing text: each fault injected beside what safetrain did about it, the anomalies
-    by kind, the counters, both accuracies and where the run directory is (all read from the journal)."""
+    by kind, the counters, both accuracies and where the run directory is (all read from the journal).
+
+    Example::
+
+        >>> cfg = demo_config(out="runs/demo")                      # doctest: +SKIP
+        >>> demo = run_demo(cfg)                                    # doctest: +SKIP
+        >>> print(format_summary(demo))                             # doctest: +SKIP
+    """
     s, r = demo.size, demo.result
     run = read_run(demo.run_dir)
     found = [e for e in run.events if e["event"] == "anomaly"]

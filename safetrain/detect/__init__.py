@@ -1,20 +1,11 @@
 """Detectors: turn a training step into device-side flags, read once, explained only on a trip.
 
-The healthy step, as the guard composes it (no host sync until the read)::
-
-    scan = scan_batch(batch, replace=...)          # inputs: row mask + flag, bad rows zero-filled
-    monitor.reset()                                # eager mode: hooks attached once, records per step
-    loss = loss_fn(model(scan.batch), ...)         # hooks fold each output into a 0-dim sum
-    loss.backward()
-    grads = grad_check.run()                       # one fused norm pass: per-param, total, flag
-    flags.put("input", scan.flag); flags.put("loss", loss.detach()); flags.put("total_norm", grads.total_norm)
-    flags.put("forward", monitor.values()); flags.put("weights", weight_check.maybe_run(step))
-    read = flags.read()                            # host sync: the one per step
-    if read.healthy: grad_check.clip_(max_norm, grads.total_norm); optimizer.step()
-
-Only when ``read.tripped()`` is not empty does the guard go to the host for the detail:
-:func:`describe_rows`, :func:`drop_rows`, :func:`batch_error`, :meth:`ActivationMonitor.locate`,
-:meth:`GradCheck.finding`, :meth:`WeightCheck.finding`; each returns a frozen, JSON-ready finding.
+Cost: a few device ops per step and no host sync until :meth:`StepFlags.read`, the step's one host
+read (:class:`StepFlags` shows how the guard composes the healthy step around it). Only when
+``read.tripped()`` is not empty does the guard go to the host for the detail: :func:`describe_rows`,
+:func:`drop_rows`, :func:`batch_error`, :meth:`ActivationMonitor.locate`, :meth:`GradCheck.finding`,
+:meth:`WeightCheck.finding`; each returns a frozen, JSON-ready finding. Used by ``guard`` and
+``diagnose``; detectors only (test helpers live in :mod:`safetrain.testing`).
 """
 
 from __future__ import annotations

@@ -1,33 +1,9 @@
 """The activation monitor: forward hooks that fold each module's output into a device-side value.
 
-Eager mode puts a forward hook on every module whose forward runs (``detect.include`` /
-``detect.exclude`` globs on qualified names, ``""`` being the root), not only on leaves: a module
-such as ``nn.MultiheadAttention`` uses its children's weights without calling them, so only its
-own hook sees its output. Children's hooks fire before their parents', so the first non-finite
-value in call order names the deepest module where it appeared. Modules that cannot turn finite
-inputs into NaN/Inf (:data:`~safetrain.detect.hooks.PASSTHROUGH`: ReLU, dropout, pooling,
-flatten...) are never the origin of a real fault, so ``skip_passthrough=True`` leaves them out:
-reducing a fresh activation is memory-bound, and this halves the hook cost of an MLP or a CNN
-(figures in ``benchmarks/README.md``). The constructor's default is off (every module hooked);
-the engine follows ``detect.skip_passthrough`` (on by default). The price: a fault forced into
-such a module's output (a test's injection hook) is named at the next monitored module. An exact
-``nn.Sequential`` returns its last child's output object: when that child is monitored the
-container gets no hook of its own (it could only repeat the child's value).
-
-The hot hook is two list appends and one reduction: ``out.detach().sum()`` (fp16 summed in
-float32 so a finite activation cannot overflow the half range): several times cheaper than
-``isnan``/``isinf`` masks or an inf-norm. NaN and Inf always propagate through the sum; a finite
-output whose sum overflows float32 would be a false alarm, which :meth:`ActivationMonitor.locate`
-reports as unconfirmed and an exact re-run under :meth:`ActivationMonitor.inspect`
-(:mod:`safetrain.detect.exact`) clears. The hook keeps no reference to the output: holding
-every activation until the step's read would defeat activation checkpointing and raise peak memory.
-
-Per step the monitor holds a Python list of 0-dim tensors (:attr:`ActivationMonitor.records`)
-and the matching module indices. The list joins the single ``stack`` of
-:meth:`~safetrain.detect.flags.StepFlags.read`, so the whole per-call vector rides in the step's
-one host read and attribution needs no further sync. Call :meth:`reset` once per step.
-Modules in ``nan_only`` globs (attention masks with legitimate ``-inf``) record
-``clamp(amax(out), -1, 1)`` instead: NaN-propagating, blind to infinities.
+Cost: per monitored module call, one hook dispatch and one memory-bound ``sum`` of the fresh output; no
+host sync, the values ride in the step's one read. Part of ``detect``: the guard attaches one
+:class:`ActivationMonitor` in eager mode (``detect.mode``); :meth:`~ActivationMonitor.locate` and
+:meth:`~ActivationMonitor.inspect` (:mod:`safetrain.detect.exact`) run on the slow path only.
 """
 
 from __future__ import annotations
@@ -85,6 +61,35 @@ def _plain_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
 
 class ActivationMonitor:
     """Forward hooks that turn every monitored module's output into a device-side value.
+
+    Eager mode puts a forward hook on every module whose forward runs (``detect.include`` /
+    ``detect.exclude`` globs on qualified names, ``""`` being the root), not only on leaves: a module
+    such as ``nn.MultiheadAttention`` uses its children's weights without calling them, so only its
+    own hook sees its output. Children's hooks fire before their parents', so the first non-finite
+    value in call order names the deepest module where it appeared. Modules that cannot turn finite
+    inputs into NaN/Inf (:data:`~safetrain.detect.hooks.PASSTHROUGH`: ReLU, dropout, pooling,
+    flatten...) are never the origin of a real fault, so ``skip_passthrough=True`` leaves them out:
+    reducing a fresh activation is memory-bound, and this halves the hook cost of an MLP or a CNN
+    (figures in ``benchmarks/README.md``). The constructor's default is off (every module hooked);
+    the engine follows ``detect.skip_passthrough`` (on by default). The price: a fault forced into
+    such a module's output (a test's injection hook) is named at the next monitored module. An exact
+    ``nn.Sequential`` returns its last child's output object: when that child is monitored the
+    container gets no hook of its own (it could only repeat the child's value).
+
+    The hot hook is two list appends and one reduction: ``out.detach().sum()`` (fp16 summed in
+    float32 so a finite activation cannot overflow the half range): several times cheaper than
+    ``isnan``/``isinf`` masks or an inf-norm. NaN and Inf always propagate through the sum; a finite
+    output whose sum overflows float32 would be a false alarm, which :meth:`ActivationMonitor.locate`
+    reports as unconfirmed and an exact re-run under :meth:`ActivationMonitor.inspect`
+    (:mod:`safetrain.detect.exact`) clears. The hook keeps no reference to the output: holding
+    every activation until the step's read would defeat activation checkpointing and raise peak memory.
+
+    Per step the monitor holds a Python list of 0-dim tensors (:attr:`ActivationMonitor.records`)
+    and the matching module indices. The list joins the single ``stack`` of
+    :meth:`~safetrain.detect.flags.StepFlags.read`, so the whole per-call vector rides in the step's
+    one host read and attribution needs no further sync. Call :meth:`reset` once per step.
+    Modules in ``nan_only`` globs (attention masks with legitimate ``-inf``) record
+    ``clamp(amax(out), -1, 1)`` instead: NaN-propagating, blind to infinities.
 
     Args:
         model: the model; every submodule (the root included, named ``""``) is a candidate.

@@ -1,37 +1,9 @@
 """The batch scan, the ``sanitize`` section's detector: non-finite rows of a nested batch found on
 the device, fixed on the host.
 
-Healthy path (:func:`scan_batch`): walk the batch (tensors inside tuples, lists, named tuples,
-dicts and dataclasses) and, for every floating tensor, take two device ops and no host sync: a
-0-dim ``sum`` (NaN/Inf propagate into it) and a ``nan_to_num`` copy with every non-finite value
-zero-filled (or replaced under ``sanitize.*: replace``). The sums ride along in the step's single
-host read (:class:`~safetrain.detect.flags.StepFlags`); the forward runs on the cleaned batch, so
-BatchNorm statistics are not poisoned while the flags are in flight. Op count is what matters on
-small models (each small op costs 2-10 us of dispatch here), so the per-row mask
-(:attr:`BatchScan.row_bad`) and the bool flag are computed only when asked for.
-
-Slow path (:mod:`safetrain.detect.rows`), only when the read shows a bad row (host syncs
-allowed): :func:`~safetrain.detect.rows.describe_rows` names
-each tensor by path with its bad rows and NaN/Inf counts, :func:`drop_rows` rebuilds the batch
-without those rows (inputs and targets together), :func:`batch_error` builds the ``BatchError``
-for ``sanitize.*: raise``.
-
-Rules (documented for users):
-
-* The batch dimension is dim 0. The batch size ``B`` is ``batch_size`` when given, else the
-  leading size of the first tensor (any dtype, at least 1-D) met depth-first (dicts in insertion
-  order). Floating tensors whose leading size is not ``B`` (and 0-dim ones) are checked as a
-  whole: a non-finite value there marks every row bad (it cannot be dropped row by row).
-* Integer, bool and complex tensors are never scanned or changed; :func:`drop_rows` still drops
-  their rows so targets stay aligned. Non-tensor leaves are left alone, except that a ``list``
-  of ``B`` non-tensor items (ids, file names) is filtered by :func:`drop_rows` as per-sample data.
-* A whole dict batch can carry its targets: with ``target_keys`` (the guard passes
-  :data:`TARGET_KEYS`: ``labels``, ``label``, ``targets``, ``target``, ``y``) the top-level keys
-  (or dataclass fields) with those names are scanned as targets, everything else as inputs.
-* The check is a sum (fp16 summed in float32): NaN and Inf always show; a finite tensor whose
-  sum overflows would be a false alarm, which :func:`describe_rows` (exact counts) clears on the
-  slow path. Every non-finite VALUE is zero-filled (not the whole row): the optimistic forward
-  only has to stay finite, and the slow path redoes the batch anyway.
+Cost: two device ops per floating tensor and no host sync on the healthy path; op count is what
+matters on small models. Part of ``detect``: the guard scans every batch with :func:`scan_batch`
+(its docstring holds the rules users rely on); the slow path is :mod:`safetrain.detect.rows`.
 """
 
 from __future__ import annotations
@@ -180,6 +152,39 @@ def scan_batch(
     clean: bool = True,
 ) -> BatchScan:
     """Find the rows of a nested batch that hold NaN/Inf, on the device, with no host sync.
+
+    Healthy path: walk the batch (tensors inside tuples, lists, named tuples, dicts and dataclasses)
+    and, for every floating tensor, take two device ops and no host sync: a 0-dim ``sum`` (NaN/Inf
+    propagate into it) and a ``nan_to_num`` copy with every non-finite value zero-filled (or
+    replaced under ``sanitize.*: replace``). The sums ride along in the step's single host read
+    (:class:`~safetrain.detect.flags.StepFlags`); the forward runs on the cleaned batch, so
+    BatchNorm statistics are not poisoned while the flags are in flight. Op count is what matters
+    on small models, so the per-row mask (:attr:`BatchScan.row_bad`) and the bool flag are
+    computed only when asked for.
+
+    Slow path (:mod:`safetrain.detect.rows`), only when the read shows a bad row (host syncs
+    allowed): :func:`~safetrain.detect.rows.describe_rows` names each tensor by path with its bad
+    rows and NaN/Inf counts, :func:`~safetrain.detect.rows.drop_rows` rebuilds the batch without
+    those rows (inputs and targets together), :func:`~safetrain.detect.rows.batch_error` builds the
+    ``BatchError`` for ``sanitize.*: raise``.
+
+    Rules (documented for users):
+
+    * The batch dimension is dim 0. The batch size ``B`` is ``batch_size`` when given, else the
+      leading size of the first tensor (any dtype, at least 1-D) met depth-first (dicts in insertion
+      order). Floating tensors whose leading size is not ``B`` (and 0-dim ones) are checked as a
+      whole: a non-finite value there marks every row bad (it cannot be dropped row by row).
+    * Integer, bool and complex tensors are never scanned or changed;
+      :func:`~safetrain.detect.rows.drop_rows` still drops their rows so targets stay aligned.
+      Non-tensor leaves are left alone, except that a ``list`` of ``B`` non-tensor items (ids, file
+      names) is filtered by :func:`~safetrain.detect.rows.drop_rows` as per-sample data.
+    * A whole dict batch can carry its targets: with ``target_keys`` (the guard passes
+      :data:`TARGET_KEYS`: ``labels``, ``label``, ``targets``, ``target``, ``y``) the top-level keys
+      (or dataclass fields) with those names are scanned as targets, everything else as inputs.
+    * The check is a sum (fp16 summed in float32): NaN and Inf always show; a finite tensor whose
+      sum overflows would be a false alarm, which :func:`~safetrain.detect.rows.describe_rows`
+      (exact counts) clears on the slow path. Every non-finite VALUE is zero-filled (not the whole
+      row): the optimistic forward only has to stay finite, and the slow path redoes the batch anyway.
 
     Args:
         batch: a tensor, or tuples / lists / named tuples / dicts / dataclasses of them.

@@ -120,6 +120,18 @@ class StepFlags:
     are). Bool values trip when ``True``, floating ones when NaN/Inf. ``None`` is ignored, so a
     disabled detector needs no ``if`` in the caller. Reusable: ``read()`` clears it.
 
+    The healthy step, as the guard composes it (no host sync until the read)::
+
+        scan = scan_batch(batch, replace=...)          # inputs: row mask + flag, bad rows zero-filled
+        monitor.reset()                                # eager mode: hooks attached once, records per step
+        loss = loss_fn(model(scan.batch), ...)         # hooks fold each output into a 0-dim sum
+        loss.backward()
+        grads = grad_check.run()                       # one fused norm pass: per-param, total, flag
+        flags.put("input", scan.flag); flags.put("loss", loss.detach()); flags.put("total_norm", grads.total_norm)
+        flags.put("forward", monitor.values()); flags.put("weights", weight_check.maybe_run(step))
+        read = flags.read()                            # host sync: the one per step
+        if read.healthy: grad_check.clip_(max_norm, grads.total_norm); optimizer.step()
+
     Args:
         reduce: ``None`` (one process): ``read()`` is one ``tolist()``. Under data parallelism,
             a :data:`Reduce` that combines the packed vector across ranks with one collective

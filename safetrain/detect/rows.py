@@ -1,8 +1,8 @@
 """The batch scan's slow path: name the bad rows of a batch, drop them, or raise.
 
 Called only after the step's single read showed a non-finite input or target (host syncs are
-allowed here, and each is marked ``# host sync:``). See :mod:`safetrain.detect.batch_scan` for
-the batch-size and target-key rules these functions share with :func:`scan_batch`.
+allowed here, and each is marked ``# host sync:``). See the docstring of :func:`scan_batch`
+(:mod:`safetrain.detect.batch_scan`) for the batch-size and target-key rules these functions share with it.
 """
 
 from __future__ import annotations

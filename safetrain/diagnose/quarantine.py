@@ -1,17 +1,5 @@
 """Quarantine of bad samples: a sampler that skips them, and ``quarantine.json`` that remembers them.
 
-When a replay isolates the rows that make the loss non-finite, ``fit`` maps them to dataset
-indices through :class:`QuarantineSampler` (which records, in order, the indices it handed to the
-``DataLoader``), writes them to ``<log.dir>/quarantine.json`` (atomically) and the sampler skips
-them in later epochs and after a resume. Users of Lightning, Levanter and Megatron get at best a
-batch index to skip by hand.
-
-Example::
-
-    sampler = QuarantineSampler(torch.utils.data.RandomSampler(dataset))
-    loader = DataLoader(dataset, batch_size=64, sampler=sampler)
-    SafeTrainer(model, opt, cfg, loss_fn=loss_fn).fit(loader, epochs=3)   # bad samples skipped from then on
-
 The cost is a deque of the indices in flight; under torch.distributed, one collective on a step
 that carries a diagnosis. Part of :mod:`safetrain.diagnose`; ``fit`` drives :class:`QuarantineKeeper`.
 """
@@ -36,6 +24,12 @@ __all__ = ["QuarantineSampler", "QuarantineKeeper", "read_quarantine", "write_qu
 class QuarantineSampler(Sampler[int]):
     """Wrap a sampler of dataset indices: skip quarantined ones, remember the order the rest went out.
 
+    When a replay isolates the rows that make the loss non-finite, ``fit`` maps them to dataset
+    indices through :class:`QuarantineSampler` (which records, in order, the indices it handed to the
+    ``DataLoader``), writes them to ``<log.dir>/quarantine.json`` (atomically) and the sampler skips
+    them in later epochs and after a resume. Users of Lightning, Levanter and Megatron get at best a
+    batch index to skip by hand.
+
     In one process a quarantined index is simply left out (the epoch is shorter). Under
     torch.distributed every rank must run the same number of batches or the first collective
     after the shortest epoch waits for ever, so there each quarantined index of this rank's shard
@@ -47,6 +41,12 @@ class QuarantineSampler(Sampler[int]):
         sampler: the sampler to wrap (``RandomSampler``, ``SequentialSampler``, ``DistributedSampler``...).
         quarantined: dataset indices to skip from the start.
         keep_length: replace instead of skip; ``None``: when torch.distributed runs more than one rank.
+
+    Example::
+
+        sampler = QuarantineSampler(torch.utils.data.RandomSampler(dataset))
+        loader = DataLoader(dataset, batch_size=64, sampler=sampler)
+        SafeTrainer(model, opt, cfg, loss_fn=loss_fn).fit(loader, epochs=3)   # bad samples skipped from then on
     """
 
     def __init__(

@@ -1,20 +1,9 @@
 """The step replay: re-run a tripped step from its pre-step state, slowly, to explain it.
 
-The same micro-batches run again with the same parameters, RNG streams (dropout masks
-identical, see :mod:`.rng`) and autocast settings, with
-
-* exact hooks on every module (the first module, in execution order, with a non-finite output),
-* a dispatch mode that names the first op whose output is non-finite from finite inputs (say
-  ``aten.log``) with the user's line that called it (so a ``log(0)`` inside a loss is found),
-* ``torch.autograd.detect_anomaly(check_nan=True)`` for the backward (the autograd node, such as
-  ``LogBackward0``, and the forward traceback that created it),
-
-then a **reproducible** fault is told from a **transient** one (the replay is finite) and, when
-the loss is per-sample separable, the batch is bisected (:mod:`.bisect`) to the rows that make it
-non-finite. Parameters already non-finite before the step are a ``weights`` fault: the step only
-shows it (:mod:`.weight_replay` explains those). The replay leaves training exactly as it was:
-gradients, buffers, the model's mode and every RNG stream are put back. Costs a forward and a
-backward under per-op host reads, plus about ``(d + 1) log2 B`` forwards to bisect.
+Cost (slow path only): a forward and a backward under per-op host reads, plus about
+``(d + 1) log2 B`` forwards to bisect (``d`` bad rows of ``B``, :mod:`.bisect`). Part of
+``diagnose``: :class:`~safetrain.diagnose.Diagnoser` calls it for the ``forward``, ``loss`` and
+``gradient`` kinds and spends the budget.
 """
 
 from __future__ import annotations
@@ -42,6 +31,22 @@ __all__ = ["StepReplay"]
 class StepReplay:
     """Replays a tripped step and isolates its bad samples. Spends no budget: the
     :class:`~safetrain.diagnose.Diagnoser` that calls it does.
+
+    The same micro-batches run again with the same parameters, RNG streams (dropout masks
+    identical, see :mod:`.rng`) and autocast settings, with
+
+    * exact hooks on every module (the first module, in execution order, with a non-finite output),
+    * a dispatch mode that names the first op whose output is non-finite from finite inputs (say
+      ``aten.log``) with the user's line that called it (so a ``log(0)`` inside a loss is found),
+    * ``torch.autograd.detect_anomaly(check_nan=True)`` for the backward (the autograd node, such as
+      ``LogBackward0``, and the forward traceback that created it),
+
+    then a **reproducible** fault is told from a **transient** one (the replay is finite) and, when
+    the loss is per-sample separable, the batch is bisected (:mod:`.bisect`) to the rows that make it
+    non-finite. Parameters already non-finite before the step are a ``weights`` fault: the step only
+    shows it (:mod:`.weight_replay` explains those). The replay leaves training exactly as it was:
+    gradients, buffers, the model's mode and every RNG stream are put back (the cost: see the
+    module docstring).
 
     Args:
         model: the model (its buffers and mode are put back after each replay).

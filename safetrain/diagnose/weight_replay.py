@@ -1,30 +1,8 @@
 """The weight replay: which applied update made a weight non-finite, replayed from the newest snapshot.
 
-A ``weights`` fault (a parameter is NaN/Inf when a step starts) was made by an earlier optimizer
-update, or by code outside the training step (a bit flip, a user's in-place edit). Replaying the
-step that tripped cannot tell which. :class:`WeightReplay` keeps, for every update applied since
-the newest snapshot, references to its micro-batches, its learning rates, its total gradient
-norm and the RNG state it started from (a few Python references a step: no copy, no device
-work). When weights are found non-finite it
-
-1. copies the live (broken) state aside: model, optimizer, scheduler, scaler, RNGs, gradients;
-2. restores the newest snapshot into the live objects;
-3. runs the kept steps again (forward and backward under autocast and a loss scale, unscale,
-   the ``zero_grads`` action where the step's gradients were not finite, the same clipping, the
-   recorded learning rates, ``optimizer.step()`` under :class:`~.nonfinite.first_nonfinite_op`),
-   checking the parameters after each;
-4. puts the live state back exactly, so the policy's action (``restore`` by default) proceeds as
-   if there had been no replay.
-
-The :class:`~.diagnosis.Diagnosis` names the step whose update first made a weight non-finite,
-the parameters and the op (with the user's line, for a hand-written optimizer); or, when every
-replayed step stays finite, says the weights were changed outside the training step. The budget
-is not spent here: :class:`~safetrain.diagnose.Diagnoser` spends it.
-
-Limits: under ``torch.distributed`` the weight replay is skipped with a note (the ranks would have
-to replay together); with fp16 the replay's loss scale follows its own history from the snapshot
-(steps the GradScaler skipped are not kept); a step's data is replayed as the guard saw it, so a
-loader that reuses its batch tensors in place makes the replay see later data.
+Cost: a few Python references per applied update (no copy, no device work); the replay itself, on the
+slow path only, runs up to ``detect.replay.keep_steps`` updates again. Part of ``diagnose``:
+:class:`~safetrain.diagnose.Diagnoser` calls it for a ``weights`` fault and spends the budget.
 """
 
 from __future__ import annotations
@@ -61,6 +39,32 @@ class _Applied(NamedTuple):
 
 class WeightReplay:
     """Keeps the updates applied since the newest snapshot and replays them when weights break.
+
+    A ``weights`` fault (a parameter is NaN/Inf when a step starts) was made by an earlier optimizer
+    update, or by code outside the training step (a bit flip, a user's in-place edit). Replaying the
+    step that tripped cannot tell which. :class:`WeightReplay` keeps, for every update applied since
+    the newest snapshot, references to its micro-batches, its learning rates, its total gradient
+    norm and the RNG state it started from (a few Python references a step: no copy, no device
+    work). When weights are found non-finite it
+
+    1. copies the live (broken) state aside: model, optimizer, scheduler, scaler, RNGs, gradients;
+    2. restores the newest snapshot into the live objects;
+    3. runs the kept steps again (forward and backward under autocast and a loss scale, unscale,
+       the ``zero_grads`` action where the step's gradients were not finite, the same clipping, the
+       recorded learning rates, ``optimizer.step()`` under :class:`~.nonfinite.first_nonfinite_op`),
+       checking the parameters after each;
+    4. puts the live state back exactly, so the policy's action (``restore`` by default) proceeds as
+       if there had been no replay.
+
+    The :class:`~.diagnosis.Diagnosis` names the step whose update first made a weight non-finite,
+    the parameters and the op (with the user's line, for a hand-written optimizer); or, when every
+    replayed step stays finite, says the weights were changed outside the training step. The budget
+    is not spent here: :class:`~safetrain.diagnose.Diagnoser` spends it.
+
+    Limits: under ``torch.distributed`` the weight replay is skipped with a note (the ranks would have
+    to replay together); with fp16 the replay's loss scale follows its own history from the snapshot
+    (steps the GradScaler skipped are not kept); a step's data is replayed as the guard saw it, so a
+    loader that reuses its batch tensors in place makes the replay see later data.
 
     Args:
         state: the guard's :class:`~safetrain.snapshot.TrainState` (model, optimizer, scheduler,

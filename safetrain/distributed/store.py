@@ -32,6 +32,10 @@ class DistributedStore:
       keeping their own random generators); then all check they restored the same step, and a
       rank that could not restore makes every rank raise.
 
+    So the memory store keeps one ring per rank; the safetensors store is written by rank 0 only
+    and read by every rank. That file holds rank 0's random generators: on restore and resume the
+    other ranks keep their own (see :func:`~safetrain.distributed.keep_rng`).
+
     Anything else (``paths()``, ``directory``, ``latest()``...) is the wrapped store's.
 
     Args:

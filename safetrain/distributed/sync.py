@@ -77,6 +77,19 @@ def make_sync(device: torch.device, model: Optional[torch.nn.Module] = None) -> 
 class DistributedSync:
     """Combines one step's flags across ranks, and makes slow-path decisions collectively.
 
+    * **One collective inside the one sync.** :meth:`DistributedSync.reduce` is the
+      :class:`~safetrain.detect.StepFlags` hook: one ``all_gather`` of the packed step vector, one
+      ``tolist()`` of every rank's row, combined on the host: a check value (a bool flag, an input
+      sum, an activation sum, ``found_inf``) trips everywhere when it trips on any rank, ``loss`` is
+      the mean over ranks (so the spike detector sees the same number everywhere), and the gradient
+      norms and the scaler's scale are rank 0's (identical after DDP's all-reduce; a non-finite value
+      on any rank still wins). Each rank's own row is kept, so the journal can say which ranks
+      tripped (:meth:`DistributedSync.tripped_ranks`).
+    * **Slow paths agree.** A decision that a rank makes from its own data (an exact forward re-run,
+      a replay, the rows left after ``drop_rows``, a snapshot's finiteness, a restore) is combined
+      with one small collective that every rank enters, so no rank is left waiting; re-runs for
+      diagnosis run under :func:`~safetrain.distributed.local`, with no DDP collective at all.
+
     Args:
         device: where the slow-path agreement tensors live (the model's CUDA device with NCCL;
             the CPU with gloo).

@@ -1,19 +1,9 @@
 """Dtype limits for the safe functions: the default epsilon and the private clamping helpers.
 
 Pure tensor helpers shared by :mod:`~safetrain.numerics.elementwise` and
-:mod:`~safetrain.numerics.reductions`; none synchronizes the host. The epsilon depends on the dtype
-actually computed on, ``default_eps(dtype) = max(finfo.eps ** 2, finfo.tiny)``. Its square root is
-about the machine epsilon (the scale that matters for the slopes of sqrt, acos and asin) and it is
-never subnormal, so ``1 / eps`` is finite:
-
-============  ===========  ============  ==========  ==============  =============
-dtype         finfo.eps    default_eps   1 / eps     sqrt(eps)       log(eps)
-============  ===========  ============  ==========  ==============  =============
-float64       2.2e-16      4.9e-32       2.0e+31     2.2e-16         -72.1
-float32       1.2e-07      1.4e-14       7.0e+13     1.2e-07         -31.9
-bfloat16      7.8e-03      6.1e-05       1.6e+04     7.8e-03         -9.70
-float16       9.8e-04      6.1e-05       1.6e+04     7.8e-03         -9.70
-============  ===========  ============  ==========  ==============  =============
+:mod:`~safetrain.numerics.reductions` (the bottom of :mod:`safetrain.numerics`: it imports neither);
+none synchronizes the host. The epsilon depends on the dtype actually computed on: :func:`default_eps`,
+with its table.
 """
 
 from __future__ import annotations
@@ -30,7 +20,19 @@ _NEG_INF = float("-inf")
 
 
 def default_eps(dtype: torch.dtype) -> float:
-    """The default epsilon for ``dtype``: ``max(finfo.eps ** 2, finfo.tiny)`` (module table).
+    """The default epsilon for ``dtype``: ``max(finfo.eps ** 2, finfo.tiny)``.
+
+    Its square root is about the machine epsilon (the scale that matters for the slopes of sqrt,
+    acos and asin) and it is never subnormal, so ``1 / eps`` is finite:
+
+    ============  ===========  ============  ==========  ==============  =============
+    dtype         finfo.eps    default_eps   1 / eps     sqrt(eps)       log(eps)
+    ============  ===========  ============  ==========  ==============  =============
+    float64       2.2e-16      4.9e-32       2.0e+31     2.2e-16         -72.1
+    float32       1.2e-07      1.4e-14       7.0e+13     1.2e-07         -31.9
+    bfloat16      7.8e-03      6.1e-05       1.6e+04     7.8e-03         -9.70
+    float16       9.8e-04      6.1e-05       1.6e+04     7.8e-03         -9.70
+    ============  ===========  ============  ==========  ==============  =============
 
     Args:
         dtype: a floating-point dtype.

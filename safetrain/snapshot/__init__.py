@@ -4,18 +4,9 @@ A :class:`TrainState` names what is captured (model, optimizer, scheduler, scale
 store (:class:`MemoryStore`, :class:`SafetensorsStore`, or :func:`make_store` from the config)
 takes snapshots, refusing non-finite state, and restores the newest usable one.
 :func:`load_snapshot` resumes from a file or directory; :func:`inspect_snapshot` describes a file.
-
-Example::
-
-    >>> import torch
-    >>> model = torch.nn.Linear(4, 2)
-    >>> opt = torch.optim.Adam(model.parameters())
-    >>> state = TrainState(model, opt)
-    >>> store = MemoryStore(keep=2)
-    >>> store.save(state, counters={"step": 10, "epoch": 0, "batch": 10}).step
-    10
-    >>> store.restore(state).counters
-    {'step': 10, 'epoch': 0, 'batch': 10}
+Cost: each snapshot copies and checks the whole state, so the guard takes one every
+``snapshot.every`` healthy steps. Used by ``guard``, ``distributed`` and ``trainer``; builds on
+``config``, ``errors``, ``rundir`` and ``wrappers`` only. An example: :class:`SnapshotStore`.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """Reading and writing snapshot files: safetensors layout, a fast checksum per tensor, no mmap.
 
-A snapshot file is a plain safetensors file (``safetensors.safe_open`` reads it): an 8-byte
-little-endian header length, a JSON header describing each tensor, then the tensor bytes.
-Its ``__metadata__`` holds two strings: ``safetrain.state`` (the JSON part of the training state)
-and ``safetrain.checksum`` (a checksum of that string and of every tensor's bytes).
-
-The checksum (``blocksum64``) is chosen for speed: CRC32 through zlib runs at 2-4 GB/s on one
-core and was the bottleneck of both save and load, while this one runs at memory speed through
-torch's reductions. Over a tensor's bytes it is, with blocks of 4096 little-endian 64-bit words
-(32 KiB) and all sums modulo 2**64: ``c_j`` = sum of the words of block j (full blocks only),
-``s1`` = sum of ``c_j``, ``s2`` = sum of ``(j + 1) * c_j``, and ``crc32`` of the remaining bytes;
-written as ``f"{s1:016x}{s2:016x}{crc:08x}"``. It catches flipped bits and bytes, zeroed or
-duplicated pages, truncation and swapped blocks; modular sums make it independent of the order
-torch reduces in (and easy to recompute with numpy). The state string uses plain CRC32.
-
-Reading and writing go through ``os.preadv``/``os.pwrite`` on the tensors' own memory: no copy
-through Python bytes and no memory map, so no tensor keeps an old file alive. Parsing never
-evaluates anything: the header is JSON and every offset is checked.
+A snapshot file is a plain safetensors file (``safetensors.safe_open`` reads it): an 8-byte little-endian
+header length, a JSON header describing each tensor, then the tensor bytes. Its ``__metadata__`` holds two
+strings: ``safetrain.state`` (the JSON part of the training state) and ``safetrain.checksum`` (a checksum of
+that string and of every tensor's bytes: :func:`checksum`). Cost: the checksum runs at memory speed, on one
+thread while another writes or reads the bytes. Part of ``snapshot``, under :mod:`.disk` and :mod:`.inspection`.
 """
 
 from __future__ import annotations
@@ -103,7 +91,17 @@ ALGORITHM = "blocksum64"
 
 
 def checksum(t: torch.Tensor) -> str:
-    """The ``blocksum64`` checksum of a contiguous CPU tensor's bytes (see the module docstring)."""
+    """The ``blocksum64`` checksum of a contiguous CPU tensor's bytes.
+
+    Chosen for speed: CRC32 through zlib was the bottleneck of both save and load (figures in
+    ``benchmarks/README.md``), while this one runs at memory speed through torch's reductions. Over a
+    tensor's bytes it is, with blocks of 4096 little-endian 64-bit words (32 KiB) and all sums modulo
+    2**64: ``c_j`` = sum of the words of block j (full blocks only), ``s1`` = sum of ``c_j``, ``s2`` =
+    sum of ``(j + 1) * c_j``, and ``crc32`` of the remaining bytes; written as
+    ``f"{s1:016x}{s2:016x}{crc:08x}"``. It catches flipped bits and bytes, zeroed or duplicated pages,
+    truncation and swapped blocks; modular sums make it independent of the order torch reduces in (and
+    easy to recompute with numpy). The state string uses plain CRC32.
+    """
     data = t.reshape(-1).view(torch.uint8)
     n_blocks = data.numel() // (8 * _BLOCK_WORDS)
     head = n_blocks * 8 * _BLOCK_WORDS
@@ -215,7 +213,8 @@ def _pwrite_all(fd: int, view: memoryview, pos: int) -> None:
 
 
 def read_header(path: str) -> Header:
-    """Parse and validate a snapshot file's header without reading tensor data.
+    """Parse and validate a snapshot file's header without reading tensor data. Parsing never
+    evaluates anything: the header is JSON and every offset is checked.
 
     Raises:
         SnapshotError: the file is missing, empty, truncated, not safetensors, not a safetrain
@@ -328,7 +327,9 @@ def read_tensors(
     """Read tensors into fresh CPU memory (``pread``, no mmap) and check their checksums.
 
     A thread reads tensor after tensor while the calling thread checksums the ones already in
-    memory, so the check hides behind the disk (or the page-cache copy on another core).
+    memory, so the check hides behind the disk (or the page-cache copy on another core). Reading
+    and writing (:class:`FileWriter`) go through ``os.preadv``/``os.pwrite`` on the tensors' own
+    memory: no copy through Python bytes and no memory map, so no tensor keeps an old file alive.
 
     Args:
         header: from :func:`read_header`.

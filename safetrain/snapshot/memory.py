@@ -1,18 +1,9 @@
 """``MemoryStore``: a ring of ``keep`` snapshots held in preallocated tensors.
 
-Each slot allocates its buffers on its first use and reuses them afterwards: a snapshot is one
-grouped ``_foreach_copy_`` per device pair, no allocation, and from CUDA into pinned host memory
-it is asynchronous (``non_blocking``; stream order keeps the next optimizer step behind it). A
-buffer is reallocated only when the tensor it mirrors changed shape, dtype or device, or appeared
-(Adam creates its state on the first step). The JSON part is kept as JSON text, so a memory
-snapshot holds exactly what a file would and shares nothing with the live objects.
-
-A snapshot of non-finite state is refused and never becomes restorable. On the CPU, checking
-first and copying after reads every value twice; so when another snapshot is kept (``keep >= 2``
-after the first save), the slot being overwritten is given up for the check instead: float
-tensors are copied and checked in one pass (:func:`copy_checked_`), and a refusal leaves that
-slot empty and every other snapshot intact. Without another snapshot to fall back on, everything
-is checked before any buffer is touched.
+Cost: a snapshot is one grouped copy per device pair into reused buffers, no allocation, plus the
+finiteness check (on the CPU in the same pass, when another snapshot is kept). One of the two stores of
+``snapshot`` (with :mod:`.disk`), on :class:`~.store.SnapshotStore`; :func:`~.make.make_store`
+builds it for ``snapshot.store: memory``.
 """
 
 from __future__ import annotations
@@ -64,6 +55,20 @@ def _fits(buf: torch.Tensor, t: torch.Tensor, target: torch.device) -> bool:
 class MemoryStore(SnapshotStore):
     """Snapshots in memory: fast, lost with the process, ``keep`` of them in a ring.
 
+    Each slot allocates its buffers on its first use and reuses them afterwards: a snapshot is one
+    grouped ``_foreach_copy_`` per device pair, no allocation, and from CUDA into pinned host memory
+    it is asynchronous (``non_blocking``; stream order keeps the next optimizer step behind it). A
+    buffer is reallocated only when the tensor it mirrors changed shape, dtype or device, or appeared
+    (Adam creates its state on the first step). The JSON part is kept as JSON text, so a memory
+    snapshot holds exactly what a file would and shares nothing with the live objects.
+
+    A snapshot of non-finite state is refused and never becomes restorable. On the CPU, checking
+    first and copying after reads every value twice; so when another snapshot is kept (``keep >= 2``
+    after the first save), the slot being overwritten is given up for the check instead: float
+    tensors are copied and checked in one pass (:func:`copy_checked_`), and a refusal leaves that
+    slot empty and every other snapshot intact. Without another snapshot to fall back on, everything
+    is checked before any buffer is touched.
+
     Args:
         keep: number of snapshots kept (each one a full copy of the state).
         device: ``"cpu"`` keeps copies in host memory (pinned when the model is on CUDA, so
@@ -96,7 +101,7 @@ class MemoryStore(SnapshotStore):
     def _save(self, captured: Captured) -> Optional[SnapshotInfo]:
         slot = min(self._slots, key=lambda s: s.seq)  # the empty or oldest slot
         meta_json = json.dumps(captured.meta, separators=(",", ":"), allow_nan=False)
-        # Another snapshot survives whatever happens to this slot: check while copying (see above).
+        # Another snapshot survives whatever happens to this slot: check while copying (see the class docstring).
         fallback = any(s.meta_json is not None for s in self._slots if s is not slot)
         tensors = captured.tensors
         streamed = {n for n in captured.checked if fallback and streamable(tensors[n], self._target(tensors[n]))}

@@ -1,20 +1,8 @@
 """``TrainState``: what a snapshot captures and puts back, as named tensors plus JSON.
 
-A capture is a flat table of *live* tensors (no copies: the stores decide where the bytes go)
-and a JSON-ready dict of everything else. Tensor names:
-
-* ``model/{name}``: every entry of ``model.state_dict()`` (parameters and persistent buffers;
-  names without the ``_orig_mod.`` of ``torch.compile`` wrappers);
-  a tensor shared under two names (tied weights) is stored once, the other name is an alias;
-* ``optim/state/{i}/{key}``: per-parameter optimizer state (``exp_avg``, ``step``...), ``i`` being
-  the parameter's index in ``optimizer.state_dict()``; ``optim/groups/{g}/{key}`` for tensor
-  hyperparameters;
-* ``sched/...``, ``scaler/...``: tensors found in the scheduler's or scaler's state (rare);
-* ``rng/torch``, ``rng/cuda/{i}``, ``rng/numpy``: generator states;
-* ``extra/{name}``: the caller's own tensors (an epoch's shuffling seed, say).
-
-The JSON part holds the counters, the caller's ``extra`` state, param-group hyperparameters,
-the scheduler and scaler state and the non-tensor RNG state, encoded by :mod:`.codec`.
+Cost: a capture copies nothing (a flat table of *live* tensors: the stores decide where the bytes
+go) and a restore writes in place. Part of ``snapshot``, beneath every store; the tensor names and
+the JSON part are listed in :meth:`TrainState.capture`.
 """
 
 from __future__ import annotations
@@ -100,6 +88,22 @@ class TrainState:
         extra_tensors: Optional[Mapping[str, torch.Tensor]] = None,
     ) -> Captured:
         """Read the live state into named tensors (not copied) and a JSON-ready dict.
+
+        A capture is a flat table of *live* tensors (no copies: the stores decide where the bytes go)
+        and a JSON-ready dict of everything else. Tensor names:
+
+        * ``model/{name}``: every entry of ``model.state_dict()`` (parameters and persistent buffers;
+          names without the ``_orig_mod.`` of ``torch.compile`` wrappers);
+          a tensor shared under two names (tied weights) is stored once, the other name is an alias;
+        * ``optim/state/{i}/{key}``: per-parameter optimizer state (``exp_avg``, ``step``...), ``i`` being
+          the parameter's index in ``optimizer.state_dict()``; ``optim/groups/{g}/{key}`` for tensor
+          hyperparameters;
+        * ``sched/...``, ``scaler/...``: tensors found in the scheduler's or scaler's state (rare);
+        * ``rng/torch``, ``rng/cuda/{i}``, ``rng/numpy``: generator states;
+        * ``extra/{name}``: the caller's own tensors (an epoch's shuffling seed, say).
+
+        The JSON part holds the counters, the caller's ``extra`` state, param-group hyperparameters,
+        the scheduler and scaler state and the non-tensor RNG state, encoded by :mod:`.codec`.
 
         Args:
             counters: integer counters, ``step`` required (``epoch`` and ``batch`` by convention).

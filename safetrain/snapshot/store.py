@@ -92,6 +92,18 @@ class SnapshotStore(abc.ABC):
 
     Args:
         keep: how many snapshots are kept; the oldest is dropped when a new one is taken.
+
+    Example::
+
+        >>> import torch
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = torch.optim.Adam(model.parameters())
+        >>> state = TrainState(model, opt)
+        >>> store = MemoryStore(keep=2)
+        >>> store.save(state, counters={"step": 10, "epoch": 0, "batch": 10}).step
+        10
+        >>> store.restore(state).counters
+        {'step': 10, 'epoch': 0, 'batch': 10}
     """
 
     def __init__(self, keep: int) -> None:
