@@ -26,6 +26,7 @@ from .findings import (
 from .flags import FLAG_KINDS, StepFlags, StepRead
 from .grads import GradCheck, GradNorms, WeightCheck, fused_norms
 from .hooks import HookHandle, floating_tensors
+from .norms import HUGE_NORM, true_norm, true_norms
 from .rows import batch_error, describe_rows, drop_rows, rows_to_drop
 from .walk import iter_tensors
 
@@ -47,6 +48,9 @@ __all__ = [
     "GradNorms",
     "WeightCheck",
     "fused_norms",
+    "HUGE_NORM",
+    "true_norm",
+    "true_norms",
     "StepFlags",
     "StepRead",
     "FLAG_KINDS",

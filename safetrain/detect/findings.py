@@ -18,6 +18,8 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from .norms import HUGE_NORM
+
 __all__ = [
     "Finding",
     "TensorStats",
@@ -263,11 +265,14 @@ class GradFinding(Finding):
     """Non-finite or too-large gradients, by parameter (``kind="gradient"`` or ``"grad_norm"``).
 
     Attributes:
-        total_norm: the total L2 norm of all gradients.
+        total_norm: the total L2 norm of all gradients: the true one when every element is
+            finite, even where the float32 squares overflowed (Inf when some gradient is).
         threshold: ``guard.grad_norm_threshold`` when set.
         nonfinite: names of the parameters whose gradient holds NaN or Inf.
         above_threshold: names of the parameters whose gradient norm exceeds ``threshold``.
         norms: ``(name, norm)`` for every parameter named above, largest first.
+        overflowing: names of the parameters whose float32 norm overflowed to Inf although every
+            element of their gradient is finite (their true norm is in ``norms``).
     """
 
     total_norm: float
@@ -275,6 +280,7 @@ class GradFinding(Finding):
     nonfinite: Tuple[str, ...] = ()
     above_threshold: Tuple[str, ...] = ()
     norms: Tuple[Tuple[str, float], ...] = ()
+    overflowing: Tuple[str, ...] = ()
 
     def to_dict(self) -> Dict[str, Any]:
         """As :meth:`Finding.to_dict`, with ``norms`` as a ``{name: norm}`` mapping."""
@@ -283,13 +289,19 @@ class GradFinding(Finding):
         return out
 
     def describe(self) -> str:
-        """``gradient: non-finite in fc.weight; total norm inf``."""
+        """``gradient: non-finite in fc.weight; total norm inf``, or for finite gradients too
+        large for float32 ``grad_norm: ...; total norm 3.2e+21 (overflows float32, every element finite)``."""
         parts = []
         if self.nonfinite:
             parts.append(f"non-finite in {', '.join(self.nonfinite[:10])}")
+        if self.overflowing:
+            parts.append(f"float32 norm overflows in {', '.join(self.overflowing[:10])}")
         if self.above_threshold:
             parts.append(f"above {self.threshold} in {', '.join(self.above_threshold[:10])}")
-        return f"{self.kind}: {'; '.join(parts) or 'no parameter named'}; total norm {self.total_norm}{_where(self)}"
+        total = f"total norm {self.total_norm:.4g}"
+        if not self.nonfinite and math.isfinite(self.total_norm) and self.total_norm >= HUGE_NORM:
+            total += " (overflows float32, every element finite)"
+        return f"{self.kind}: {'; '.join(parts) or 'no parameter named'}; {total}{_where(self)}"
 
 
 @dataclass(frozen=True, kw_only=True)

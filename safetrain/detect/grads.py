@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from .findings import GradFinding, WeightFinding
 from .flags import gathered
+from .norms import true_norms
 
 __all__ = ["GradNorms", "GradCheck", "WeightCheck", "fused_norms"]
 
@@ -237,8 +238,10 @@ class GradCheck:
 
         No second norm pass and no sync. With the host float from the step's read
         (``StepRead.total_norm``) the coefficient is worked out on the host and nothing runs when
-        it is 1; with a device tensor it is :func:`torch.nn.utils.clip_grads_with_norm_`. Call it
-        only on a healthy step (a non-finite norm would poison the gradients).
+        it is 1; a non-finite float (the float32 squares overflowed) is worked out again exactly
+        first (slow path), and gradients that hold NaN/Inf are left as they are. With a device
+        tensor the coefficient stays on the device (as :func:`torch.nn.utils.clip_grads_with_norm_`),
+        and a non-finite one leaves the gradients as they are: clipping never writes NaN into them.
 
         Args:
             max_norm: ``guard.clip_grad_norm``.
@@ -248,8 +251,15 @@ class GradCheck:
         if not grads:
             return
         if isinstance(total_norm, Tensor):
-            torch.nn.utils.clip_grads_with_norm_(self._params, max_norm, total_norm)
+            total = total_norm.detach().float()
+            coef = torch.where(torch.isfinite(total), (max_norm / (total + 1e-6)).clamp(max=1.0), 1.0)
+            for device in {g.device for g in grads}:  # one fused multiply per device
+                torch._foreach_mul_([g for g in grads if g.device == device], coef.to(device))
             return
+        if not math.isfinite(total_norm):  # slow path: never on a healthy step
+            total_norm = math.hypot(*true_norms(grads))
+            if not math.isfinite(total_norm):
+                return
         coef = max_norm / (total_norm + 1e-6)  # the same coefficient as clip_grad_norm_
         if coef < 1.0:
             torch._foreach_mul_(grads, coef)
@@ -266,7 +276,9 @@ class GradCheck:
         """Name the parameters with non-finite gradients and those whose norm is above ``threshold``.
 
         Slow path only (reads the norm vector on the host). ``kind`` is ``gradient`` when a
-        gradient is non-finite, else ``grad_norm``.
+        gradient holds NaN/Inf, else ``grad_norm``: a float32 norm that overflowed while every
+        element is finite is worked out exactly (:func:`~.norms.true_norm`), and the finding's
+        ``total_norm`` and ``norms`` are the true ones.
 
         Args:
             result: this step's :meth:`run` result, or the norms already on the host
@@ -283,20 +295,22 @@ class GradCheck:
             norms = result.norms.tolist()  # host sync: slow path only
         else:
             norms = [float(n) for n in result]
-        total = math.hypot(*norms)
+        nonfinite: Tuple[str, ...] = ()
+        overflowing: Tuple[str, ...] = ()
         if any(not math.isfinite(n) for n in norms):
-            # A norm that is inf only because the squares overflowed is not a non-finite gradient.
-            exact = [
-                not bool(torch.isfinite(p.grad).all()) if not math.isfinite(n) else False  # host sync: slow path
-                for p, n in zip(self._with_grad, norms)
-            ]
-        else:
-            exact = [False] * len(norms)
-        nonfinite = tuple(name for name, bad in zip(self.names, exact) if bad)
+            # A norm that is Inf only because the float32 squares overflowed is no non-finite
+            # gradient: the true norm (host sync per such gradient: slow path) tells them apart.
+            exact = true_norms([p.grad for p in self._with_grad], norms)
+            nonfinite = tuple(name for name, v in zip(self.names, exact) if not math.isfinite(v))
+            overflowing = tuple(
+                name for name, v, n in zip(self.names, exact, norms) if math.isfinite(v) and not math.isfinite(n)
+            )
+            norms = exact
+        total = math.hypot(*norms)  # in float64 on the host: the true total when every norm is finite
         above = ()
         if threshold is not None:
             above = tuple(n for n, v in zip(self.names, norms) if math.isfinite(v) and v > threshold)
-        listed = set(nonfinite) | set(above)
+        listed = set(nonfinite) | set(above) | set(overflowing)
         pairs = sorted(((n, v) for n, v in zip(self.names, norms) if n in listed), key=lambda nv: -_sort_key(nv[1]))
         return GradFinding(
             kind="gradient" if nonfinite else "grad_norm",
@@ -307,6 +321,7 @@ class GradCheck:
             threshold=threshold,
             nonfinite=nonfinite,
             above_threshold=above,
+            overflowing=overflowing,
             norms=tuple(pairs),
         )
 

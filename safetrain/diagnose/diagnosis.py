@@ -82,7 +82,7 @@ class Diagnosis:
             parts.append(f"non-finite gradients in {', '.join(self.nonfinite_grads[:5])}")
         if self.bad_rows:
             parts.append(f"bad rows {list(self.bad_rows)} ({self.forward_passes} forward passes)")
-        return "reproducible: " + ("; ".join(parts) or "non-finite again")
+        return "reproducible: " + ("; ".join(parts) or self.note or "non-finite again")
 
     def _describe_weights(self) -> str:
         names = ", ".join(self.nonfinite_weights[:5]) or "parameters"

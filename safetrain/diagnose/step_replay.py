@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from ..detect import ActivationMonitor, drop_rows, iter_tensors
+from ..detect import HUGE_NORM, ActivationMonitor, drop_rows, fused_norms, iter_tensors, true_norms
 from ..wrappers import plain_namer
 from .bisect import Bisection, isolate_rows
 from .diagnosis import Diagnosis
@@ -131,7 +131,8 @@ class StepReplay:
                     loss_bad = not math.isfinite(float(loss.detach().float()))  # host sync: replay only
                     node, frames = self._backward(loss)
                 grads = [n for n, p in self._named_parameters() if p.grad is not None and any_nonfinite([p.grad])]
-                if seen.finding is not None or op_mode.op is not None or loss_bad or node is not None or grads:
+                huge = 0.0 if grads or loss_bad else self._huge_norm()  # finite, but too large for float32?
+                if seen.finding is not None or op_mode.op is not None or loss_bad or node is not None or grads or huge:
                     f = seen.finding
                     found = dict(
                         module=f.module if f else None,
@@ -145,11 +146,13 @@ class StepReplay:
                         micro=k,
                         loss_bad=loss_bad,
                     )
+                    if huge:  # the same finite gradients too large for float32: reproduced, not transient
+                        found["note"] = f"gradient norm {huge:.4g} overflows float32 again (every element finite)"
                     break
         if not found:
             return Diagnosis(reproducible=False, seconds=time.perf_counter() - started)
         rows: Tuple[int, ...] = ()
-        passes, note = 0, ""
+        passes, note = 0, found.pop("note", "")
         k = found.pop("micro")
         if found.pop("loss_bad"):
             rows, passes, note = self._bisect(micro[k], started)
@@ -163,6 +166,15 @@ class StepReplay:
             note=note,
             **found,
         )
+
+    def _huge_norm(self) -> float:
+        """The replayed gradients' true total norm when it overflows float32 though every element is
+        finite (:data:`~safetrain.detect.HUGE_NORM`), else 0 (replay only: host reads)."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            return 0.0
+        total = math.hypot(*true_norms(grads, [float(n) for n in fused_norms(grads)]))
+        return total if HUGE_NORM <= total < math.inf else 0.0
 
     def _backward(self, loss: torch.Tensor) -> Tuple[Optional[str], List[str]]:
         if not loss.requires_grad:

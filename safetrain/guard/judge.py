@@ -114,14 +114,14 @@ class Judge:
         if overflowed:
             scale = read.extra["scale"][0]
             return Anomaly(Kind.OVERFLOW, {"scale": scale, "new_scale": scale * self.plumbing.backoff_factor()})
-        if read.gradient:
-            return Anomaly(
-                Kind.GRADIENT, {"finding": self.grads.finding(read.grad_norms, self.threshold, **self.where())}
-            )
-        if self.threshold is not None and read.total_norm is not None and read.total_norm > self.threshold:
-            return Anomaly(
-                Kind.GRAD_NORM, {"finding": self.grads.finding(read.grad_norms, self.threshold, **self.where())}
-            )
+        total = read.total_norm
+        if read.gradient or (
+            total is not None and (total >= detect.HUGE_NORM or (self.threshold is not None and total > self.threshold))
+        ):
+            # An Inf norm of finite elements (float32 squares overflowed) is GRAD_NORM with its true
+            # norm, whatever the threshold; only NaN/Inf elements are GRADIENT.
+            finding = self.grads.finding(read.grad_norms, self.threshold, **self.where())
+            return Anomaly(Kind.GRADIENT if finding.kind == "gradient" else Kind.GRAD_NORM, {"finding": finding})
         evidence = self.spike.check(loss)
         if evidence is not None:
             return Anomaly(Kind.SPIKE, evidence)

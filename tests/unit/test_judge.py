@@ -235,6 +235,29 @@ TABLE = [
         "a total norm below the threshold is healthy",
     ),
     (
+        "grad_norm: finite gradients whose float32 norm overflows",
+        [],
+        {"bad_grad": ("0.weight", 1e20)},
+        0,
+        None,
+        Kind.GRAD_NORM,
+        lambda a: (
+            a.detail["finding"].overflowing == ("0.weight",)
+            and a.detail["finding"].total_norm == pytest.approx(math.sqrt(12) * 1e20, rel=1e-6)
+        ),
+        "finite elements whose squares overflow float32 are GRAD_NORM with the true norm, no threshold needed",
+    ),
+    (
+        "grad_norm: a finite total above float32's range",
+        [],
+        {"force": {"grad_norms": (1.5e19, 1.5e19, 0.0, 0.0), "total_norm": math.hypot(1.5e19, 1.5e19)}},
+        0,
+        None,
+        Kind.GRAD_NORM,
+        lambda a: a.detail["finding"].total_norm == pytest.approx(math.hypot(1.5e19, 1.5e19)),
+        "a total norm whose square overflows float32 is GRAD_NORM even with every norm finite",
+    ),
+    (
         "spike",
         [],
         {"y_scale": 1000.0},
