@@ -23,6 +23,7 @@ _EPILOG = """examples:
   safetrain demo --out runs/demo recovery.max_retries=8
   safetrain report runs/demo                       table of what happened, and report.png
   safetrain inspect runs/a/snapshots/snapshot-0000000100.safetensors
+  safetrain inspect runs/a/snapshots
   safetrain check-config configs/default.yaml
   safetrain check-config configs/lenient.yaml recovery.max_retries=8 log.dir=runs/a
 
@@ -76,14 +77,18 @@ def _parser() -> argparse.ArgumentParser:
     rep.set_defaults(func=_report)
     ins = sub.add_parser(
         "inspect",
-        help="describe a snapshot file: step, size, checksums, finiteness, optimizer",
+        help="describe a snapshot file (step, size, checksums, finiteness, optimizer) or list a directory's",
         description="Read a safetensors snapshot fully (no code runs) and say what it holds and whether it is sound. "
-        "Exit code 1 when it reads but is not sound (a checksum mismatch or NaN/Inf in the state), 2 when it "
-        "cannot be read as a snapshot.",
-        epilog="example:\n  safetrain inspect runs/a/snapshots/snapshot-0000000100.safetensors",
+        "For a directory, list its snapshots newest first with their step and whether each verifies. "
+        "Exit code 1 when it reads but is not sound (a checksum mismatch or NaN/Inf in the state; for a directory: "
+        "any snapshot), 2 when it cannot be read as a snapshot (or the directory holds none).",
+        epilog="examples:\n  safetrain inspect runs/a/snapshots/snapshot-0000000100.safetensors\n"
+        "  safetrain inspect runs/a/snapshots",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ins.add_argument("path", metavar="PATH", help="a snapshot-*.safetensors file")
+    ins.add_argument(
+        "path", metavar="PATH", help="a snapshot-*.safetensors file, or a directory of them (listed newest first)"
+    )
     ins.set_defaults(func=_inspect)
     check = sub.add_parser(
         "check-config",
@@ -140,8 +145,12 @@ def _report(args: argparse.Namespace) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     from .errors import SnapshotError
-    from .snapshot import format_inspection, inspect_snapshot
+    from .snapshot import format_directory, format_inspection, inspect_directory, inspect_snapshot
 
+    if os.path.isdir(args.path):
+        rows = inspect_directory(args.path)
+        sys.stdout.write(format_directory(args.path, rows) + "\n")
+        return 0 if all(row["ok"] for row in rows) else 1
     try:
         info = inspect_snapshot(args.path)
     except SnapshotError:

@@ -134,9 +134,11 @@ class SafeTrainer:
             run_dir=str(run_dir) if run_dir else None,
         )
         result = FitResult(run_dir=str(run_dir) if run_dir else None, events=bus.events)
-        start_epoch, skip, epoch_rng = 0, 0, None
+        start_epoch, skip, epoch_rng, used = 0, 0, None, {}
         if resume is not None:
             info = distributed.load_snapshot(resume, guard.state)  # every rank, from the same file
+            passed = [{"path": p, "why": why} for p, why in info.passed_over]  # newer files not usable
+            used = {"resumed_from": info.path, "passed_over": passed}
             guard.load_state_dict(info.extra)
             start_epoch, skip = guard.counters.epoch, guard.counters.batch
             epoch_rng = info.extra_tensors.get("epoch_rng")
@@ -148,8 +150,8 @@ class SafeTrainer:
                 kind="run",
                 rank=rank,
                 action="resume" if resume else "start",
-                message=f"{'resumed from ' + str(resume) if resume else 'started'}; run dir {run_dir}",
-                detail={"config": to_dict(cfg), "resume": str(resume) if resume else None},
+                message=f"{_resumed(resume, used) if resume else 'started'}; run dir {run_dir}",
+                detail={"config": to_dict(cfg), "resume": str(resume) if resume else None, **used},
             )
         )
         bar = _progress(cfg.log.progress and rank == 0, epochs, loader)
@@ -311,3 +313,11 @@ def _progress(enabled: bool, epochs: int, loader: Any) -> Any:
     except TypeError:
         total = None
     return tqdm(total=total, desc="safetrain", unit="step", dynamic_ncols=True)
+
+
+def _resumed(resume: Any, used: Dict[str, Any]) -> str:
+    """``resumed from FILE`` (of ``resume``), naming the newer files passed over and why."""
+    text = f"resumed from {used.get('resumed_from') or resume}"
+    for p in used.get("passed_over", []):
+        text += f"; passed over {p['path']} ({p['why']})"
+    return text

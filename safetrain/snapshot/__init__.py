@@ -12,7 +12,7 @@ Cost: each snapshot copies and checks the whole state, so the guard takes one ev
 from __future__ import annotations
 
 from .disk import SafetensorsStore, list_snapshots, load_snapshot
-from .inspection import format_inspection, inspect_snapshot
+from .inspection import format_directory, format_inspection, inspect_directory, inspect_snapshot
 from .make import SnapshotConfigError, make_store
 from .memory import MemoryStore
 from .state import TrainState
@@ -31,6 +31,8 @@ __all__ = [
     "list_snapshots",
     "inspect_snapshot",
     "format_inspection",
+    "inspect_directory",
+    "format_directory",
     "nonfinite",
     "CorruptSnapshotError",
     "SnapshotConfigError",

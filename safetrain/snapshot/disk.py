@@ -12,6 +12,7 @@ Loading reads into fresh memory (no mmap), so deleted files really free their sp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -28,7 +29,7 @@ from .fileformat import FileWriter, checksum, read_header, read_tensors
 from .state import Captured, TrainState, validate_meta
 from .store import SnapshotInfo, SnapshotStore, make_info
 
-__all__ = ["SafetensorsStore", "load_snapshot", "list_snapshots"]
+__all__ = ["SafetensorsStore", "load_snapshot", "list_snapshots", "snapshot_step"]
 
 log = logging.getLogger("safetrain")
 
@@ -44,6 +45,12 @@ def list_snapshots(directory: Union[str, os.PathLike]) -> List[str]:
         return []
     found = [(int(m.group(1)), n) for n in names if (m := _NAME.match(n))]
     return [os.path.join(os.fspath(directory), n) for _, n in sorted(found)]
+
+
+def snapshot_step(path: Union[str, os.PathLike]) -> int:
+    """The step in a snapshot file's name (``snapshot-0000000100.safetensors`` -> 100), or -1."""
+    m = _NAME.match(os.path.basename(os.fspath(path)))
+    return int(m.group(1)) if m else -1
 
 
 def _load_file(path: str, state: TrainState) -> SnapshotInfo:
@@ -259,7 +266,7 @@ def load_snapshot(path: Union[str, os.PathLike], state: TrainState) -> SnapshotI
 
     Args:
         path: a ``.safetensors`` snapshot, or a directory of them (damaged ones are skipped,
-            with a warning, and left in place).
+            with a warning, left in place, and listed in the result's ``passed_over``).
         state: the :class:`TrainState` to write into.
 
     Returns:
@@ -279,13 +286,18 @@ def load_snapshot(path: Union[str, os.PathLike], state: TrainState) -> SnapshotI
         if not os.path.exists(path):
             raise SnapshotError(f"{path}: no such snapshot file or directory")
         return _load_file(path, state)
-    failures = []
+    failures: List[Tuple[str, str]] = []
     for candidate in reversed(list_snapshots(path)):
         try:
-            return _load_file(candidate, state)
+            info = _load_file(candidate, state)
         except SnapshotError as exc:
             log.warning("snapshot unusable, trying an older one: %s", exc)
-            failures.append(str(exc))
+            failures.append((candidate, str(exc)))
+            continue
+        if failures:
+            log.warning("resumed from %s, passing over %d newer file(s)", candidate, len(failures))
+        passed = tuple((p, why[len(p) + 2 :] if why.startswith(f"{p}: ") else why) for p, why in failures)
+        return dataclasses.replace(info, passed_over=passed)
     if not failures:
         raise SnapshotError(f"{path}: no snapshot files (snapshot-*.safetensors) in this directory")
-    raise SnapshotError(f"{path}: no usable snapshot; " + "; ".join(failures))
+    raise SnapshotError(f"{path}: no usable snapshot; " + "; ".join(why for _, why in failures))

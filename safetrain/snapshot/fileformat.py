@@ -3,7 +3,8 @@
 A snapshot file is a plain safetensors file (``safetensors.safe_open`` reads it): an 8-byte little-endian
 header length, a JSON header describing each tensor, then the tensor bytes. Its ``__metadata__`` holds two
 strings: ``safetrain.state`` (the JSON part of the training state) and ``safetrain.checksum`` (a checksum of
-that string and of every tensor's bytes: :func:`checksum`). Cost: the checksum runs at memory speed, on one
+that string, of every tensor's bytes (:func:`checksum`) and of the header itself: dtypes, shapes, offsets,
+metadata; :mod:`.header` reads and validates headers). Cost: the checksum runs at memory speed, on one
 thread while another writes or reads the bytes. Part of ``snapshot``, under :mod:`.disk` and :mod:`.inspection`.
 """
 
@@ -14,80 +15,33 @@ import os
 import queue
 import threading
 import zlib
-from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 import torch
 
 from ..errors import SnapshotError
+from .header import (
+    ALGORITHM,
+    CHECKSUM_KEY,
+    DTYPES,
+    STATE_KEY,
+    TABLE_VERSION,
+    Entry,
+    Header,
+    header_digest,
+    open_regular,
+    read_header,
+)
 from .store import CorruptSnapshotError
 from .tensors import byte_view
 
 __all__ = ["Entry", "Header", "FileWriter", "read_header", "read_tensors", "checksum", "DTYPES", "ALGORITHM"]
 
-DTYPES: Dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.complex64: "C64",
-}
-for _name, _code in (
-    ("float8_e4m3fn", "F8_E4M3"),
-    ("float8_e5m2", "F8_E5M2"),
-    ("uint16", "U16"),
-    ("uint32", "U32"),
-    ("uint64", "U64"),
-):
-    if hasattr(torch, _name):
-        DTYPES[getattr(torch, _name)] = _code
-_CODES = {code: dtype for dtype, code in DTYPES.items()}
-
-STATE_KEY = "safetrain.state"
-CHECKSUM_KEY = "safetrain.checksum"
-_HEADER_LIMIT = 100 * 2**20  # the safetensors library's own limit
 _CHUNK = 256 * 2**20  # bytes per read or write call (Linux caps one call just under 2 GiB)
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One tensor in a file: name, dtype, shape and byte range in the data section."""
-
-    name: str
-    dtype: torch.dtype
-    shape: Tuple[int, ...]
-    begin: int
-    end: int
-
-
-@dataclass(frozen=True)
-class Header:
-    """A parsed, validated file header: entries in file order, metadata, where data starts."""
-
-    path: str
-    entries: Tuple[Entry, ...]
-    metadata: Dict[str, str]
-    data_start: int
-    size: int
-
-    def specs(self) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
-        """``name -> (shape, dtype)`` for every tensor."""
-        return {e.name: (e.shape, e.dtype) for e in self.entries}
-
-    def state(self) -> Dict[str, Any]:
-        """The JSON part of the training state (``safetrain.state``), parsed."""
-        return json.loads(self.metadata[STATE_KEY])
 
 
 _BLOCK_WORDS = 4096
 _MASK = 2**64 - 1
-ALGORITHM = "blocksum64"
 
 
 def checksum(t: torch.Tensor) -> str:
@@ -159,12 +113,15 @@ class FileWriter:
         self._thread.start()
 
     def _header(self, sums: Mapping[str, str]) -> bytes:
-        table = {
+        table: Dict[str, Any] = {
+            "version": TABLE_VERSION,
             "algorithm": ALGORITHM,
             "state": f"{zlib.crc32(self.state_json.encode('utf-8')):08x}",
             "tensors": {n: sums[n] for n in sorted(sums)},
         }
-        raw = _header_bytes(self.entries, {STATE_KEY: self.state_json, CHECKSUM_KEY: json.dumps(table)})
+        metadata = {STATE_KEY: self.state_json}
+        table["header"] = header_digest(self.entries, metadata, table)  # fixed width: 64 hex digits
+        raw = _header_bytes(self.entries, {**metadata, CHECKSUM_KEY: json.dumps(table)})
         return len(raw).to_bytes(8, "little") + raw
 
     def _write_data(self) -> None:
@@ -212,115 +169,6 @@ def _pwrite_all(fd: int, view: memoryview, pos: int) -> None:
         done += os.pwrite(fd, view[done : done + _CHUNK], pos + done)
 
 
-def read_header(path: str) -> Header:
-    """Parse and validate a snapshot file's header without reading tensor data. Parsing never
-    evaluates anything: the header is JSON and every offset is checked.
-
-    Raises:
-        SnapshotError: the file is missing, empty, truncated, not safetensors, not a safetrain
-            snapshot, or its metadata fails its checksum; the message names the file.
-    """
-    try:
-        with open(path, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
-            if size == 0:
-                raise CorruptSnapshotError(f"{path}: file is empty (0 bytes); not a snapshot")
-            if size < 8:
-                raise CorruptSnapshotError(f"{path}: file is {size} bytes, too short for a safetensors header")
-            n = int.from_bytes(f.read(8), "little")
-            if n > size - 8 or n > _HEADER_LIMIT:
-                raise CorruptSnapshotError(
-                    f"{path}: header length {n} does not fit a {size}-byte file: not a safetensors file "
-                    "(a pickle or torch.save file?) or truncated"
-                )
-            raw = f.read(n)
-    except OSError as exc:
-        raise SnapshotError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptSnapshotError(
-            f"{path}: header is not valid JSON ({exc}): not a safetensors file, or corrupted"
-        ) from None
-    if not isinstance(header, dict):
-        raise CorruptSnapshotError(
-            f"{path}: header is a JSON {type(header).__name__}, not an object: not a safetensors file"
-        )
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise CorruptSnapshotError(f"{path}: __metadata__ is not a map of strings: corrupted")
-    entries = _entries(path, header)
-    data_start, data_size = 8 + n, size - 8 - n
-    end = entries[-1].end if entries else 0
-    if end > data_size:
-        raise CorruptSnapshotError(
-            f"{path}: truncated: header describes {end} bytes of tensor data, the file holds {data_size}"
-        )
-    if end < data_size:
-        raise CorruptSnapshotError(f"{path}: {data_size - end} unexpected bytes after the tensor data: corrupted")
-    if STATE_KEY not in metadata or CHECKSUM_KEY not in metadata:
-        raise CorruptSnapshotError(
-            f"{path}: a safetensors file without safetrain metadata ({STATE_KEY!r}): not a safetrain snapshot"
-        )
-    out = Header(path, tuple(entries), metadata, data_start, size)
-    checksums = _checksums(out)
-    if f"{zlib.crc32(metadata[STATE_KEY].encode('utf-8')):08x}" != checksums["state"]:
-        raise CorruptSnapshotError(f"{path}: the training-state metadata fails its checksum: corrupted")
-    if set(checksums["tensors"]) != {e.name for e in entries}:
-        raise CorruptSnapshotError(f"{path}: the checksum table does not list the file's tensors: corrupted")
-    try:
-        state = out.state()
-    except json.JSONDecodeError as exc:
-        raise CorruptSnapshotError(f"{path}: {STATE_KEY} metadata is not valid JSON ({exc}): corrupted") from None
-    if not isinstance(state, dict):
-        raise CorruptSnapshotError(f"{path}: {STATE_KEY} metadata is not a JSON object: corrupted")
-    return out
-
-
-def _entries(path: str, header: Mapping[str, Any]) -> List[Entry]:
-    entries = []
-    for name, spec in header.items():
-        try:
-            dtype = _CODES[spec["dtype"]]
-            shape = tuple(_nonneg_int(d) for d in spec["shape"])
-            begin, end = (_nonneg_int(x) for x in spec["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise CorruptSnapshotError(f"{path}: tensor {name!r} has a malformed header entry {spec!r}") from None
-        numel = 1
-        for d in shape:
-            numel *= d
-        if end - begin != numel * dtype.itemsize:
-            raise CorruptSnapshotError(
-                f"{path}: tensor {name!r}: shape {list(shape)} {dtype} does not match byte range {begin}..{end}"
-            )
-        entries.append(Entry(name, dtype, shape, begin, end))
-    entries.sort(key=lambda e: (e.begin, e.end))
-    cursor = 0
-    for e in entries:
-        if e.begin != cursor:
-            raise CorruptSnapshotError(
-                f"{path}: tensor {e.name!r} starts at byte {e.begin}, expected {cursor} (overlap or gap)"
-            )
-        cursor = e.end
-    return entries
-
-
-def _nonneg_int(x: Any) -> int:
-    if isinstance(x, bool) or not isinstance(x, int) or x < 0:
-        raise ValueError(x)
-    return x
-
-
-def _checksums(header: Header) -> Dict[str, Any]:
-    try:
-        data = json.loads(header.metadata[CHECKSUM_KEY])
-        if data.get("algorithm") != ALGORITHM or not isinstance(data.get("tensors"), dict):
-            raise ValueError(data.get("algorithm"))
-        return data
-    except (ValueError, AttributeError):
-        raise CorruptSnapshotError(f"{header.path}: the checksum metadata is malformed: corrupted") from None
-
-
 def read_tensors(
     header: Header, *, verify: bool = True, only: Optional[Set[str]] = None
 ) -> Tuple[Dict[str, torch.Tensor], List[str]]:
@@ -344,12 +192,12 @@ def read_tensors(
         SnapshotError: the file changed size, cannot be read, or (with ``verify``) a tensor's
             bytes do not match its checksum.
     """
-    expected = _checksums(header)["tensors"]
+    expected = header.checksums()["tensors"]
     entries = [e for e in header.entries if only is None or e.name in only]
-    try:
-        fd = os.open(header.path, os.O_RDONLY)
-    except OSError as exc:
-        raise SnapshotError(f"{header.path}: cannot read: {exc.strerror or exc}") from None
+    fd, size = open_regular(header.path)
+    if size != header.size:
+        os.close(fd)
+        raise CorruptSnapshotError(f"{header.path}: the file changed size ({header.size} -> {size} bytes) while read")
     done_q: "queue.Queue[Any]" = queue.Queue()
     stop = threading.Event()
 

@@ -1,4 +1,5 @@
-"""``safetrain inspect PATH``: what a snapshot file holds and whether it is sound."""
+"""``safetrain inspect PATH``: what a snapshot file holds and whether it is sound; for a directory,
+each snapshot's step and whether it verifies, newest first."""
 
 from __future__ import annotations
 
@@ -6,13 +7,15 @@ import datetime
 import os
 from typing import Any, Dict, List, Union
 
+from ..errors import SnapshotError
 from .codec import decode
+from .disk import list_snapshots, snapshot_step
 from .fileformat import read_header, read_tensors
 from .state import validate_meta
 from .store import CorruptSnapshotError
 from .tensors import nonfinite
 
-__all__ = ["inspect_snapshot", "format_inspection"]
+__all__ = ["inspect_snapshot", "format_inspection", "inspect_directory", "format_directory"]
 
 
 def inspect_snapshot(path: Union[str, os.PathLike]) -> Dict[str, Any]:
@@ -114,4 +117,59 @@ def format_inspection(info: Dict[str, Any]) -> str:
     others = {k: v for k, v in info["counters"].items() if k not in ("step", "epoch", "batch")}
     if others:
         lines.append(f"counters   {others}")
+    return "\n".join(lines)
+
+
+def inspect_directory(path: Union[str, os.PathLike]) -> List[Dict[str, Any]]:
+    """Read every snapshot of a directory fully and say whether each verifies, newest first.
+
+    Args:
+        path: a snapshot directory (``snapshot.dir``, or ``<log.dir>/snapshots``).
+
+    Returns:
+        One JSON-ready dict per ``snapshot-*.safetensors`` file: ``path``, ``step`` (from the
+        file when it reads, else from its name), ``ok`` (checksums and finiteness), ``problem``
+        (why not, or ``None``) and ``info`` (:func:`inspect_snapshot`'s dict, or ``None`` when
+        the file cannot be read as a snapshot).
+
+    Raises:
+        SnapshotError: the directory holds no snapshot files.
+    """
+    path = os.fspath(path)
+    rows = []
+    for file in reversed(list_snapshots(path)):
+        try:
+            info = inspect_snapshot(file)
+        except SnapshotError as exc:
+            why = str(exc)
+            why = why[len(file) + 2 :] if why.startswith(f"{file}: ") else why
+            rows.append({"path": file, "step": snapshot_step(file), "ok": False, "problem": why, "info": None})
+            continue
+        problems = (
+            [f"tensor data fails its checksum ({', '.join(info['bad_checksums'][:3])})"]
+            if not info["checksum_ok"]
+            else []
+        )
+        if not info["all_finite"]:
+            problems.append(f"non-finite ({', '.join(info['nonfinite'][:3])})")
+        rows.append(
+            {
+                "path": file,
+                "step": info["step"],
+                "ok": not problems,
+                "problem": "; ".join(problems) or None,
+                "info": info,
+            }
+        )
+    if not rows:
+        raise SnapshotError(f"{path}: no snapshot files (snapshot-*.safetensors) in this directory")
+    return rows
+
+
+def format_directory(path: str, rows: List[Dict[str, Any]]) -> str:
+    """Render :func:`inspect_directory`'s rows as the lines ``safetrain inspect DIR`` prints."""
+    lines = [f"snapshots  {path}  ({len(rows)}, newest first)", f"{'step':>10}  {'file':<34} verifies"]
+    for row in rows:
+        verdict = "ok" if row["ok"] else f"FAILED  {row['problem']}"
+        lines.append(f"{row['step']:>10}  {os.path.basename(row['path']):<34} {verdict}")
     return "\n".join(lines)

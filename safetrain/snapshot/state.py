@@ -198,10 +198,16 @@ class TrainState:
             where: the file (or store slot) named in errors.
 
         Raises:
-            SnapshotError: naming the first mismatch: format, a missing or extra model tensor, a
-                shape or dtype, the optimizer's type or parameter layout, the scheduler's type,
+            SnapshotError: naming the first mismatch: a model on the meta device, format, a missing
+                or extra model tensor, a shape or dtype, the optimizer's type or parameter layout, the scheduler's type,
                 the scaler's enabled state. ``CorruptSnapshotError`` when the metadata is malformed.
         """
+        meta_device = [n for n, t in self._model_state().items() if t.is_meta]
+        if meta_device:
+            raise SnapshotError(
+                f"{where}: the model is on the meta device ({_few(meta_device)}): it has no storage and "
+                "loading would do nothing; materialize it first with model.to_empty(device=...), then load"
+            )
         try:
             self._check_compatible(specs, meta, where)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
@@ -311,6 +317,9 @@ def validate_meta(meta: Any, where: str) -> None:
             raise CorruptSnapshotError(
                 f"{where}: malformed snapshot metadata: {key!r} is {type(meta.get(key)).__name__}"
             )
+    created = meta.get("created", 0.0)
+    if isinstance(created, bool) or not isinstance(created, (int, float)):
+        raise CorruptSnapshotError(f"{where}: malformed snapshot metadata: created {created!r:.80}")
     counters = meta["counters"]
     if "step" not in counters or not all(isinstance(v, int) and not isinstance(v, bool) for v in counters.values()):
         raise CorruptSnapshotError(f"{where}: malformed snapshot metadata: counters {counters!r}")

@@ -14,7 +14,7 @@ import abc
 import enum
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Mapping, Optional
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -44,6 +44,8 @@ class SnapshotInfo:
         extra_tensors: the caller's tensors, as fresh copies on the device they were saved from.
         path: the file, or ``None`` for a memory snapshot.
         created: ``time.time()`` when the snapshot was taken.
+        passed_over: ``(path, why)`` of each newer file that a load from a directory skipped
+            (damaged, not a regular file, from another model), newest first.
     """
 
     step: int
@@ -54,6 +56,7 @@ class SnapshotInfo:
     extra_tensors: Dict[str, torch.Tensor] = field(default_factory=dict, compare=False)
     path: Optional[str] = None
     created: float = 0.0
+    passed_over: Tuple[Tuple[str, str], ...] = field(default=(), compare=False)
 
 
 def make_info(

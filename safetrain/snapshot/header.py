@@ -1,0 +1,302 @@
+"""A snapshot file's header: parsed without trust, validated, and checked against its own checksum.
+
+The header is JSON (``{name: {dtype, shape, data_offsets}, "__metadata__": {...}}``). Its
+``safetrain.checksum`` metadata entry is the checksum table (JSON):
+
+* version 2 (written since the header is covered): ``{"version": 2, "algorithm": "blocksum64",
+  "state": crc32 of the training-state string, "tensors": {name: blocksum64}, "header": sha256}``,
+  where ``header`` is the SHA-256 of :func:`header_digest_input`: every tensor's name, dtype,
+  shape and byte range, every other metadata entry, and the rest of the table. So a changed
+  dtype (``F32`` read as ``I32``), shape, offset or metadata value is refused, not misread.
+* version 1 (older files: no ``version`` key, no ``header``): only the bytes and the state string
+  are covered; such files still load.
+
+Every way a file can be malformed raises :class:`CorruptSnapshotError` naming the file: a
+non-regular file (a FIFO would block ``open`` forever) is refused before it is opened for
+reading, the header's length is bounded, and JSON nested too deeply is refused, not a
+``RecursionError``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import zlib
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Tuple
+
+import torch
+
+from ..errors import SnapshotError
+from .store import CorruptSnapshotError
+
+__all__ = [
+    "Entry",
+    "Header",
+    "read_header",
+    "open_regular",
+    "parse_json",
+    "header_digest",
+    "DTYPES",
+    "STATE_KEY",
+    "CHECKSUM_KEY",
+    "TABLE_VERSION",
+]
+
+DTYPES: Dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.complex64: "C64",
+}
+for _name, _code in (
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e5m2", "F8_E5M2"),
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
+):
+    if hasattr(torch, _name):
+        DTYPES[getattr(torch, _name)] = _code
+_CODES = {code: dtype for dtype, code in DTYPES.items()}
+
+STATE_KEY = "safetrain.state"
+CHECKSUM_KEY = "safetrain.checksum"
+TABLE_VERSION = 2  # the checksum table's version; 1: before the header was covered
+ALGORITHM = "blocksum64"
+_TABLE_KEYS = {1: {"algorithm", "state", "tensors"}, 2: {"version", "algorithm", "state", "tensors", "header"}}
+_HEADER_LIMIT = 100 * 2**20  # the safetensors library's own limit
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor in a file: name, dtype, shape and byte range in the data section."""
+
+    name: str
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Header:
+    """A parsed, validated file header: entries in file order, metadata, where data starts."""
+
+    path: str
+    entries: Tuple[Entry, ...]
+    metadata: Dict[str, str]
+    data_start: int
+    size: int
+
+    def specs(self) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+        """``name -> (shape, dtype)`` for every tensor."""
+        return {e.name: (e.shape, e.dtype) for e in self.entries}
+
+    def state(self) -> Dict[str, Any]:
+        """The JSON part of the training state (``safetrain.state``), parsed (checked by :func:`read_header`)."""
+        return parse_json(self.metadata[STATE_KEY], self.path, STATE_KEY)
+
+    def checksums(self) -> Dict[str, Any]:
+        """The checksum table, validated: ``algorithm``, ``state``, ``tensors`` (and ``header``)."""
+        return _checksums(self.path, self.metadata)
+
+
+def parse_json(text: Any, path: str, what: str) -> Any:
+    """``json.loads`` that raises :class:`CorruptSnapshotError` naming ``path`` and ``what`` instead of
+    ``ValueError`` or ``RecursionError`` (JSON nested deeper than Python's recursion limit)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise CorruptSnapshotError(f"{path}: {what} JSON is nested too deeply: not a snapshot, or corrupted") from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CorruptSnapshotError(f"{path}: {what} is not valid JSON ({exc}): not a snapshot, or corrupted") from None
+
+
+def header_digest(entries: List[Entry], metadata: Mapping[str, str], table: Mapping[str, Any]) -> str:
+    """SHA-256 (hex) of everything the header says: tensors, metadata, the checksum table but this digest."""
+    text = json.dumps(
+        {
+            "tensors": sorted([e.name, DTYPES[e.dtype], list(e.shape), e.begin, e.end] for e in entries),
+            "metadata": {k: v for k, v in metadata.items() if k != CHECKSUM_KEY},
+            "table": {k: v for k, v in table.items() if k != "header"},
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=True,
+    )
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def _kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return kind
+    return "not a plain file"
+
+
+def open_regular(path: str) -> Tuple[int, int]:
+    """Open ``path`` for reading if it is a regular file: ``(fd, size)``; never blocks on a FIFO.
+
+    Raises:
+        SnapshotError: it is missing, unreadable, or not a regular file (FIFO, device, directory).
+    """
+    try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise CorruptSnapshotError(f"{path}: not a regular file ({_kind(mode)}); a snapshot is a regular file")
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise SnapshotError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # replaced between the stat and the open
+        os.close(fd)
+        raise CorruptSnapshotError(f"{path}: not a regular file ({_kind(st.st_mode)}); a snapshot is a regular file")
+    return fd, st.st_size
+
+
+def _pread_exact(fd: int, n: int, pos: int, path: str) -> bytes:
+    parts, done = [], 0
+    while done < n:
+        got = os.pread(fd, n - done, pos + done)
+        if not got:
+            raise CorruptSnapshotError(f"{path}: truncated while reading the header (file changed?)")
+        parts.append(got)
+        done += len(got)
+    return b"".join(parts)
+
+
+def read_header(path: str) -> Header:
+    """Parse and validate a snapshot file's header without reading tensor data.
+
+    Raises:
+        SnapshotError: the file is missing, not a regular file, empty, truncated, not safetensors,
+            not a safetrain snapshot, or its header or metadata fails its checksum; the message
+            names the file.
+    """
+    fd, size = open_regular(path)
+    try:
+        if size == 0:
+            raise CorruptSnapshotError(f"{path}: file is empty (0 bytes); not a snapshot")
+        if size < 8:
+            raise CorruptSnapshotError(f"{path}: file is {size} bytes, too short for a safetensors header")
+        n = int.from_bytes(_pread_exact(fd, 8, 0, path), "little")
+        if n > size - 8 or n > _HEADER_LIMIT:
+            raise CorruptSnapshotError(
+                f"{path}: header length {n} does not fit a {size}-byte file: not a safetensors file "
+                "(a pickle or torch.save file?) or truncated"
+            )
+        raw = _pread_exact(fd, n, 8, path)
+    except OSError as exc:
+        raise SnapshotError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    header = parse_json(raw, path, "header")
+    if not isinstance(header, dict):
+        raise CorruptSnapshotError(
+            f"{path}: header is a JSON {type(header).__name__}, not an object: not a safetensors file"
+        )
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CorruptSnapshotError(f"{path}: __metadata__ is not a map of strings: corrupted")
+    entries = _entries(path, header)
+    data_start, data_size = 8 + n, size - 8 - n
+    end = entries[-1].end if entries else 0
+    if end > data_size:
+        raise CorruptSnapshotError(
+            f"{path}: truncated: header describes {end} bytes of tensor data, the file holds {data_size}"
+        )
+    if end < data_size:
+        raise CorruptSnapshotError(f"{path}: {data_size - end} unexpected bytes after the tensor data: corrupted")
+    if STATE_KEY not in metadata or CHECKSUM_KEY not in metadata:
+        raise CorruptSnapshotError(
+            f"{path}: a safetensors file without safetrain metadata ({STATE_KEY!r}): not a safetrain snapshot"
+        )
+    table = _checksums(path, metadata)
+    if f"{zlib.crc32(metadata[STATE_KEY].encode('utf-8')):08x}" != table["state"]:
+        raise CorruptSnapshotError(f"{path}: the training-state metadata fails its checksum: corrupted")
+    if set(table["tensors"]) != {e.name for e in entries}:
+        raise CorruptSnapshotError(f"{path}: the checksum table does not list the file's tensors: corrupted")
+    if "header" in table and header_digest(entries, metadata, table) != table["header"]:
+        raise CorruptSnapshotError(
+            f"{path}: header fails its checksum (a tensor's dtype, shape or offsets, or the metadata, "
+            "changed): corrupted"
+        )
+    state = parse_json(metadata[STATE_KEY], path, f"{STATE_KEY} metadata")
+    if not isinstance(state, dict):
+        raise CorruptSnapshotError(f"{path}: {STATE_KEY} metadata is not a JSON object: corrupted")
+    return Header(path, tuple(entries), metadata, data_start, size)
+
+
+def _entries(path: str, header: Mapping[str, Any]) -> List[Entry]:
+    entries = []
+    for name, spec in header.items():
+        try:
+            dtype = _CODES[spec["dtype"]]
+            shape = tuple(_nonneg_int(d) for d in spec["shape"])
+            begin, end = (_nonneg_int(x) for x in spec["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CorruptSnapshotError(f"{path}: tensor {name!r} has a malformed header entry {spec!r:.200}") from None
+        numel = 1
+        for d in shape:
+            numel *= d
+        if end - begin != numel * dtype.itemsize:
+            raise CorruptSnapshotError(
+                f"{path}: tensor {name!r}: shape {list(shape)} {dtype} does not match byte range {begin}..{end}"
+            )
+        entries.append(Entry(name, dtype, shape, begin, end))
+    entries.sort(key=lambda e: (e.begin, e.end))
+    cursor = 0
+    for e in entries:
+        if e.begin != cursor:
+            raise CorruptSnapshotError(
+                f"{path}: tensor {e.name!r} starts at byte {e.begin}, expected {cursor} (overlap or gap)"
+            )
+        cursor = e.end
+    return entries
+
+
+def _nonneg_int(x: Any) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+        raise ValueError(x)
+    return x
+
+
+def _checksums(path: str, metadata: Mapping[str, str]) -> Dict[str, Any]:
+    """The checksum table, every key and type checked (version 1 or 2)."""
+    data = parse_json(metadata[CHECKSUM_KEY], path, "the checksum metadata")
+    malformed = CorruptSnapshotError(f"{path}: the checksum metadata is malformed: corrupted")
+    if not isinstance(data, dict):
+        raise malformed
+    version = data.get("version", 1)
+    if isinstance(version, bool) or not isinstance(version, int) or version not in _TABLE_KEYS:
+        raise CorruptSnapshotError(
+            f"{path}: checksum table version {version!r}; this safetrain reads versions "
+            f"{', '.join(map(str, sorted(_TABLE_KEYS)))} (written by a newer safetrain, or corrupted)"
+        )
+    tensors = data.get("tensors")
+    if (
+        set(data) != _TABLE_KEYS[version]
+        or data["algorithm"] != ALGORITHM
+        or not isinstance(data["state"], str)
+        or not isinstance(data.get("header", ""), str)
+        or not isinstance(tensors, dict)
+        or not all(isinstance(v, str) for v in tensors.values())
+    ):
+        raise malformed
+    return data
