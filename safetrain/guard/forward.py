@@ -1,6 +1,8 @@
 """One micro-batch through the model: scan the batch, forward under autocast, backward (scaled).
 
-The healthy path's own work. Non-finite input values are zero-filled on the device only when the
+The healthy path's own work. The buffers a forward may change (BatchNorm's running statistics)
+are kept before each step's first forward, so a step that is not applied leaves none of its
+updates behind. Non-finite input values are zero-filled on the device only when the
 forward updates state (a model with buffers, such as BatchNorm's running statistics); the scan's
 values join the step's one read. Re-runs for the slow path run eagerly and without DDP's syncs.
 """
@@ -17,8 +19,8 @@ from ..batches import compute_loss, split_batch
 from ..config import SanitizeConfig
 from ..detect import TARGET_KEYS
 from ..steps import Pending
-from ..wrappers import can_force_eager, run_eagerly
-from .plumbing import Plumbing
+from ..wrappers import can_force_eager, plain_namer, run_eagerly
+from .plumbing import Buffers, Plumbing
 
 __all__ = ["Forward"]
 
@@ -61,6 +63,9 @@ class Forward:
         # Zero-fill bad input values before the optimistic forward only where the forward updates
         # state: a model without buffers changes nothing until the step is judged.
         self.clean = any(True for _ in model.buffers())
+        # What a forward changes before the step is judged (BatchNorm's running statistics): kept
+        # before each step's first forward, put back when the step is not applied or runs again.
+        self.buffers = Buffers(named, plain_namer(named))
         self._replace_inputs = self._replacement(sanitize.inputs)
         self._replace_targets = self._replacement(sanitize.targets)
 
@@ -69,7 +74,10 @@ class Forward:
         return (s.nan, s.posinf, s.neginf) if action == "replace" else None
 
     def run(self, batch: Any, pending: Pending) -> None:
-        """Scan, forward and backward one micro-batch; its loss and scan values go to ``pending``."""
+        """Scan, forward and backward one micro-batch; its loss and scan values go to ``pending``
+        (the step's first also keeps the buffers as they were before it)."""
+        if len(pending.micro) == 1:
+            self.buffers.keep()
         clean = self.scan(batch, pending)
         # Every forward starts with empty record lists (a compiled graph depends on their length).
         held = self.monitor.set_aside() if len(pending.micro) > 1 and self.monitor.enabled else None

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, List, Optional, Tuple
 
 import torch
 
 from ..batches import pageable_tensors, to_device
 from ..config import AmpConfig
 
-__all__ = ["Plumbing"]
+__all__ = ["Plumbing", "Buffers"]
 
 logger = logging.getLogger("safetrain")
 
@@ -140,3 +140,75 @@ class Plumbing:
             self.scaler.update()
         self.free_grads()
         self.grads_dropped = True
+
+
+class Buffers:
+    """The model's buffers as they were before a step's first forward, to put back when the step
+    is not applied or runs again.
+
+    A forward in train mode updates state before the step is judged: BatchNorm's running
+    statistics and its ``num_batches_tracked``. A skipped step must not leave them behind (NaN
+    running statistics make every eval output and every later snapshot non-finite), and a re-run
+    (``drop_rows``, ``retry``) must count the step once. Kept: every floating buffer and every
+    one-element buffer (a counter), copied into storage allocated once, with one
+    ``_foreach_copy_`` per step and no host sync; a model without such buffers costs nothing.
+
+    Args:
+        model: the module whose buffers are kept (the plain one inside a compile wrapper).
+        namer: the user's name for a buffer's name (no ``_orig_mod.``).
+    """
+
+    def __init__(self, model: torch.nn.Module, namer: Callable[[str], str] = str) -> None:
+        self._model, self._namer = model, namer
+        self._collect()
+
+    def _collect(self) -> None:
+        named = [(n, b) for n, b in self._model.named_buffers() if b.is_floating_point() or b.numel() == 1]
+        self.names = tuple(self._namer(n) for n, _ in named)
+        self._live = [b for _, b in named]
+        self._saved = [b.detach().clone() for b in self._live]
+        self.enabled = bool(self._live)
+
+    def keep(self) -> None:
+        """Copy the buffers aside (before the step's first forward; device-side, no host sync)."""
+        if not self.enabled:
+            return
+        try:
+            torch._foreach_copy_(self._saved, self._live)
+        except RuntimeError:  # a buffer was replaced or changed shape since: collect them again
+            self._collect()
+            torch._foreach_copy_(self._saved, self._live)
+
+    def put_back(self) -> Tuple[str, ...]:
+        """Put the kept buffers back; returns the names of those the step had changed (slow path:
+        one host read per buffer). A buffer replaced since :meth:`keep` is left alone."""
+        if not self.enabled:
+            return ()
+        changed = []
+        with torch.no_grad():
+            for name, live, saved in zip(self.names, self._live, self._saved):
+                if live.shape != saved.shape or live.dtype != saved.dtype:
+                    continue
+                if not torch.equal(live, saved):  # host sync: slow path (NaN differs from itself: put back)
+                    live.copy_(saved)
+                    changed.append(name)
+        if changed:
+            logger.info("put back %d buffer(s) the step had changed: %s", len(changed), ", ".join(changed[:6]))
+        return tuple(changed)
+
+    def checked(self, kept: bool = False) -> List[Tuple[str, torch.Tensor]]:
+        """The floating buffers finite now, by name, for the weight checks (a buffer that holds
+        NaN/Inf by design, a ``-inf`` mask, is left out). One host read, at start.
+
+        Args:
+            kept: the copies kept before the step instead of the live buffers: what the exact
+                check after a trip looks at, since the tripped forward itself has already
+                changed the live ones (a NaN activation makes BatchNorm's statistics NaN).
+        """
+        tensors = self._saved if kept else self._live
+        named = [(n, b) for n, b in zip(self.names, tensors) if b.is_floating_point() and b.numel()]
+        if not named:
+            return []
+        with torch.no_grad():
+            finite = torch.stack([torch.isfinite(b).all() for _, b in named]).tolist()  # host sync: once
+        return [nb for nb, ok in zip(named, finite) if ok]

@@ -114,7 +114,6 @@ class Guard:
         # Gradients are always checked (clipping and the scaler need the norm anyway); the
         # activation and weight checks follow detect.mode. Disabled parts are no-ops, not ifs.
         self.grads = grads = detect.GradCheck(params)
-        self.weights = detect.WeightCheck(params, c.detect.check_weights_every, enabled=c.detect.mode != "off")
         self.monitor = monitor = detect.ActivationMonitor.from_config(named, c.detect)
         monitor.attach()
         # Distributed (a process group of > 1 rank and a DDP model): the one read combines every
@@ -123,16 +122,19 @@ class Guard:
         self.rank = sync.rank  # stamped on every event
         flags, k = detect.StepFlags(reduce=sync.reduce), c.guard.accumulate_steps
         self.forward = fwd = Forward(flags, grads, model, named, monitor, pipes, c.sanitize, k, loss_fn, step_fn)
+        bufs = fwd.buffers.checked()  # the weight checks cover floating buffers (BatchNorm statistics)
+        self.weights = detect.WeightCheck(params + bufs, c.detect.check_weights_every, enabled=c.detect.mode != "off")
         self.store = store = sync.wrap_store(snapshot.make_store(c.snapshot, run_dir=run_dir))
         self.diagnoser = diag = Diagnoser(named, monitor, c.detect.replay, state=state, params=params,
                                           loss_of=fwd.eager_loss, autocast=pipes.autocast, prepare=fwd.scan,
                                           accumulate=k, clip=c.guard.clip_grad_norm)  # fmt: skip
         diag.wrap_step_replay(lambda replay: sync.wrap_replayer(replay, named))
-        all_weights = detect.WeightCheck(all_params, 0)
+        all_weights = detect.WeightCheck(all_params + fwd.buffers.checked(kept=True), 0)  # as before the step
         self.judge = Judge(c, counters, monitor, grads, all_weights, self.spike, pipes, sync, fwd.rerun)
         self.updates = Updates(c.guard, pipes, grads, counters, scheduler, backoff, diag.record_update)
         self.recovery = Recovery(c, counters, self.recovery_state, store, state, backoff, grads, dict(params),
-                                 self._emit, self._not_applied, self._after_restore, sync)  # fmt: skip
+                                 self._emit, self._not_applied, self._after_restore, sync,
+                                 put_back=fwd.buffers.put_back)  # fmt: skip
         self.phase = Phase.READY
         self._pending = Pending()
         self.epoch_rng: Optional[torch.Tensor] = None  # torch RNG at the start of the current epoch

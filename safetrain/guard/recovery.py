@@ -81,6 +81,9 @@ class Recovery:
         not_applied: drops the step's gradients and counts it as skipped.
         after_restore: called with the restored step (replays forget what came after it).
         sync: agreement across ranks (the micro-batches left after ``drop_rows``).
+        put_back: puts the buffers back as they were before the step's first forward (a step
+            not applied, or run again, leaves none of its BatchNorm updates behind); returns the
+            names of those the step had changed, journaled as the event's ``buffers_put_back``.
     """
 
     cfg: TrainConfig
@@ -95,6 +98,7 @@ class Recovery:
     not_applied: Callable[[], None]
     after_restore: Callable[[int], None]
     sync: Any
+    put_back: Callable[[], Tuple[str, ...]] = tuple
 
     def carry_out(
         self, anomaly: Anomaly, decision: Decision, read: Any, pending: Pending, diagnosis: Any = None
@@ -113,7 +117,7 @@ class Recovery:
                 action,
                 f"{kind} anomaly: {summary(kind, anomaly.detail)} -> "
                 "transient (the replay from the same state was finite): retrying the step once",
-                _payload(anomaly.detail, diagnosis),
+                self._put_back(_payload(anomaly.detail, diagnosis)),  # the re-run updates them once
             )
             return Outcome(action, (event,), rerun=Rerun(list(pending.micro), list(pending.indices)))
         if anomaly.kind is Kind.OVERFLOW and kind is Kind.OVERFLOW:  # normal in fp16: the scaler backs off
@@ -125,7 +129,7 @@ class Recovery:
                 Action.SKIP_BATCH,
                 "fp16 overflow: GradScaler skipped the "
                 f"step and lowered the scale to {anomaly.detail['new_scale']:g} (normal)",
-                anomaly.detail,
+                self._put_back(anomaly.detail),
             )
             return Outcome(Action.SKIP_BATCH, (event,))
         detail = dict(anomaly.detail)
@@ -135,9 +139,10 @@ class Recovery:
             return self.bad_rows(kind, decision, detail["rows"], pending)
         replayed = f"; replay: {diagnosis.describe()}" if diagnosis is not None else ""
         message = f"{kind} anomaly: {summary(kind, detail)}{replayed} -> {action} ({decision.reason})"
-        events: List[Event] = [
-            self.emit(AnomalyFound, kind, action, message, {**_payload(detail, diagnosis), "rung": decision.rung})
-        ]
+        payload = {**_payload(detail, diagnosis), "rung": decision.rung}
+        if action not in (Action.WARN, Action.ZERO_GRADS):  # not applied: the step's buffer updates go too
+            payload = self._put_back(payload)
+        events: List[Event] = [self.emit(AnomalyFound, kind, action, message, payload)]
         if action in (Action.WARN, Action.ZERO_GRADS):
             self.counters.warnings += action is Action.WARN
             total = read.total_norm
@@ -172,7 +177,8 @@ class Recovery:
         self.counters.rejected_batches += 1
         rows = anomaly.detail["rows"]
         error = batch_error(rows)
-        self.emit(AnomalyFound, anomaly.kind, Action.RAISE, str(error), {"rows": [f.to_dict() for f in rows]})
+        detail = self._put_back({"rows": [f.to_dict() for f in rows]})
+        self.emit(AnomalyFound, anomaly.kind, Action.RAISE, str(error), detail)
         raise error
 
     def zero_nonfinite_grads_(self, finding: Any) -> Optional[float]:
@@ -206,13 +212,10 @@ class Recovery:
                 self.counters.dropped_rows += sum(d for _, d in cleaned)
         where = "; ".join(f.describe() for f in rows[:4])
         why = " (every row is bad)" if action is not decision.action else ""
-        event = self.emit(
-            AnomalyFound,
-            kind,
-            action,
-            f"non-finite {kind} rows: {where} -> {action}{why}",
-            {"rows": [f.to_dict() for f in rows], "count": n_rows, "rung": decision.rung},
-        )
+        detail = {"rows": [f.to_dict() for f in rows], "count": n_rows, "rung": decision.rung}
+        if action is not Action.REPLACE:  # skipped, or run again on the kept rows: buffers updated once
+            detail = self._put_back(detail)
+        event = self.emit(AnomalyFound, kind, action, f"non-finite {kind} rows: {where} -> {action}{why}", detail)
         if action is Action.SKIP_BATCH:
             self.not_applied()
             return Outcome(action, (event,))
@@ -220,6 +223,12 @@ class Recovery:
             self.counters.replaced_rows += n_rows
             return Outcome(action, (event,), rerun=Rerun())
         return Outcome(action, (event,), rerun=Rerun(kept))
+
+    def _put_back(self, detail: Mapping[str, Any]) -> Dict[str, Any]:
+        """Put the buffers back as they were before the step; ``detail`` with the names of those
+        the step had changed (``buffers_put_back``), when any."""
+        changed = self.put_back()
+        return {**detail, "buffers_put_back": list(changed)} if changed else dict(detail)
 
     def restore(self, decision: Decision) -> Event:
         """Put the last good snapshot back, keeping the LR scale and policy history in force now."""
