@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from .config import TrainConfig, as_config, load_config
-from .errors import BatchError, ConfigError, SafetrainError, SnapshotError, TrainingAborted
+from .errors import BatchError, ConfigError, SafetrainError, SnapshotError, TrainingAborted, TrainingInterrupted
 from .numerics import (
     default_eps,
     masked_softmax,
@@ -44,6 +44,7 @@ __all__ = [
     "BatchError",
     "SnapshotError",
     "TrainingAborted",
+    "TrainingInterrupted",
     "default_eps",
     "safe_log",
     "safe_div",

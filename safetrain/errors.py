@@ -10,6 +10,7 @@ __all__ = [
     "BatchError",
     "SnapshotError",
     "TrainingAborted",
+    "TrainingInterrupted",
 ]
 
 
@@ -42,3 +43,21 @@ class TrainingAborted(SafetrainError):
         super().__init__(message)
         self.result = result
         self.event = event
+
+
+class TrainingInterrupted(SafetrainError):
+    """``fit`` stopped on a signal (SIGTERM from a scheduler, or Ctrl-C) after finishing its current step.
+
+    The journal ends with ``run_ended`` ``interrupted``; with a disk store (and ``snapshot.on_signal``)
+    the step it stopped at is snapshotted, so that ``fit(resume="auto")`` continues from there.
+
+    Args:
+        message: which signal, and at which step.
+        result: the ``FitResult`` as it stood when the run stopped.
+        signal: the signal's number (``signal.SIGTERM``...), or ``None``.
+    """
+
+    def __init__(self, message: str, result: Any = None, signal: Any = None) -> None:
+        super().__init__(message)
+        self.result = result
+        self.signal = signal

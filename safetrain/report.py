@@ -45,6 +45,7 @@ _COUNTERS = (
     "final_loss",
     "wall_time",
     "aborted",
+    "ended",
     "events",
 )
 #: Records that are bookkeeping, not something that happened to training.
@@ -79,14 +80,15 @@ def event_table(run: RunLog) -> List[EventRow]:
 def reconcile(run: RunLog) -> Dict[str, Tuple[Any, Any]]:
     """Compare the summary's counters with what the journal and metrics show; ``{name: (summary, journal)}``.
 
-    Only a single, closed run is compared (a resume replays steps, and a crash has no summary);
+    Only a single, closed run that did not fail is compared (a resume replays steps, a crash has
+    no summary, and an exception can leave its step counted but not recorded);
     otherwise the result is empty. Checked: ``events`` (journal lines), ``restores`` (restores
     that were not data skips), ``dropped_rows`` and ``replaced_rows`` (rows named by the input and
     target events), ``scaler_skips``, and with ``metrics.csv``: ``steps`` (rows) and
     ``skipped_batches`` (rows not trained).
     """
     s = run.summary
-    if s is None or run.runs != 1:
+    if s is None or run.runs != 1 or s.get("ended") == "failed":  # a failed step may be counted, not recorded
         return {}
     ev = run.events
 
@@ -120,6 +122,18 @@ def _fmt(value: Any) -> str:
     if isinstance(value, str) and value in ("nan", "inf", "-inf"):
         return value
     return str(value)
+
+
+def _status(s: Dict[str, Any]) -> str:
+    """How the run ended, from its summary (``ended``; older journals have only ``aborted``)."""
+    ended = s.get("ended") or ("aborted" if s.get("aborted") else "done")
+    if ended == "aborted":
+        return "aborted by the recovery policy"
+    if ended == "failed":
+        return f"failed: {s.get('error') or 'an exception'}"
+    if ended == "interrupted":
+        return "interrupted (a signal or Ctrl-C); resume from its snapshot to go on"
+    return "finished" if ended == "done" else str(ended)
 
 
 def format_report(run: RunLog) -> str:
@@ -173,7 +187,7 @@ def format_report(run: RunLog) -> str:
         out.append("summary: none; the run did not close (it crashed, was killed, or is still running)")
         return "\n".join(out)
     s = run.summary
-    status = "aborted by the recovery policy" if s.get("aborted") else "finished"
+    status = _status(s)
     out.append(f"summary: {status}")
     pairs = [(k, _fmt(s[k])) for k in _COUNTERS if k in s]
     half = (len(pairs) + 1) // 2

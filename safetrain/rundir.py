@@ -4,24 +4,25 @@ A run directory holds ``events.jsonl`` (one JSON object per event, then a closin
 ``{"event": "summary", ...}`` line; rank r of a distributed run writes ``events-rank{r}.jsonl``),
 ``metrics.csv`` (one row per step), and beside them ``quarantine.json`` and ``snapshots/``.
 :class:`Journal` appends and flushes one line per event (a crash loses at most the line being
-written); :class:`MetricsWriter` buffers rows and flushes on eventful steps; :func:`read_run`
-reads both back without trusting them. :func:`atomic_write_text` and :class:`AtomicFile` (also
-used by snapshots) leave a file whole or absent: the cost is an fsync of the file and of its
-directory per write. Nothing here imports torch; ``report`` and ``plot`` read what ``read_run`` returns.
+written, and the next run ends a cut line before appending); :class:`MetricsWriter` buffers rows
+and flushes on eventful steps, every ``snapshot.every`` rows and on close; :func:`read_run` (in
+:mod:`safetrain.runlog`) reads both back without trusting them. :func:`atomic_write_text` and
+:class:`AtomicFile` (also used by snapshots) leave a file whole or absent: the cost is an fsync of
+the file and of its directory per write. :func:`prepare_run_dir` checks, when ``fit`` starts, that
+the directory can be written. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 from .errors import SafetrainError
 from .events import jsonable
+from .runlog import JOURNAL_FILE, METRICS_FILE, ReportError, RunLog, read_run
 
 __all__ = [
     "JOURNAL_FILE",
@@ -34,12 +35,12 @@ __all__ = [
     "Journal",
     "MetricsWriter",
     "ReportError",
+    "RunDirError",
+    "prepare_run_dir",
     "RunLog",
     "read_run",
 ]
 
-JOURNAL_FILE = "events.jsonl"
-METRICS_FILE = "metrics.csv"
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -167,6 +168,51 @@ def atomic_write_text(path: PathLike, text: str, encoding: str = "utf-8", prefix
 # -- writers ---------------------------------------------------------------------------------------
 
 
+class RunDirError(SafetrainError):
+    """The run directory (``log.dir``) cannot be created or written: the message names it and why."""
+
+
+def prepare_run_dir(path: PathLike) -> Path:
+    """Create the run directory if needed and check that a file can be written in it.
+
+    Called when ``fit`` starts, so that a ``log.dir`` that is a file, read-only or not permitted
+    fails at once, naming the directory, rather than as an ``OSError`` from deep inside.
+
+    Raises:
+        RunDirError: the directory cannot be created, is not a directory, or is not writable.
+    """
+    root = Path(path)
+    fix = "set log.dir to a writable directory (or null to keep the journal in memory)"
+    if root.exists() and not root.is_dir():
+        raise RunDirError(f"log.dir={root}: exists and is not a directory; {fix}")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        with open(probe, "xb") as f:
+            f.write(b"ok")
+        os.remove(probe)
+    except OSError as exc:
+        raise RunDirError(f"log.dir={root}: cannot write the run directory ({exc.strerror or exc}); {fix}") from None
+    return root
+
+
+def _end_cut_line(path: Path) -> None:
+    """End a last line that a kill or a full disk cut, so that the next record starts a line of its own."""
+    try:
+        with open(path, "rb+") as f:
+            if f.seek(0, os.SEEK_END) == 0:
+                return
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+    except FileNotFoundError:
+        pass
+
+
+def _disk_error(path: Path, exc: OSError) -> RunDirError:
+    return RunDirError(f"{path}: cannot write ({exc.strerror or exc}); is the disk full or the directory gone?")
+
+
 class Journal:
     """Append-only JSONL file: one line per event, flushed per line, and a closing summary line.
 
@@ -177,39 +223,67 @@ class Journal:
     def __init__(self, path: PathLike) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        _end_cut_line(self.path)  # a cut last line (a kill, a full disk) would swallow this run's first one
         self._file = open(self.path, "a", encoding="utf-8")
 
     def write(self, record: Mapping[str, Any]) -> None:
-        """Append one record as a JSON line and flush it to the OS."""
+        """Append one record as a JSON line and flush it to the OS.
+
+        Raises:
+            RunDirError: the line could not be written (a full disk); the message names the file.
+        """
         if self._file.closed:
             raise ValueError(f"{self.path}: journal is closed")
-        self._file.write(json.dumps(jsonable(record), allow_nan=False) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(jsonable(record), allow_nan=False) + "\n")
+            self._file.flush()
+        except OSError as exc:
+            raise _disk_error(self.path, exc) from exc
 
     def close(self, summary: Optional[Mapping[str, Any]] = None) -> None:
         """Write the closing summary line (if given), fsync and close; idempotent."""
         if self._file.closed:
             return
-        if summary is not None:
-            self.write({"event": "summary", **summary})
-        os.fsync(self._file.fileno())
-        self._file.close()
+        try:
+            if summary is not None:
+                self.write({"event": "summary", **summary})
+            os.fsync(self._file.fileno())
+        except OSError as exc:
+            raise _disk_error(self.path, exc) from exc
+        finally:
+            _close_quietly(self._file)
+
+
+def _close_quietly(f: Any) -> None:
+    """Close a file whose buffered bytes may not fit on the disk any more (they are lost, the file is closed)."""
+    try:
+        f.close()
+    except OSError:
+        try:
+            f.close()  # the second close frees the descriptor without flushing again
+        except OSError:
+            pass
 
 
 class MetricsWriter:
     """Per-step ``metrics.csv`` (buffered; ``report`` and ``plot`` read it). Appends after a resume.
 
-    Columns: step, epoch, batch, loss, grad_norm, lr_scale, trained, action.
+    Columns: step, epoch, batch, loss, grad_norm, lr_scale, trained, action. Rows go to the OS
+    on every eventful step (an anomaly or a snapshot), at least every ``flush_every`` rows, and
+    on :meth:`close`.
 
     Args:
         path: the ``metrics.csv`` file; its directory is created, and the header written when it is new.
+        flush_every: hand the rows to the OS after at most this many (``fit`` passes ``snapshot.every``).
     """
 
     COLUMNS = ("step", "epoch", "batch", "loss", "grad_norm", "lr_scale", "trained", "action")
 
-    def __init__(self, path: PathLike) -> None:
+    def __init__(self, path: PathLike, flush_every: int = 100) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        _end_cut_line(self.path)
+        self.flush_every, self._unflushed = max(1, int(flush_every)), 0
         self._file = open(self.path, "a", encoding="utf-8")
         if self._file.tell() == 0:
             self._file.write(",".join(self.COLUMNS) + "\n")
@@ -226,125 +300,34 @@ class MetricsWriter:
         action: str,
         flush: bool = False,
     ) -> None:
-        """Append one row; ``flush`` (an anomaly or a snapshot) hands every row so far to the OS,
-        so that a killed run keeps them."""
-        self._file.write(f"{step},{epoch},{batch},{loss:.6g},{grad_norm:.6g},{lr_scale:.6g},{int(trained)},{action}\n")
-        if flush:
-            self._file.flush()
+        """Append one row; ``flush`` (an anomaly or a snapshot), or ``flush_every`` rows since the
+        last flush, hands every row so far to the OS, so that a killed run keeps them.
+
+        Raises:
+            RunDirError: the rows could not be written (a full disk); the message names the file.
+        """
+        try:
+            self._file.write(
+                f"{step},{epoch},{batch},{loss:.6g},{grad_norm:.6g},{lr_scale:.6g},{int(trained)},{action}\n"
+            )
+            self._unflushed += 1
+            if flush or self._unflushed >= self.flush_every:
+                self._file.flush()
+                self._unflushed = 0
+        except OSError as exc:
+            raise _disk_error(self.path, exc) from exc
 
     def close(self) -> None:
-        """Flush and close; idempotent."""
-        self._file.close()
+        """Flush and close; idempotent.
 
-
-# -- reader ----------------------------------------------------------------------------------------
-
-
-class ReportError(SafetrainError):
-    """A run directory cannot be read or reported on: missing, without a journal, or nothing to plot."""
-
-
-@dataclass
-class RunLog:
-    """What a run directory holds, read defensively.
-
-    Attributes:
-        run_dir: the directory.
-        events: the journal's event records in order (the summary line excluded).
-        summary: the last ``summary`` line (``FitResult.summary()``), or ``None`` if the run did not close.
-        cut_at: 1-based line number of a truncated last line (the run crashed mid-write), else ``None``.
-        bad_lines: 1-based numbers of unreadable lines before the last one (a crash, then a resume).
-        metrics: ``metrics.csv`` as columns (floats; ``action`` as strings), or ``None`` when absent.
-        runs: how many times ``fit`` started on this directory (more than 1 after a resume).
-    """
-
-    run_dir: Path
-    events: List[Dict[str, Any]] = field(default_factory=list)
-    summary: Optional[Dict[str, Any]] = None
-    cut_at: Optional[int] = None
-    bad_lines: List[int] = field(default_factory=list)
-    metrics: Optional[Dict[str, List[Any]]] = None
-    runs: int = 0
-
-
-def read_run(run_dir: PathLike) -> RunLog:
-    """Read ``events.jsonl`` and ``metrics.csv`` of a run directory.
-
-    A crash can cut the last line of the journal, and a resumed run appends a second run to the
-    same files; neither stops the reading.
-
-    Args:
-        run_dir: a run directory (``log.dir`` of a run).
-
-    Returns:
-        The :class:`RunLog`. A cut last line sets ``cut_at``; unreadable earlier lines are listed
-        in ``bad_lines`` and skipped; a missing ``metrics.csv`` leaves ``metrics`` as ``None``.
-
-    Raises:
-        ReportError: the directory or its ``events.jsonl`` does not exist or cannot be read.
-
-    Example::
-
-        >>> run = read_run("runs/demo")  # doctest: +SKIP
-        >>> run.summary["restores"], run.cut_at  # doctest: +SKIP
-        (1, None)
-    """
-    root = Path(run_dir)
-    if not root.is_dir():
-        raise ReportError(f"{root}: no such run directory (expected the log.dir of a run, with events.jsonl)")
-    path = root / JOURNAL_FILE
-    if not path.is_file():
-        raise ReportError(f"{path}: no journal here; was the run started with log.dir={root}?")
-    try:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError as exc:
-        raise ReportError(f"{path}: cannot read the journal ({exc.strerror or exc})") from None
-    run = RunLog(run_dir=root)
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
+        Raises:
+            RunDirError: the last rows could not be written (the file is closed all the same).
+        """
+        if self._file.closed:
+            return
         try:
-            record = json.loads(line)
-            if not isinstance(record, dict) or "event" not in record:
-                raise ValueError("not an event record")
-        except ValueError:
-            if number == len(lines):
-                run.cut_at = number
-            else:
-                run.bad_lines.append(number)
-            continue
-        if record["event"] == "summary":
-            run.summary = {k: v for k, v in record.items() if k != "event"}
-            continue
-        run.runs += record["event"] == "run_started"
-        run.events.append(record)
-    run.metrics = _read_metrics(root / METRICS_FILE)
-    return run
-
-
-def _read_metrics(path: Path) -> Optional[Dict[str, List[Any]]]:
-    if not path.is_file():
-        return None
-    columns: Dict[str, List[Any]] = {}
-    with open(path, newline="", encoding="utf-8", errors="replace") as f:
-        reader = csv.reader(f)
-        header = next(reader, None)
-        if not header:
-            return None
-        columns = {name: [] for name in header}
-        key = header.index("step") if "step" in header else None
-        rows: Dict[Any, List[Any]] = {}
-        for row in reader:
-            if len(row) != len(header):
-                continue  # a header repeated by a resume, or a row cut by a crash
-            try:
-                values = [value if name == "action" else float(value) for name, value in zip(header, row)]
-            except ValueError:
-                continue
-            rows[values[key] if key is not None else len(rows)] = (
-                values  # keyed by step: a resumed run's rows replace the ones it re-runs
-            )
-    for values in (rows[k] for k in sorted(rows)):
-        for name, value in zip(header, values):
-            columns[name].append(value)
-    return columns
+            self._file.flush()
+        except OSError as exc:
+            raise _disk_error(self.path, exc) from exc
+        finally:
+            _close_quietly(self._file)

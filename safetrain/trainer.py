@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import logging
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -13,14 +15,15 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
 import torch
 
-from . import distributed
+from . import distributed, snapshot
 from .config import ConfigLike, as_config, to_dict
 from .diagnose.quarantine import QuarantineKeeper
-from .errors import TrainingAborted
-from .events import Event, EventBus, Quarantined, RunEnded, RunStarted
+from .ending import RunWriters, SignalStop
+from .errors import SafetrainError, SnapshotError, TrainingAborted, TrainingInterrupted
+from .events import Event, RunStarted
 from .guard import Guard, StepResult
-from .rundir import METRICS_FILE, Journal, MetricsWriter, journal_path
-from .steps import Counters
+from .rundir import MetricsWriter, prepare_run_dir
+from .steps import Counters, Phase
 
 __all__ = ["SafeTrainer", "FitResult"]
 
@@ -40,6 +43,9 @@ class FitResult(Counters):
         final_loss: the loss of the last trained step (``nan`` if none).
         wall_time: seconds spent in ``fit``.
         aborted: whether the run ended in ``TrainingAborted``.
+        ended: how the run ended, as the journal's ``run_ended`` says: ``done`` (it trained to the
+            end), ``aborted``, ``interrupted`` (a signal, Ctrl-C) or ``failed`` (an exception).
+        error: for ``failed``, the exception's type and message.
         run_dir: the run directory, when ``log.dir`` is set.
         events: every event of the run, in order (the journal holds the same records).
     """
@@ -48,6 +54,8 @@ class FitResult(Counters):
     final_loss: float = math.nan
     wall_time: float = 0.0
     aborted: bool = False
+    ended: str = "done"
+    error: Optional[str] = None
     run_dir: Optional[str] = None
     events: List[Event] = field(default_factory=list)
 
@@ -100,13 +108,21 @@ class SafeTrainer:
     ) -> FitResult:
         """Train for ``epochs`` over ``loader`` (or until ``max_steps`` steps), surviving anomalies.
 
+        While it runs, SIGTERM and SIGINT (``log.signals``) stop it cleanly after the current step:
+        a snapshot of that step (``snapshot.on_signal``, safetensors store), the journal closed
+        ``interrupted``, then :class:`~safetrain.errors.TrainingInterrupted` (``log.on_signal``).
+        Whatever ends it, the journal's ``run_ended`` says how (``done``, ``aborted``,
+        ``interrupted`` or ``failed``) and the guard's hooks come off the model.
+
         Args:
-            loader: an iterable of batches, re-iterated each epoch (a ``DataLoader``).
+            loader: an iterable of batches, re-iterated each epoch (a ``DataLoader``, not a generator).
             epochs: number of epochs.
-            max_steps: stop after this many steps, whatever the epoch.
+            max_steps: stop after this many steps, whatever the epoch (0: train none).
             resume: a snapshot file, or a directory whose newest valid snapshot is taken: the
                 model, optimizer, scheduler, scaler, RNG, counters and data position come back and
-                training continues exactly where it stopped.
+                training continues exactly where it stopped. ``"auto"``: resume from
+                ``snapshot.dir`` (or ``<log.dir>/snapshots``) if it holds a valid snapshot, else
+                start fresh (the form a requeued job needs).
 
         Returns:
             The :class:`FitResult`.
@@ -114,35 +130,80 @@ class SafeTrainer:
         Raises:
             TrainingAborted: the policy aborted; ``.result`` is the ``FitResult`` so far and the
                 model is left at the last good snapshot.
+            TrainingInterrupted: a caught signal stopped the run (``log.on_signal: raise``); ``.result``.
+            RunDirError: ``log.dir`` cannot be written (at the start, or a full disk mid-run).
+            SafetrainError: ``epochs`` or ``max_steps`` out of range, or a one-shot iterator for several epochs.
         """
         cfg, started = self.cfg, time.perf_counter()
+        _check_counts(epochs, max_steps)
         logger.setLevel(cfg.log.level)
-        run_dir = Path(cfg.log.dir) if cfg.log.dir else None
+        run_dir = prepare_run_dir(cfg.log.dir) if cfg.log.dir else None  # RunDirError naming it, not an OSError later
         rank = distributed.rank()  # under DDP: rank 0 keeps events.jsonl and metrics.csv, rank r events-rank{r}.jsonl
-        journal = Journal(journal_path(run_dir, rank)) if run_dir else None
-        metrics = MetricsWriter(run_dir / METRICS_FILE) if run_dir and rank == 0 else None
-        bus = EventBus(journal)
-        guard = self.guard = Guard(
-            self.model,
-            self.optimizer,
-            cfg,
-            loss_fn=self.loss_fn,
-            step_fn=self.step_fn,
-            scheduler=self.scheduler,
-            scaler=self.scaler,
-            bus=bus,
-            run_dir=str(run_dir) if run_dir else None,
-        )
-        result = FitResult(run_dir=str(run_dir) if run_dir else None, events=bus.events)
+        result = FitResult(run_dir=str(run_dir) if run_dir else None)
+        stop, writers, error = SignalStop(cfg.log.signals), RunWriters(), None
+        try:
+            with stop:  # the previous handlers come back on every way out
+                writers.open(run_dir, rank, cfg.snapshot.every)
+                result.events = writers.bus.events
+                guard = self.guard = writers.guard = Guard(
+                    self.model,
+                    self.optimizer,
+                    cfg,
+                    loss_fn=self.loss_fn,
+                    step_fn=self.step_fn,
+                    scheduler=self.scheduler,
+                    scaler=self.scaler,
+                    bus=writers.bus,
+                    run_dir=str(run_dir) if run_dir else None,
+                )
+                start_epoch, skip, epoch_rng, resumed = self._resume(guard, resume, run_dir, rank)
+                _check_loader(loader, epochs, max_steps, start_epoch)
+                writers.bar = _progress(cfg.log.progress and rank == 0, epochs, loader)
+                keeper = QuarantineKeeper(getattr(loader, "sampler", None), run_dir, writers.quarantined)
+                first = guard.counters.steps
+                run = _Loop(loader, epochs, max_steps, writers.bar, result, writers.metrics, keeper, stop)
+                self._epochs(guard, run, start_epoch, skip, epoch_rng)
+                if guard.counters.steps == first and resumed is not None:
+                    logger.warning(
+                        "nothing left to train: resumed from %s at step %d (epoch %d, batch %d), where "
+                        "epochs=%d, max_steps=%s end; pass a larger epochs= or max_steps= to train on",
+                        resumed, first, start_epoch + 1, skip, epochs, max_steps,
+                    )  # fmt: skip
+                if stop.requested:
+                    error = self._stopped(guard, stop)
+        except BaseException as exc:
+            error = exc
+            if isinstance(exc, (TrainingAborted, TrainingInterrupted)):
+                exc.result = result
+            raise
+        finally:
+            writers.close(result, started, error, self._finish)
+        if error is not None:  # a caught signal
+            error.result = result
+            if cfg.log.on_signal == "raise":
+                raise error
+        return result
+
+    def _resume(self, guard: Guard, resume: Any, run_dir: Optional[Path], rank: int) -> tuple:
+        """Load the snapshot ``resume`` names; ``(start_epoch, skip, epoch_rng, resumed_from)``."""
+        auto = isinstance(resume, str) and resume == "auto"
+        if auto:
+            resume = _auto_resume(self.cfg, run_dir)
         start_epoch, skip, epoch_rng, used = 0, 0, None, {}
         if resume is not None:
-            info = distributed.load_snapshot(resume, guard.state)  # every rank, from the same file
+            try:
+                info = distributed.load_snapshot(resume, guard.state)  # every rank, from the same file
+            except SnapshotError as exc:  # checked before the live state is touched: nothing changed
+                if not auto:
+                    raise
+                logger.warning("resume='auto': no valid snapshot (%s); starting fresh", exc)
+                return self._resume(guard, None, run_dir, rank)
+            guard.load_state_dict(info.extra)
             passed = [{"path": p, "why": why} for p, why in info.passed_over]  # newer files not usable
             used = {"resumed_from": info.path, "passed_over": passed}
-            guard.load_state_dict(info.extra)
             start_epoch, skip = guard.counters.epoch, guard.counters.batch
             epoch_rng = info.extra_tensors.get("epoch_rng")
-        bus.emit(
+        guard.bus.emit(
             RunStarted(
                 step=guard.counters.steps,
                 epoch=start_epoch,
@@ -151,74 +212,36 @@ class SafeTrainer:
                 rank=rank,
                 action="resume" if resume else "start",
                 message=f"{_resumed(resume, used) if resume else 'started'}; run dir {run_dir}",
-                detail={"config": to_dict(cfg), "resume": str(resume) if resume else None, **used},
+                detail={"config": to_dict(self.cfg), "resume": str(resume) if resume else None, **used},
             )
         )
-        bar = _progress(cfg.log.progress and rank == 0, epochs, loader)
+        return start_epoch, skip, epoch_rng, resume
 
-        def quarantined(action: str, message: str, detail: Dict[str, Any]) -> None:
-            c = guard.counters
-            bus.emit(
-                Quarantined(
-                    step=c.steps,
-                    epoch=c.epoch,
-                    batch=c.batch - 1,
-                    kind="quarantine",
-                    action=action,
-                    message=message,
-                    detail=detail,
-                    rank=rank,
-                )
-            )
-
-        keeper = QuarantineKeeper(getattr(loader, "sampler", None), run_dir, quarantined)
-        try:
-            self._epochs(guard, loader, epochs, max_steps, start_epoch, skip, epoch_rng, bar, result, metrics, keeper)
-        except TrainingAborted as exc:
-            result.aborted = True
-            exc.result = result
-            raise
-        finally:
-            self._finish(guard, result, started)
-            c = guard.counters
-            bus.emit(
-                RunEnded(
-                    step=c.steps,
-                    epoch=c.epoch,
-                    batch=c.batch - 1,
-                    kind="run",
-                    rank=rank,
-                    action="aborted" if result.aborted else "done",
-                    message=_describe(result),
-                    detail=result.summary(),
-                )
-            )
-            guard.close()
-            if bar is not None:
-                bar.close()
-            if metrics is not None:
-                metrics.close()
-            if journal is not None:
-                journal.close(result.summary())
-        return result
+    def _stopped(self, guard: Guard, stop: SignalStop) -> TrainingInterrupted:
+        """After a caught signal: snapshot the step the run stopped at (a disk store), for resume."""
+        c, snap = guard.counters, self.cfg.snapshot
+        if snap.on_signal and snap.store == "safetensors" and guard.phase is not Phase.ACCUMULATING:
+            latest = guard.store.latest()
+            if latest is None or latest.step != c.steps:
+                guard.snapshot()
+        return TrainingInterrupted(
+            f"{stop.name}: stopped after step {c.steps} (epoch {c.epoch + 1}, batch {c.batch}); "
+            "resume with fit(..., resume='auto') or resume=<snapshot dir>",
+            signal=stop.signum,
+        )
 
     def _epochs(
-        self,
-        guard: Guard,
-        loader: Iterable[Any],
-        epochs: int,
-        max_steps: Optional[int],
-        start_epoch: int,
-        skip: int,
-        epoch_rng: Optional[torch.Tensor],
-        bar: Any,
-        result: FitResult,
-        metrics: Optional[MetricsWriter],
-        keeper: QuarantineKeeper,
+        self, guard: Guard, run: "_Loop", start_epoch: int, skip: int, epoch_rng: Optional[torch.Tensor]
     ) -> None:
-        cfg = self.cfg
-        sampler = getattr(loader, "sampler", None)
-        for epoch in range(start_epoch, epochs):
+        cfg, keeper, max_steps = self.cfg, run.keeper, run.max_steps
+        sampler = getattr(run.loader, "sampler", None)
+
+        def over() -> bool:  # checked after each step: a caught signal stops within one step
+            return run.stop.requested or (max_steps is not None and guard.counters.steps >= max_steps)
+
+        for epoch in range(start_epoch, run.epochs):
+            if over():
+                return
             if hasattr(sampler, "set_epoch"):  # DistributedSampler: a new shuffle each epoch, the same on resume
                 sampler.set_epoch(epoch)
             resuming = epoch == start_epoch and (skip > 0 or epoch_rng is not None)
@@ -228,52 +251,30 @@ class SafeTrainer:
                 now = torch.get_rng_state()
                 torch.set_rng_state(epoch_rng)
                 guard.begin_epoch(epoch, resumed=True)
-                iterator = iter(loader)
+                iterator = iter(run.loader)
                 skipped = _advance(iterator, skip, keeper)
                 guard.counters.batch = skipped
                 torch.set_rng_state(now)
             else:
                 guard.begin_epoch(epoch)
-                iterator = iter(loader)
-
-            def record(step: StepResult) -> None:
-                keeper.after_step(step.events)
-                if metrics is not None:  # an anomaly or a snapshot flushes: a killed run keeps every row up to here
-                    c = guard.counters
-                    metrics.write(
-                        step.step,
-                        c.epoch,
-                        c.batch - 1,
-                        step.loss,
-                        step.grad_norm,
-                        guard.backoff.scale,
-                        step.trained,
-                        step.action,
-                        flush=bool(step.events),
-                    )
-                if step.trained and math.isfinite(step.loss):
-                    result.final_loss = step.loss
-                if bar is not None:
-                    bar.update(1)
-                    c = guard.counters
-                    bar.set_postfix(
-                        loss=f"{step.loss:.4g}",
-                        gnorm=f"{step.grad_norm:.3g}",
-                        skipped=c.skipped_batches,
-                        restored=c.restores,
-                        refresh=False,
-                    )
-
+                iterator = iter(run.loader)
+            seen = 0
             for batch in iterator:
+                seen += 1
                 step = guard.step(batch, keeper.indices_for(batch))
                 if step is None:
                     continue
-                record(step)
-                if max_steps is not None and guard.counters.steps >= max_steps:
+                run.record(guard, step)
+                if over():
                     return
             step = guard.flush()  # a partial accumulation does not leak into the next epoch
             if step is not None:
-                record(step)
+                run.record(guard, step)
+            if seen == 0 and not resuming:
+                logger.warning(
+                    "epoch %d: the loader gave no batch (an exhausted iterator or an empty dataset); nothing trained",
+                    epoch + 1,
+                )
             keeper.end_epoch()
             if self.scheduler is not None and cfg.guard.scheduler_interval == "epoch":
                 guard.backoff.step(self.scheduler, guard.epoch_loss)  # the whole epoch's, across a resume
@@ -285,6 +286,79 @@ class SafeTrainer:
         result.wall_time = time.perf_counter() - started
 
 
+@dataclass
+class _Loop:
+    """What the epoch loop carries: its bounds, the result it fills and the writers of each step."""
+
+    loader: Iterable[Any]
+    epochs: int
+    max_steps: Optional[int]
+    bar: Any
+    result: FitResult
+    metrics: Optional[MetricsWriter]
+    keeper: QuarantineKeeper
+    stop: SignalStop
+
+    def record(self, guard: Guard, step: StepResult) -> None:
+        """One decided step into the quarantine, ``metrics.csv``, the result and the progress bar."""
+        self.keeper.after_step(step.events)
+        c = guard.counters
+        if self.metrics is not None:  # an anomaly or a snapshot flushes: a killed run keeps every row up to here
+            self.metrics.write(
+                step.step,
+                c.epoch,
+                c.batch - 1,
+                step.loss,
+                step.grad_norm,
+                guard.backoff.scale,
+                step.trained,
+                step.action,
+                flush=bool(step.events),
+            )
+        if step.trained:  # the last trained step's loss, non-finite too (a run of `warn` steps)
+            self.result.final_loss = step.loss
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(
+                loss=f"{step.loss:.4g}",
+                gnorm=f"{step.grad_norm:.3g}",
+                skipped=c.skipped_batches,
+                restored=c.restores,
+                refresh=False,
+            )
+
+
+def _check_counts(epochs: Any, max_steps: Any) -> None:
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
+        raise SafetrainError(f"fit(epochs={epochs!r}): expected an int >= 0")
+    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 0):
+        raise SafetrainError(f"fit(max_steps={max_steps!r}): expected None or an int >= 0")
+
+
+def _check_loader(loader: Any, epochs: int, max_steps: Optional[int], start_epoch: int) -> None:
+    """A one-shot iterator (a generator) is empty after its first epoch: refuse it for several."""
+    if not isinstance(loader, collections.abc.Iterator) or epochs - start_epoch <= 1:
+        return
+    what = (
+        f"the loader is a one-shot iterator ({type(loader).__name__}): epochs {start_epoch + 2}..{epochs} get no batch"
+    )
+    if max_steps is None:
+        raise SafetrainError(f"{what}; pass a re-iterable loader (a DataLoader, a list) or epochs=1")
+    logger.warning("%s if it runs out before max_steps=%d", what, max_steps)
+
+
+def _auto_resume(cfg: Any, run_dir: Optional[Path]) -> Optional[str]:
+    """``resume="auto"``: the snapshot directory if it holds a valid snapshot, else ``None`` (start fresh)."""
+    directory = cfg.snapshot.dir or (str(run_dir / "snapshots") if run_dir is not None else None)
+    if directory is None or cfg.snapshot.store != "safetensors":
+        logger.warning("resume='auto': no snapshot directory (snapshot.store is not safetensors); starting fresh")
+        return None
+    if os.path.isdir(directory) and snapshot.list_snapshots(directory):
+        return directory
+    logger.info("resume='auto': no snapshot in %s; starting fresh", directory)
+    return None
+
+
 def _advance(iterator: Any, n: int, keeper: QuarantineKeeper) -> int:
     """Consume ``n`` batches of an epoch being resumed; returns how many there were."""
     for i in range(n):
@@ -293,14 +367,6 @@ def _advance(iterator: Any, n: int, keeper: QuarantineKeeper) -> int:
         except StopIteration:
             return i
     return n
-
-
-def _describe(result: FitResult) -> str:
-    return (
-        f"{'aborted' if result.aborted else 'finished'}: {result.steps} steps, {result.healthy_steps} healthy, "
-        f"{result.skipped_batches} skipped, {result.dropped_rows} rows dropped, {result.zeroed_grads} grads zeroed, "
-        f"{result.restores} restores, LR scale {result.lr_scale:g}, final loss {result.final_loss:.4g}"
-    )
 
 
 def _progress(enabled: bool, epochs: int, loader: Any) -> Any:

@@ -203,15 +203,25 @@ class SnapshotConfig:
     dir: Optional[str] = _f(None, "directory of safetensors snapshots (null: <log.dir>/snapshots)")
     keep: int = _f(2, "number of snapshots kept; older ones are deleted", ge=1)
     device: Literal["cpu", "model"] = _f("cpu", "where the memory store keeps its copy: cpu (pinned on CUDA) | model")
+    on_signal: bool = _f(
+        True, "on a caught SIGTERM/SIGINT, snapshot the step fit stopped at (safetensors store only), for resume"
+    )
 
 
 @dataclass(frozen=True)
 class LogConfig:
-    """Journal, logging and progress bar."""
+    """Journal, logging and progress bar, and how ``fit`` meets a stop signal (preemption)."""
 
     dir: Optional[str] = _f(None, "run directory for events.jsonl and reports (null: journal in memory only)")
     progress: bool = _f(True, "show a tqdm progress bar when stderr is a terminal")
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = _f("INFO", "level of the 'safetrain' logger")
+    signals: Literal["term", "term+int", "off"] = _f(
+        "term+int",
+        "signals fit catches to stop cleanly after the current step: SIGTERM, SIGTERM and SIGINT (Ctrl-C), or none",
+    )
+    on_signal: Literal["raise", "return"] = _f(
+        "raise", "after a caught signal fit raises TrainingInterrupted, or returns the FitResult (ended: interrupted)"
+    )
 
 
 @dataclass(frozen=True)

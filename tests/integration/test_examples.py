@@ -37,6 +37,7 @@ def test_every_example_is_tested():
         "resume.py",
         "huggingface_style.py",
         "ddp.py",
+        "requeue.py",  # tests/integration/test_preempt.py runs it under a real SIGTERM
     }  # ddp.py: tests/integration/test_ddp.py (under torchrun)
     assert {p.name for p in (ROOT / "examples").glob("*.py")} <= tested
 

@@ -134,3 +134,13 @@ def test_metrics_writer_rows_header_once_and_flush(tmp_path):
     (tmp_path / "events.jsonl").write_text('{"event": "run_started"}\n')
     m = rundir.read_run(tmp_path).metrics
     assert m["step"] == [0.0, 1.0, 2.0] and m["action"] == ["", "skip_batch", ""]
+
+
+def test_metrics_rows_reach_the_os_every_flush_every_rows(tmp_path):
+    """Fails before: rows stayed in the buffer until an eventful step (a killed run lost them)."""
+    w = MetricsWriter(tmp_path / "metrics.csv", flush_every=3)
+    for i in range(3):
+        w.write(i, 0, i, 1.0, 1.0, 1.0, True, "")
+    assert len((tmp_path / "metrics.csv").read_text().splitlines()) == 4
+    w.close()
+    w.close()
