@@ -22,7 +22,7 @@ from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from ..errors import ConfigError
 from .schema import TrainConfig, to_dict
-from .validate import KeyedError, describe, validate
+from .validate import KeyedError, check_layer, check_size, describe, show, validate
 
 __all__ = ["ConfigLike", "load_config", "as_config"]
 
@@ -135,18 +135,23 @@ def _parse_dotlist(overrides: List[str]) -> dict:
 def _build(base: DictConfig, layers: List[tuple], path: Any) -> TrainConfig:
     merged = base
     for data, source in layers:
+        check_size(data, _where(data, source, ""))
         _check_keys(data, TrainConfig, "", source)
         _yaml_off(data, TrainConfig)
+        try:
+            check_layer(data)
+        except KeyedError as exc:
+            raise ConfigError(f"{_where(data, source, exc.key)}{exc}") from None
         try:
             merged = OmegaConf.merge(merged, OmegaConf.create(dict(data)))
         except ValidationError as exc:
             key = exc.full_key
             value = _lookup(data, key)
             raise ConfigError(
-                f"{_where(data, source, key)}{key}: got {value!r}; expected {describe(_field_type(key))}"
+                f"{_where(data, source, key)}{key}: got {show(value)}; expected {describe(_field_type(key))}"
             ) from None
-        except OmegaConfBaseException as exc:
-            raise ConfigError(f"{source}: {str(exc).splitlines()[0]}") from None
+        except (OmegaConfBaseException, TypeError, ValueError) as exc:
+            raise ConfigError(f"{source}: {' '.join(str(exc).split())[:200]}") from None
     obj = OmegaConf.to_object(merged)
     try:
         validate(obj)
@@ -172,7 +177,7 @@ def _check_keys(data: Any, cls: type, prefix: str, source: str, root: Any = None
     if not isinstance(data, Mapping):
         if prefix:
             raise ConfigError(
-                f"{_where(root, source, prefix[:-1])}{prefix[:-1]}: got {data!r}; expected a section with keys "
+                f"{_where(root, source, prefix[:-1])}{prefix[:-1]}: got {show(data)}; expected a section with keys "
                 f"{', '.join(f.name for f in dataclasses.fields(cls))}"
             )
         return

@@ -18,7 +18,11 @@ from ..errors import ConfigError
 from ..kinds import ALLOWED_FIRST, ANOMALY_KINDS, ESCALATION
 from .schema import TrainConfig, iter_fields
 
-__all__ = ["validate", "KeyedError", "describe"]
+__all__ = ["validate", "check_layer", "check_size", "KeyedError", "describe", "show", "MAX_NODES"]
+
+#: At most this many values (mappings, lists and scalars, aliases counted as often as they are used)
+#: in one config layer: a real config has about a hundred; a YAML alias bomb has billions.
+MAX_NODES = 10_000
 
 
 class KeyedError(ConfigError):
@@ -27,6 +31,100 @@ class KeyedError(ConfigError):
     def __init__(self, key: str, problem: str) -> None:
         super().__init__(f"{key}: {problem}")
         self.key = key
+
+
+def show(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, so that an error message stays one short line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_size(data: Any, where: str, limit: int = MAX_NODES) -> None:
+    """Refuse a config layer that expands to more than ``limit`` values, or that contains itself.
+
+    YAML aliases share one object between many places, so a 400-byte file can stand for billions
+    of values; this counts each value as often as it is used, without expanding anything (each
+    shared object is counted once and its count reused), so it costs only the distinct objects.
+
+    Raises:
+        ConfigError: naming ``where`` (file or override), the dotted key and the limit.
+    """
+    sizes: Dict[int, int] = {}
+    active: set = set()
+
+    def count(node: Any, key: str) -> int:
+        if not isinstance(node, (Mapping, list, tuple)):
+            return 1
+        ident = id(node)
+        if ident in sizes:
+            return sizes[ident]
+        if ident in active:
+            raise ConfigError(f"{where}{key or 'config'}: a YAML alias refers to itself; expected plain values")
+        active.add(ident)
+        items = node.items() if isinstance(node, Mapping) else enumerate(node)
+        total = 1
+        for k, v in items:
+            total += count(v, f"{key}.{k}" if key and isinstance(node, Mapping) else (key or str(k)))
+            if total > limit:
+                raise ConfigError(
+                    f"{where}{key or 'config'}: expands to more than {limit} values (YAML aliases?); "
+                    f"expected a config of at most {limit} values"
+                )
+        active.discard(ident)
+        sizes[ident] = total
+        return total
+
+    count(data, "")
+
+
+def check_layer(data: Any, cls: type = TrainConfig, prefix: str = "") -> None:
+    """Check the types of one raw config layer (a YAML file, overrides, a dict) before any merge.
+
+    OmegaConf converts what it is given (``2`` to ``True`` for a bool, ``1`` to ``'1'`` in a list of
+    strings) and fails with a traceback where it cannot (a mapping given for a list); here every
+    bool key takes only booleans, a list key only a list of strings, a mapping key only a mapping
+    of strings, and a number or string key no list or mapping. Ranges and choices are left to
+    :func:`validate`. Unknown keys must have been refused already.
+
+    Raises:
+        KeyedError: naming the dotted key, the value (cut short) and what is allowed.
+    """
+    if not isinstance(data, Mapping):
+        return
+    hints = typing.get_type_hints(cls)
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        tp = hints.get(key)
+        if tp is None:
+            continue
+        if dataclasses.is_dataclass(tp):
+            check_layer(value, tp, dotted + ".")
+            continue
+        if not _raw_ok(tp, value):
+            if isinstance(value, (list, tuple)) and _raw_ok(tp, []):
+                i, item = next((i, v) for i, v in enumerate(value) if not isinstance(v, str))
+                raise KeyedError(dotted, f"item {i}: got {show(item)}; expected a string ({describe(tp)})")
+            raise KeyedError(dotted, f"got {show(value)}; expected {describe(tp)}")
+
+
+def _raw_ok(tp: Any, value: Any) -> bool:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (Union, types.UnionType) and type(None) in args:
+        if value is None:
+            return True
+        tp = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (list, List, tuple):
+        return isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
+    if origin in (dict, Dict):
+        return isinstance(value, Mapping) and all(isinstance(v, str) for v in value.values())
+    if isinstance(value, (Mapping, list, tuple)):
+        return False
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp in (int, float, str):
+        return not isinstance(value, bool)
+    return True
 
 
 def describe(tp: Any) -> str:
@@ -38,9 +136,9 @@ def describe(tp: Any) -> str:
         rest = [a for a in args if a is not type(None)]
         return " or ".join([describe(rest[0]) if len(rest) == 1 else str(rest), "null"])
     if origin in (list, List):
-        return f"a list of {describe(args[0]) if args else 'values'}"
+        return "a list of strings" if args == (str,) else f"a list of {describe(args[0]) if args else 'values'}"
     if origin in (dict, Dict):
-        return "a mapping"
+        return "a mapping of strings" if args[1:] == (str,) else "a mapping"
     names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
     return names.get(tp, getattr(tp, "__name__", str(tp)))
 
@@ -74,11 +172,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             )
         allowed = [a.value for a in ALLOWED_FIRST[kind]]
         if action not in allowed:
-            raise KeyedError(f"recovery.actions.{kind}", f"got {action!r}; expected one of {' | '.join(allowed)}")
+            raise KeyedError(f"recovery.actions.{kind}", f"got {show(action)}; expected one of {' | '.join(allowed)}")
     ladder = [a.value for a in ESCALATION]
     for i, action in enumerate(rec.escalate):
         if action not in ladder:
-            raise KeyedError("recovery.escalate", f"item {i}: got {action!r}; expected one of {' | '.join(ladder)}")
+            raise KeyedError("recovery.escalate", f"item {i}: got {show(action)}; expected one of {' | '.join(ladder)}")
     if cfg.guard.spike.min_history > cfg.guard.spike.window:
         raise KeyedError(
             "guard.spike.min_history",
@@ -98,7 +196,7 @@ def _check_value(dotted: str, tp: Any, rules: Mapping[str, Any], value: Any) -> 
     described = describe(tp)
 
     def fail() -> None:
-        raise KeyedError(dotted, f"got {value!r}; expected {described}{_range_text(rules)}")
+        raise KeyedError(dotted, f"got {show(value)}; expected {described}{_range_text(rules)}")
 
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (Union, types.UnionType) and type(None) in args:

@@ -116,6 +116,13 @@ def _lead(t: Tensor) -> Optional[int]:
     return t.shape[0] if t.dim() > 0 else None
 
 
+def _value(d: Tensor) -> Tensor:
+    """The 0-dim real sum of a floating or complex tensor: non-finite when any value (part) is."""
+    if d.is_complex():
+        return torch.view_as_real(d.resolve_conj()).sum(dtype=_F32 if d.dtype is torch.complex32 else None)
+    return d.sum(dtype=_F32) if d.dtype is _F16 else d.sum()
+
+
 class _Scanner:
     """One walk over a batch: one sum per floating tensor, one ``nan_to_num`` copy of it."""
 
@@ -130,10 +137,10 @@ class _Scanner:
     def tensor(self, t: Tensor) -> Tensor:
         if self.size is None and t.dim() > 0:
             self.size = t.shape[0]
-        if not t.is_floating_point():
+        if not t.is_floating_point() and not t.is_complex():
             return t
         d = t.detach() if t.requires_grad else t
-        self.values.append(d.sum(dtype=_F32) if d.dtype is _F16 else d.sum())
+        self.values.append(_value(d))
         self.sources.append(t)
         fill = self.fill
         if fill is None:
@@ -174,7 +181,9 @@ def scan_batch(
       leading size of the first tensor (any dtype, at least 1-D) met depth-first (dicts in insertion
       order). Floating tensors whose leading size is not ``B`` (and 0-dim ones) are checked as a
       whole: a non-finite value there marks every row bad (it cannot be dropped row by row).
-    * Integer, bool and complex tensors are never scanned or changed;
+    * Complex tensors are scanned like floating ones, real and imaginary parts both (the sum is
+      taken over ``view_as_real``, so the value joining the read is real).
+    * Integer and bool tensors are never scanned or changed;
       :func:`~safetrain.detect.rows.drop_rows` still drops their rows so targets stay aligned.
       Non-tensor leaves are left alone, except that a ``list`` of ``B`` non-tensor items (ids, file
       names) is filtered by :func:`~safetrain.detect.rows.drop_rows` as per-sample data.
@@ -214,10 +223,10 @@ def scan_batch(
     """
     del path  # the hot path builds no strings; paths are for describe_rows
     if type(batch) is Tensor and replace is None:  # the common case, without the walk
-        if not batch.is_floating_point():
+        if not batch.is_floating_point() and not batch.is_complex():
             return BatchScan(batch, [], [], batch_size if batch_size is not None else _lead(batch))
         d = batch.detach() if batch.requires_grad else batch
-        value = d.sum(dtype=_F32) if d.dtype is _F16 else d.sum()
+        value = _value(d)
         return BatchScan(
             torch.nan_to_num(batch, 0.0, 0.0, 0.0) if clean else batch,
             [value],

@@ -47,7 +47,7 @@ def describe_rows(
     targets = set(target_keys or ())
     out: List[RowFinding] = []
     for p, t in iter_tensors(batch, path):
-        if not t.is_floating_point() or t.numel() == 0:
+        if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
             continue
         d = t.detach()
         nan, inf = torch.isnan(d), torch.isinf(d)

@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 import torch
 
 from .. import detect, distributed, snapshot
+from ..batches import batch_rows
 from ..config import ConfigLike, TrainConfig, as_config
 from ..diagnose import Diagnoser, Diagnosis
 from ..events import AnomalyFound, Event, EventBus, SnapshotTaken
@@ -227,6 +228,8 @@ class Guard:
         self.counters.batch += 1
         if self.recovery_state.skip_after_restore > 0 and self.phase is Phase.READY:
             return self._skip_data()
+        if batch_rows(batch) == 0 and getattr(self.sync, "world", 1) == 1:  # (under DDP every rank must step)
+            return self._empty_batch()
         if self.plumbing.moves:  # a CPU loader's batch to the model's accelerator
             batch = self.plumbing.move(batch)
         if self.phase is Phase.READY:
@@ -364,6 +367,14 @@ class Guard:
         if event is None:
             return None
         return StepResult(self.counters.steps, False, math.nan, math.nan, str(Action.SKIP_BATCH), (event,))
+
+    def _empty_batch(self) -> Optional[StepResult]:
+        """An empty batch (0 rows) is a data event: skipped and journaled, never a reason to recover
+        (an empty micro-batch is left out of the step being accumulated, which goes on)."""
+        c, ready = self.counters, self.phase is Phase.READY
+        c.steps, c.skipped_batches = c.steps + ready, c.skipped_batches + ready
+        event = self._emit(AnomalyFound, "input", Action.SKIP_BATCH, "empty batch (0 rows): skipped", {"rows": 0})
+        return StepResult(self.counters.steps, False, math.nan, math.nan, "skip_batch", (event,)) if ready else None
 
     def _not_applied(self) -> None:
         self.updates.not_applied(self.last_loss)
