@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional
 from .. import detect
 from ..batches import row_findings
 from ..config import SanitizeConfig, TrainConfig
+from ..divergence import DivergenceDetector
 from ..kinds import Kind
 from ..policy import Anomaly
 from ..spike import SpikeDetector
@@ -46,6 +47,8 @@ class Judge:
         plumbing: the scaler's backoff factor.
         sync: agreement across ranks on the slow path (a no-op in one process).
         rerun: ``rerun(micro)`` runs the step's forwards again exactly (confirms an activation flag).
+        divergence: the divergence detector (``None``: off); ``lrs()`` gives the schedule's LRs
+            its evidence carries, for the policy's ``recovery.min_lr`` limit and abort message.
     """
 
     def __init__(
@@ -59,12 +62,16 @@ class Judge:
         plumbing: Plumbing,
         sync: Any,
         rerun: Callable[[List[Any]], None],
+        divergence: Optional[DivergenceDetector] = None,
+        lrs: Callable[[], List[float]] = list,
     ) -> None:
         self.counters, self.monitor, self.grads, self.all_weights = counters, monitor, grads, all_weights
         self.spike, self.plumbing, self.sync, self._rerun = spike, plumbing, sync, rerun
         self.sanitize = cfg.sanitize
         self.threshold = cfg.guard.grad_norm_threshold
         self.weights_checked = cfg.detect.mode != "off"
+        self.divergence = divergence if divergence is not None else DivergenceDetector(enabled=False)
+        self.lrs = lrs
 
     def where(self) -> Dict[str, int]:
         """The current step, epoch and batch index, as findings name them."""
@@ -122,6 +129,11 @@ class Judge:
             return Anomaly(
                 Kind.GRAD_NORM, {"finding": self.grads.finding(read.grad_norms, self.threshold, **self.where())}
             )
+        diverged = self.divergence.check(loss)  # a climb over steps; a single jump is a spike, below
+        if diverged is not None:
+            self.divergence.fault(diverged)  # its climb leaves the window; the level before it is kept
+            detail = {"finding": diverged, "episode": diverged.episode, "lr": list(self.lrs())}
+            return Anomaly(Kind.DIVERGENCE, detail)
         evidence = self.spike.check(loss)
         if evidence is not None:
             return Anomaly(Kind.SPIKE, evidence)

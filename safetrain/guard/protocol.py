@@ -17,6 +17,7 @@ import torch
 from .. import detect, distributed, snapshot
 from ..config import ConfigLike, TrainConfig, as_config
 from ..diagnose import Diagnoser, Diagnosis
+from ..divergence import DivergenceDetector
 from ..events import AnomalyFound, Event, EventBus, SnapshotTaken
 from ..kinds import Action
 from ..lr import LRBackoff
@@ -68,6 +69,7 @@ class Guard:
     grads: detect.GradCheck  # the fused gradient norms
     weights: detect.WeightCheck  # the periodic weight check
     spike: SpikeDetector  # loss spikes
+    divergence: DivergenceDetector  # a loss growing geometrically
     judge: Judge  # a step's read -> its anomaly
     recovery: Recovery  # carries out decisions
     updates: Updates  # applies a step's update, or drops it; the scheduler
@@ -103,7 +105,8 @@ class Guard:
         self.device, self.scaler = pipes.device, pipes.scaler
         self.backoff = backoff = LRBackoff(optimizer, c.recovery.min_lr)
         sp = c.guard.spike
-        self.spike = SpikeDetector(sp.window, sp.min_history, sp.zscore, sp.enabled, sp.min_ratio)
+        self.spike = SpikeDetector(sp.window, sp.min_history, sp.zscore, sp.enabled, sp.min_ratio, sp.hard_ratio)
+        self.divergence = DivergenceDetector.from_config(c.guard.divergence, recover_after=c.recovery.reset_after)
         self.state = state = snapshot.TrainState(named, optimizer, scheduler=scheduler, scaler=self.scaler)
         plain = plain_namer(named)
         # Every parameter, frozen ones too, for the exact check after a trip (a snapshot restores them).
@@ -129,7 +132,8 @@ class Guard:
                                           accumulate=k, clip=c.guard.clip_grad_norm)  # fmt: skip
         diag.wrap_step_replay(lambda replay: sync.wrap_replayer(replay, named))
         all_weights = detect.WeightCheck(all_params, 0)
-        self.judge = Judge(c, counters, monitor, grads, all_weights, self.spike, pipes, sync, fwd.rerun)
+        self.judge = Judge(c, counters, monitor, grads, all_weights, self.spike, pipes, sync, fwd.rerun,
+                           divergence=self.divergence, lrs=lambda: backoff.unscaled)  # fmt: skip
         self.updates = Updates(c.guard, pipes, grads, counters, scheduler, backoff, diag.record_update)
         self.recovery = Recovery(c, counters, self.recovery_state, store, state, backoff, grads, dict(params),
                                  self._emit, self._not_applied, self._after_restore, sync)  # fmt: skip
@@ -317,6 +321,7 @@ class Guard:
             self.updates.apply(outcome.total_norm, self._pending.micro, self.last_loss)
             self.recovery_state.count_loss(self.last_loss)
             self.spike.add(self.last_loss)  # ignores a non-finite loss
+            self.divergence.add(self.last_loss)
         self.phase = Phase.READY
         return StepResult(
             self.counters.steps,
@@ -343,6 +348,7 @@ class Guard:
         self.updates.apply(read.total_norm, self._pending.micro, self.last_loss)
         rs.count_loss(self.last_loss)  # before the snapshot below, which keeps the epoch's losses
         self.spike.add(self.last_loss)
+        self.divergence.add(self.last_loss)
         if rerun_action:
             rs.history = vouch(rs.history)  # this clean read vouches for the newest snapshot
         else:
@@ -406,11 +412,12 @@ class Guard:
 
     def state_dict(self) -> Dict[str, Any]:
         """The guard's own state, JSON-ready: counters, policy history (with the fp16 overflow
-        streak), LR backoff, spike window, and the epoch's loss sum and count."""
+        streak), LR backoff, spike window, divergence window and episode, and the epoch's loss sum and count."""
         return {
             "counters": vars(self.counters).copy(),
             "lr": self.backoff.state_dict(),
             "spike": self.spike.state_dict(),
+            "divergence": self.divergence.state_dict(),
             **self.recovery_state.state_dict(),
         }
 
@@ -419,6 +426,7 @@ class Guard:
         vars(self.counters).update(vars(Counters(**state["counters"])))  # in place: the parts hold it
         self.backoff.load_state_dict(state["lr"])
         self.spike.load_state_dict(state["spike"])
+        self.divergence.load_state_dict(state.get("divergence", {}))  # absent from snapshots of earlier versions
         self.recovery_state.load_state_dict(state)
 
     def _emit(self, cls: type, kind: str, action: str, message: str, detail: Mapping[str, Any]) -> Event:
