@@ -38,6 +38,7 @@ class Kind(str, enum.Enum):
     LOSS = "loss"  # the loss is non-finite
     GRADIENT = "gradient"  # non-finite gradients
     GRAD_NORM = "grad_norm"  # finite gradients whose total norm is above guard.grad_norm_threshold
+    DIVERGENCE = "divergence"  # a finite loss growing geometrically over consecutive steps (guard.divergence)
     SPIKE = "spike"  # a finite loss far above the recent ones
     WEIGHTS = "weights"  # non-finite parameters (an update broke them, or code outside the step)
     SCALER = "scaler"  # fp16: the loss scale fell below amp.min_scale, or overflows kept repeating
@@ -88,6 +89,7 @@ ALLOWED_FIRST: Mapping[Kind, Tuple[Action, ...]] = MappingProxyType(
         Kind.LOSS: _ALWAYS,
         Kind.GRADIENT: _ALWAYS[:2] + (Action.ZERO_GRADS,) + _ALWAYS[2:],
         Kind.GRAD_NORM: _ALWAYS[:2] + (Action.ZERO_GRADS,) + _ALWAYS[2:],
+        Kind.DIVERGENCE: (Action.WARN, Action.RESTORE, Action.SCALE_LR, Action.ABORT),  # a skip changes no climb
         Kind.SPIKE: _ALWAYS,
         Kind.WEIGHTS: (Action.WARN, Action.RESTORE, Action.SCALE_LR, Action.ABORT),
         Kind.SCALER: _ALWAYS,
@@ -100,6 +102,7 @@ DEFAULT_FIRST: Mapping[Kind, Action] = MappingProxyType(
         Kind.LOSS: Action.SKIP_BATCH,
         Kind.GRADIENT: Action.ZERO_GRADS,
         Kind.GRAD_NORM: Action.SKIP_BATCH,
+        Kind.DIVERGENCE: Action.SCALE_LR,
         Kind.SPIKE: Action.SKIP_BATCH,
         Kind.WEIGHTS: Action.RESTORE,
         Kind.SCALER: Action.RESTORE,

@@ -21,6 +21,12 @@ Rules beside the ladder: an fp16 overflow is normal (skip the step) until the sc
 below ``amp.min_scale`` or ``amp.max_overflows`` come in a row (then it is a ``scaler`` anomaly);
 a forward, loss or gradient fault whose replay was finite (transient) is retried once; a restore
 passes over the newest snapshot when no healthy step has vouched for it since it was taken.
+
+Divergence (a loss growing geometrically) is fixed only by a smaller LR: every rung after its
+first is ``scale_lr`` (a restore or a skip alone replays the same climb), a climb back within
+the same episode is the same anomaly again (the detector's ``episode`` keeps the ladder going
+even after ``reset_after`` healthy steps), and when one more backoff would take every LR below
+``recovery.min_lr`` (or ``max_retries`` is spent) it aborts, the reason naming the LR and the fix.
 """
 
 from __future__ import annotations
@@ -220,21 +226,24 @@ def decide(
         if anomaly.detail["new_scale"] >= rules.min_scale and history.overflows < rules.max_overflows:
             return _off_ladder(kind, Action.SKIP_BATCH, history, "fp16 overflow: GradScaler skips the step"), history
         kind = Kind.SCALER
-    elif kind in (Kind.GRADIENT, Kind.GRAD_NORM, Kind.SPIKE):  # judged after the scaler's check passed
+    elif kind in (Kind.GRADIENT, Kind.GRAD_NORM, Kind.DIVERGENCE, Kind.SPIKE):  # judged after the scaler's check passed
         history = replace(history, overflows=0)
     if kind in REPLAYED_KINDS and diagnosis is not None and not diagnosis.reproducible and not anomaly.retried:
         decision = _off_ladder(
             kind, Action.RETRY, history, "transient (the replay from the same state was finite): retrying the step once"
         )
         return decision, record_step(history, rules.recovery, skipped=False)
-    return _climb(kind, history, rules)
+    return _climb(kind, history, rules, anomaly.detail)
 
 
-def _climb(kind: Kind, history: History, rules: Rules) -> Tuple[Decision, History]:
+def _climb(kind: Kind, history: History, rules: Rules, detail: Mapping[str, Any]) -> Tuple[Decision, History]:
     recovery = rules.recovery
     first = Action(rules.first_action(kind))
     climbs = kind not in DATA_KINDS and first not in NON_CLIMBING
     n = history.consecutive + 1 if climbs else 1
+    diverging = kind is Kind.DIVERGENCE and climbs
+    if diverging:  # the same episode climbing back: the ladder goes on
+        n = max(n, int(detail.get("episode", 1)))
     if not climbs:
         action, reason = first, f"{kind}: {first}"
     elif n > recovery.max_retries + 1:
@@ -246,6 +255,10 @@ def _climb(kind: Kind, history: History, rules: Rules) -> Tuple[Decision, Histor
         ladder = recovery.escalate or (first,)
         action = Action(ladder[min(n - 2, len(ladder) - 1)])
         reason = f"{kind}: anomalous step {n} in a row, escalated to {action}"
+    if diverging and n >= 2 and action in (Action.SKIP_BATCH, Action.ZERO_GRADS, Action.RESTORE):
+        action, reason = Action.SCALE_LR, f"{kind}: still growing at step {n} of the episode, backing the LR off again"
+    if diverging:
+        action, reason = _divergence_limit(action, reason, n, history, recovery, detail)
 
     lr_scale, since = history.lr_scale, history.since_lr_change
     if action is Action.SCALE_LR:
@@ -280,6 +293,34 @@ def _climb(kind: Kind, history: History, rules: Rules) -> Tuple[Decision, Histor
         pass_over_newest=restoring and history.unverified,
     )
     return decision, new
+
+
+def _divergence_limit(
+    action: Action, reason: str, n: int, history: History, recovery: "RecoveryConfig", detail: Mapping[str, Any]
+) -> Tuple[Action, str]:
+    """Abort a divergence when one more backoff would take every LR below ``recovery.min_lr``; an
+    abort says which LR the loss still grew at and what to change."""
+    lrs = [float(x) for x in detail.get("lr", ())]  # the schedule's own LRs, one per group
+    now = max(lrs) * history.lr_scale if lrs else None
+    if action is Action.SCALE_LR and now is not None and recovery.min_lr > 0:
+        if now * recovery.lr_factor < recovery.min_lr:
+            action = Action.ABORT
+            reason = (
+                f"divergence: the loss still grows at lr {now:.3g} and one more backoff "
+                f"(x{recovery.lr_factor:g}) would go below recovery.min_lr={recovery.min_lr:g}"
+            )
+    if action is Action.ABORT:
+        at = f"at lr {now:.3g}" if now is not None else f"at LR scale {history.lr_scale:g}"
+        backoffs = f" after {n - 1} LR backoffs" if n > 1 else ""
+        if "recovery.min_lr" not in reason:
+            reason = f"{reason}; the loss still grows geometrically {at}{backoffs}"
+        reason += (
+            f"; fix: start from a smaller learning rate (below {now * recovery.lr_factor:.3g})"
+            if now is not None
+            else "; fix: start from a smaller learning rate"
+        )
+        reason += ", normalize the inputs and targets, or add LR warmup or guard.clip_grad_norm"
+    return action, reason
 
 
 def observe_healthy(history: History, recovery: "RecoveryConfig", steps: int = 1) -> Tuple[History, Optional[float]]:

@@ -8,6 +8,11 @@ times the largest healthy loss in the window. The ratio keeps a converged run qu
 batch is many sigmas out without being a blow-up; measured on a converged 4-class MLP run, the
 z-score alone called 37 false spikes in 768 steps, ``2 x median`` 37, ``2 x window max`` none. Nothing is judged
 before ``min_history`` healthy losses. The defaults (128, 20, 6) follow OLMo-core's loss z-score rule.
+
+Early in a run the z-score has no history, yet one batch in the wrong unit (targets x10^4, a loss
+x10^8) can ruin the model. So a loss at least ``hard_ratio`` times the largest healthy loss of the
+whole run is a spike as soon as ``HARD_MIN_HISTORY`` (3) healthy losses are known: from the 4th
+healthy step on. The run's largest loss is usually its first, so a healthy run never comes near.
 """
 
 from __future__ import annotations
@@ -17,7 +22,10 @@ import statistics
 from collections import deque
 from typing import Any, Dict, Optional
 
-__all__ = ["SpikeDetector"]
+__all__ = ["SpikeDetector", "HARD_MIN_HISTORY"]
+
+#: Healthy losses the ``hard_ratio`` rule needs before it judges (it judges the 4th step on).
+HARD_MIN_HISTORY = 3
 
 
 class SpikeDetector:
@@ -29,6 +37,8 @@ class SpikeDetector:
         zscore: threshold in robust standard deviations above the median.
         min_ratio: a spike is also at least this many times the largest loss in the window.
         enabled: ``False`` makes :meth:`check` always return ``None``.
+        hard_ratio: a loss this many times the run's largest healthy loss is a spike after
+            :data:`HARD_MIN_HISTORY` healthy losses, whatever ``min_history`` says (``None``: off).
 
     Example::
 
@@ -45,9 +55,11 @@ class SpikeDetector:
         zscore: float = 6.0,
         enabled: bool = True,
         min_ratio: float = 2.0,
+        hard_ratio: Optional[float] = None,
     ) -> None:
         self.window, self.min_history, self.zscore, self.enabled = window, min_history, zscore, enabled
-        self.min_ratio = min_ratio
+        self.min_ratio, self.hard_ratio = min_ratio, hard_ratio
+        self.run_max = -math.inf  # the largest healthy loss of the run
         self._losses: deque = deque(maxlen=window)
         # The window's maximum, kept as a decreasing queue of (add count, loss): O(1) amortized
         # per step. max() over the window read 128 floats scattered over the heap at every step.
@@ -55,17 +67,28 @@ class SpikeDetector:
         self._added = 0
 
     def check(self, loss: float) -> Optional[Dict[str, float]]:
-        """Return the evidence (median, sigma, z) when ``loss`` is a spike, else ``None``."""
-        if not self.enabled or len(self._losses) < self.min_history or not math.isfinite(loss):
+        """Return the evidence (median, sigma, z; ``rule``: ``zscore`` or ``hard_ratio``) when
+        ``loss`` is a spike, else ``None``."""
+        n = len(self._losses)
+        if not self.enabled or n < min(HARD_MIN_HISTORY, self.min_history) or not math.isfinite(loss):
             return None
-        if loss < self.min_ratio * self._peaks[0][1]:  # the cheap test first (window max): most steps end here
-            return None
+        hard = (
+            self.hard_ratio is not None
+            and n >= HARD_MIN_HISTORY
+            and 0 < self.run_max
+            and loss >= self.hard_ratio * self.run_max
+        )
+        if not hard and (n < self.min_history or loss < self.min_ratio * self._peaks[0][1]):
+            return None  # the cheap tests first (the window max): most steps end here
         median = statistics.median(self._losses)
         mad = statistics.median(abs(x - median) for x in self._losses)
         sigma = max(1.4826 * mad, 0.01 * abs(median), 1e-12)
         z = (loss - median) / sigma
+        if hard:
+            return {"loss": loss, "median": median, "sigma": sigma, "z": z, "threshold": self.zscore,
+                    "rule": "hard_ratio", "ratio": loss / self.run_max, "run_max": self.run_max}  # fmt: skip
         if z > self.zscore:
-            return {"loss": loss, "median": median, "sigma": sigma, "z": z, "threshold": self.zscore}
+            return {"loss": loss, "median": median, "sigma": sigma, "z": z, "threshold": self.zscore, "rule": "zscore"}
         return None
 
     def add(self, loss: float) -> None:
@@ -73,6 +96,7 @@ class SpikeDetector:
         if math.isfinite(loss):
             loss = float(loss)
             self._losses.append(loss)
+            self.run_max = max(self.run_max, loss)
             peaks = self._peaks
             while peaks and peaks[-1][1] <= loss:
                 peaks.pop()
@@ -82,12 +106,15 @@ class SpikeDetector:
                 peaks.popleft()
 
     def state_dict(self) -> Dict[str, Any]:
-        """``{"losses": [...]}``, JSON-ready."""
-        return {"losses": list(self._losses)}
+        """``{"losses": [...], "run_max": float | None}``, JSON-ready."""
+        return {"losses": list(self._losses), "run_max": self.run_max if math.isfinite(self.run_max) else None}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Put back the window of healthy losses."""
         self._losses = deque(maxlen=self.window)
         self._peaks.clear()
+        self.run_max = -math.inf
         for x in state["losses"]:
             self.add(float(x))
+        if state.get("run_max") is not None:  # absent from snapshots of earlier versions
+            self.run_max = max(self.run_max, float(state["run_max"]))

@@ -11,6 +11,7 @@ from .loader import ConfigLike, as_config, load_config
 from .schema import (
     AmpConfig,
     DetectConfig,
+    DivergenceConfig,
     GuardConfig,
     LogConfig,
     RecoveryConfig,
@@ -32,6 +33,7 @@ __all__ = [
     "ReplayConfig",
     "SanitizeConfig",
     "SpikeConfig",
+    "DivergenceConfig",
     "GuardConfig",
     "AmpConfig",
     "RecoveryConfig",

@@ -22,6 +22,7 @@ __all__ = [
     "ReplayConfig",
     "SanitizeConfig",
     "SpikeConfig",
+    "DivergenceConfig",
     "GuardConfig",
     "AmpConfig",
     "RecoveryConfig",
@@ -126,6 +127,29 @@ class SpikeConfig:
     min_ratio: float = _f(
         2.0, "...and at least this many times the largest recent healthy loss (keeps converged runs quiet)", ge=1
     )
+    hard_ratio: Optional[float] = _f(
+        100.0,
+        "a loss at least this many times the largest healthy loss of the run is a spike from the 4th healthy "
+        "step on, before min_history (null: off)",
+        gt=1,
+        finite=True,
+    )
+
+
+@dataclass(frozen=True)
+class DivergenceConfig:
+    """Divergence: a finite loss growing geometrically over consecutive steps, judged from the first step."""
+
+    enabled: bool = _f(True, "catch a loss that keeps growing geometrically (an LR too high), with no warm-up")
+    growth: float = _f(2.0, "a step that multiplies the loss by at least this counts toward steps", gt=1, finite=True)
+    steps: int = _f(3, "this many such steps in a row, to a new high of the recent losses, are divergence", ge=2)
+    ratio: float = _f(
+        100.0,
+        "...or a climb begun before this step that reaches this many times the loss where it began "
+        "(or the level before the last divergence)",
+        gt=1,
+        finite=True,
+    )
 
 
 @dataclass(frozen=True)
@@ -137,6 +161,7 @@ class GuardConfig:
         None, "a total gradient norm above this is a grad_norm anomaly; parameters above it are named (null: off)", gt=0
     )
     spike: SpikeConfig = _f(doc="loss-spike detection", factory=SpikeConfig)
+    divergence: DivergenceConfig = _f(doc="divergence detection (scale_lr first)", factory=DivergenceConfig)
     accumulate_steps: int = _f(1, "micro-batches whose gradients are summed before one optimizer step", ge=1)
     to_device: bool = _f(
         True,

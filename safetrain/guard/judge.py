@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from .. import detect
 from ..batches import row_findings
 from ..config import SanitizeConfig, TrainConfig
+from ..divergence import DivergenceDetector
 from ..kinds import Kind
 from ..policy import Anomaly
 from ..spike import SpikeDetector
@@ -46,6 +47,8 @@ class Judge:
         plumbing: the scaler's backoff factor.
         sync: agreement across ranks on the slow path (a no-op in one process).
         rerun: ``rerun(micro)`` runs the step's forwards again exactly (confirms an activation flag).
+        divergence: the divergence detector (``None``: off); ``lrs()`` gives the schedule's LRs
+            its evidence carries, for the policy's ``recovery.min_lr`` limit and abort message.
     """
 
     def __init__(
@@ -59,12 +62,16 @@ class Judge:
         plumbing: Plumbing,
         sync: Any,
         rerun: Callable[[List[Any]], None],
+        divergence: Optional[DivergenceDetector] = None,
+        lrs: Callable[[], List[float]] = list,
     ) -> None:
         self.counters, self.monitor, self.grads, self.all_weights = counters, monitor, grads, all_weights
         self.spike, self.plumbing, self.sync, self._rerun = spike, plumbing, sync, rerun
         self.sanitize = cfg.sanitize
         self.threshold = cfg.guard.grad_norm_threshold
         self.weights_checked = cfg.detect.mode != "off"
+        self.divergence = divergence if divergence is not None else DivergenceDetector(enabled=False)
+        self.lrs = lrs
 
     def where(self) -> Dict[str, int]:
         """The current step, epoch and batch index, as findings name them."""
@@ -122,10 +129,29 @@ class Judge:
             # norm, whatever the threshold; only NaN/Inf elements are GRADIENT.
             finding = self.grads.finding(read.grad_norms, self.threshold, **self.where())
             return Anomaly(Kind.GRADIENT if finding.kind == "gradient" else Kind.GRAD_NORM, {"finding": finding})
+        diverged = self.divergence.check(loss)  # a climb over steps; a single jump is a spike, below
+        if diverged is not None:
+            self.divergence.fault(diverged)  # its climb leaves the window; the level before it is kept
+            detail = {"finding": diverged, "episode": diverged.episode, "lr": list(self.lrs())}
+            return Anomaly(Kind.DIVERGENCE, detail)
         evidence = self.spike.check(loss)
         if evidence is not None:
             return Anomaly(Kind.SPIKE, evidence)
         return None
+
+    def observe(self, loss: float) -> None:
+        """A trained step's loss joins the spike and divergence windows (a non-finite one is ignored)."""
+        self.spike.add(loss)
+        self.divergence.add(loss)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The loss detectors' windows, JSON-ready: ``spike`` and ``divergence``."""
+        return {"spike": self.spike.state_dict(), "divergence": self.divergence.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Put back :meth:`state_dict`'s keys (``divergence`` is absent from earlier snapshots)."""
+        self.spike.load_state_dict(state["spike"])
+        self.divergence.load_state_dict(state.get("divergence", {}))
 
     def bad_rows(self, kind: Kind, pending: Pending) -> List[Any]:
         """The exact non-finite rows of ``kind`` in the step's micro-batches (slow path)."""

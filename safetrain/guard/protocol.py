@@ -18,6 +18,7 @@ from .. import detect, distributed, snapshot
 from ..batches import batch_rows
 from ..config import ConfigLike, TrainConfig, as_config
 from ..diagnose import Diagnoser, Diagnosis
+from ..divergence import DivergenceDetector
 from ..events import AnomalyFound, Event, EventBus, SnapshotTaken
 from ..kinds import Action
 from ..lr import LRBackoff
@@ -69,6 +70,7 @@ class Guard:
     grads: detect.GradCheck  # the fused gradient norms
     weights: detect.WeightCheck  # the periodic weight check
     spike: SpikeDetector  # loss spikes
+    divergence: DivergenceDetector  # a loss growing geometrically
     judge: Judge  # a step's read -> its anomaly
     recovery: Recovery  # carries out decisions
     updates: Updates  # applies a step's update, or drops it; the scheduler
@@ -104,7 +106,8 @@ class Guard:
         self.device, self.scaler = pipes.device, pipes.scaler
         self.backoff = backoff = LRBackoff(optimizer, c.recovery.min_lr)
         sp = c.guard.spike
-        self.spike = SpikeDetector(sp.window, sp.min_history, sp.zscore, sp.enabled, sp.min_ratio)
+        self.spike = SpikeDetector(sp.window, sp.min_history, sp.zscore, sp.enabled, sp.min_ratio, sp.hard_ratio)
+        self.divergence = DivergenceDetector.from_config(c.guard.divergence, recover_after=c.recovery.reset_after)
         self.state = state = snapshot.TrainState(named, optimizer, scheduler=scheduler, scaler=self.scaler)
         plain = plain_namer(named)
         # Every parameter, frozen ones too, for the exact check after a trip (a snapshot restores them).
@@ -131,7 +134,8 @@ class Guard:
                                           accumulate=k, clip=c.guard.clip_grad_norm)  # fmt: skip
         diag.wrap_step_replay(lambda replay: sync.wrap_replayer(replay, named))
         all_weights = detect.WeightCheck(all_params + fwd.buffers.checked(kept=True), 0)  # as before the step
-        self.judge = Judge(c, counters, monitor, grads, all_weights, self.spike, pipes, sync, fwd.rerun)
+        self.judge = Judge(c, counters, monitor, grads, all_weights, self.spike, pipes, sync, fwd.rerun,
+                           divergence=self.divergence, lrs=lambda: backoff.unscaled)  # fmt: skip
         self.updates = Updates(c.guard, pipes, grads, counters, scheduler, backoff, diag.record_update)
         self.recovery = Recovery(c, counters, self.recovery_state, store, state, backoff, grads, dict(params),
                                  self._emit, self._not_applied, self._after_restore, sync,
@@ -228,8 +232,9 @@ class Guard:
         self.counters.batch += 1
         if self.recovery_state.skip_after_restore > 0 and self.phase is Phase.READY:
             return self._skip_data()
-        if batch_rows(batch) == 0 and getattr(self.sync, "world", 1) == 1:  # (under DDP every rank must step)
-            return self._empty_batch()
+        if batch_rows(batch) == 0 and self.sync.world == 1:  # (under DDP every rank must step)
+            event = self.recovery.empty_batch(ready := self.phase is Phase.READY)
+            return StepResult(self.counters.steps, False, math.nan, math.nan, "skip_batch", (event,)) if ready else None
         if self.plumbing.moves:  # a CPU loader's batch to the model's accelerator
             batch = self.plumbing.move(batch)
         if self.phase is Phase.READY:
@@ -321,16 +326,9 @@ class Guard:
         if trained:
             self.updates.apply(outcome.total_norm, self._pending.micro, self.last_loss)
             self.recovery_state.count_loss(self.last_loss)
-            self.spike.add(self.last_loss)  # ignores a non-finite loss
-        self.phase = Phase.READY
-        return StepResult(
-            self.counters.steps,
-            trained,
-            self.last_loss,
-            self.last_grad_norm,
-            str(outcome.action) or rerun_action,
-            tuple(events),
-        )
+            self.judge.observe(self.last_loss)  # a trained step's loss joins the spike and divergence windows
+        self.phase, action = Phase.READY, str(outcome.action) or rerun_action
+        return StepResult(self.counters.steps, trained, self.last_loss, self.last_grad_norm, action, tuple(events))
 
     def diagnose(self) -> Diagnosis:
         """Replay the pending step from its pre-step state and say where it goes non-finite.
@@ -347,7 +345,7 @@ class Guard:
         rs = self.recovery_state
         self.updates.apply(read.total_norm, self._pending.micro, self.last_loss)
         rs.count_loss(self.last_loss)  # before the snapshot below, which keeps the epoch's losses
-        self.spike.add(self.last_loss)
+        self.judge.observe(self.last_loss)
         if rerun_action:
             rs.history = vouch(rs.history)  # this clean read vouches for the newest snapshot
         else:
@@ -367,14 +365,6 @@ class Guard:
         if event is None:
             return None
         return StepResult(self.counters.steps, False, math.nan, math.nan, str(Action.SKIP_BATCH), (event,))
-
-    def _empty_batch(self) -> Optional[StepResult]:
-        """An empty batch (0 rows) is a data event: skipped and journaled, never a reason to recover
-        (an empty micro-batch is left out of the step being accumulated, which goes on)."""
-        c, ready = self.counters, self.phase is Phase.READY
-        c.steps, c.skipped_batches = c.steps + ready, c.skipped_batches + ready
-        event = self._emit(AnomalyFound, "input", Action.SKIP_BATCH, "empty batch (0 rows): skipped", {"rows": 0})
-        return StepResult(self.counters.steps, False, math.nan, math.nan, "skip_batch", (event,)) if ready else None
 
     def _not_applied(self) -> None:
         self.updates.not_applied(self.last_loss)
@@ -419,11 +409,11 @@ class Guard:
 
     def state_dict(self) -> Dict[str, Any]:
         """The guard's own state, JSON-ready: counters, policy history (with the fp16 overflow
-        streak), LR backoff, spike window, and the epoch's loss sum and count."""
+        streak), LR backoff, spike window, divergence window and episode, and the epoch's loss sum and count."""
         return {
             "counters": vars(self.counters).copy(),
             "lr": self.backoff.state_dict(),
-            "spike": self.spike.state_dict(),
+            **self.judge.state_dict(),
             **self.recovery_state.state_dict(),
         }
 
@@ -431,7 +421,7 @@ class Guard:
         """Put back what :meth:`state_dict` returned (on resume)."""
         vars(self.counters).update(vars(Counters(**state["counters"])))  # in place: the parts hold it
         self.backoff.load_state_dict(state["lr"])
-        self.spike.load_state_dict(state["spike"])
+        self.judge.load_state_dict(state)
         self.recovery_state.load_state_dict(state)
 
     def _emit(self, cls: type, kind: str, action: str, message: str, detail: Mapping[str, Any]) -> Event:

@@ -181,6 +181,13 @@ class Recovery:
         self.emit(AnomalyFound, anomaly.kind, Action.RAISE, str(error), detail)
         raise error
 
+    def empty_batch(self, whole_step: bool) -> Event:
+        """An empty batch (0 rows) is a data event: skipped and journaled, never a reason to recover
+        (an empty micro-batch is left out of the step being accumulated, which goes on)."""
+        self.counters.steps += whole_step
+        self.counters.skipped_batches += whole_step
+        return self.emit(AnomalyFound, Kind.INPUT, Action.SKIP_BATCH, "empty batch (0 rows): skipped", {"rows": 0})
+
     def zero_nonfinite_grads_(self, finding: Any) -> Optional[float]:
         """Zero the gradients named non-finite; returns the total norm of what is left (slow path)."""
         names = getattr(finding, "nonfinite", ()) if finding is not None else ()

@@ -208,3 +208,64 @@ def test_a_run_of_healthy_steps_at_once_equals_one_at_a_time(
         assert changed is None
     at_once, changed = observe_healthy(history, cfg.recovery, run_length)
     assert changed is None and at_once == one_by_one
+
+
+def diverge(episodes, overrides=(), lr=(0.1,), ok_between=0):
+    """Feed divergence anomalies (with the detector's episode and the schedule's LRs); actions and reasons."""
+    cfg = load_config(None, list(overrides))
+    history, out = History(), []
+    for episode in episodes:
+        for _ in range(ok_between):
+            history, _ = observe_healthy(history, cfg.recovery)
+        decision, history = decide(Anomaly("divergence", {"episode": episode, "lr": list(lr)}), history, Rules.of(cfg))
+        out.append((decision.action, decision.lr_scale, decision.reason))
+    return out
+
+
+DIVERGENCE = [
+    # (name, overrides, episodes, ok steps between, expected (action, lr_scale) per anomaly)
+    ("first action restores and scales the LR", [], [1], 0, [("scale_lr", 0.5)]),
+    (
+        "every rung backs off again (the escalation's restore alone would replay the climb)",
+        [],
+        [1, 2, 3],
+        2,
+        [("scale_lr", 0.5), ("scale_lr", 0.25), ("scale_lr", 0.125)],
+    ),
+    (
+        "a climb back after reset_after healthy steps is still the same episode: the ladder goes on",
+        ["recovery.reset_after=3", "recovery.max_retries=1"],
+        [1, 2, 3],
+        5,
+        [("scale_lr", 0.5), ("scale_lr", 0.25), ("abort", 0.25)],
+    ),
+    (
+        "aborts when one more backoff would take the LR below recovery.min_lr",
+        ["recovery.min_lr=0.03"],
+        [1, 2, 3],
+        2,
+        [("scale_lr", 0.5), ("abort", 0.5), ("abort", 0.5)],
+    ),
+    ("max_retries still bounds the ladder", ["recovery.max_retries=0"], [1, 2], 2, [("scale_lr", 0.5), ("abort", 0.5)]),
+    ("warn never climbs", ["recovery.actions.divergence=warn"], [1, 2, 3], 0, [("warn", 1.0)] * 3),
+]
+
+
+@pytest.mark.parametrize("name,overrides,episodes,ok,expected", DIVERGENCE, ids=[r[0] for r in DIVERGENCE])
+def test_divergence_rules(name, overrides, episodes, ok, expected):
+    got = [(str(a), s) for a, s, _ in diverge(episodes, overrides, ok_between=ok)]
+    assert got == expected, name
+
+
+def test_divergence_abort_names_the_lr_and_the_fix():
+    *_, (action, _, reason) = diverge([1, 2], ["recovery.min_lr=0.03"], lr=(0.1, 0.01))
+    assert action == "abort"
+    assert "lr 0.05" in reason and "recovery.min_lr=0.03" in reason and "below 0.025" in reason, reason
+    assert "normalize the inputs and targets" in reason, reason
+
+
+def test_skip_batch_is_not_a_first_action_for_divergence():
+    from safetrain import ConfigError
+
+    with pytest.raises(ConfigError, match=r"recovery\.actions\.divergence: got 'skip_batch'"):
+        load_config(None, ["recovery.actions.divergence=skip_batch"])

@@ -85,3 +85,25 @@ def test_min_ratio_gate_uses_the_window_maximum(window, losses, split):
         # at least the window's maximum.
         assert det.check(top + 1.0) is not None, f"a loss above the window max {top} was stopped by the gate"
         assert det.check(top - 1e-3 - abs(top) * 1e-3) is None, f"a loss below the window max {top} passed the gate"
+
+
+def test_hard_ratio_catches_an_early_blow_up_from_the_4th_step():
+    """Issue 18, class 3: targets in the wrong unit make one early loss x10^8; min_history is far off."""
+    d = SpikeDetector(min_history=20, hard_ratio=100.0)
+    for x in (2.0, 1.5):
+        d.add(x)
+    assert d.check(1e8) is None, "two healthy losses: too early even for the hard ratio"
+    d.add(1.2)
+    evidence = d.check(1e8)
+    assert evidence is not None and evidence["rule"] == "hard_ratio" and evidence["ratio"] == 1e8 / 2.0
+    assert d.check(150.0) is None, "75x the run's largest loss is under the hard ratio"
+    assert SpikeDetector(min_history=20).check(1e8) is None, "off unless given"
+
+
+def test_hard_ratio_keeps_the_run_max_through_a_state_round_trip():
+    d = SpikeDetector(window=4, min_history=20, hard_ratio=100.0)
+    for x in (50.0, 1.0, 1.0, 1.0, 1.0):  # 50 left the window, still the run's largest
+        d.add(x)
+    e = SpikeDetector(window=4, min_history=20, hard_ratio=100.0)
+    e.load_state_dict(d.state_dict())
+    assert e.run_max == 50.0 and e.check(4000.0) is None and e.check(6000.0) is not None

@@ -1,0 +1,92 @@
+"""Divergence detector: a loss growing geometrically, judged from the first steps. No torch."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from safetrain.divergence import DivergenceDetector
+
+
+def fed(*losses, **kw):
+    d = DivergenceDetector(**kw)
+    for x in losses:
+        d.add(x)
+    return d
+
+
+# (history, loss, expected rule or None, msg)
+TABLE = [
+    ((), 1e6, None, "nothing to judge against before the first healthy loss"),
+    ((1.0,), 100.0, None, "one jump is no climb (a spike's business)"),
+    ((1.0, 100.0), 1e4, "climb", "~100x per step from step 0: caught at the 3rd step"),
+    ((1.0, 2.1, 4.5), 9.5, "geometric", "three doublings in a row"),
+    ((1.0, 2.1, 4.5), 8.0, None, "the third step grew less than 2x"),
+    ((1.0, 1.05), 1e4, None, "a jump after a noisy wiggle is a spike, not a climb"),
+    ((5.0, 1.0, 2.1, 4.5), 4.9, None, "no new high of the recent losses"),
+    ((-3.0, -2.0), 5.0, None, "non-positive losses have no geometric growth"),
+    ((1.0, 100.0), float("inf"), None, "a non-finite loss is the loss kind's"),
+]
+
+
+@pytest.mark.parametrize("history,loss,rule,msg", TABLE, ids=[r[3] for r in TABLE])
+def test_rules(history, loss, rule, msg):
+    found = fed(*history).check(loss)
+    assert (found.rule if found else None) == rule, msg
+
+
+def test_disabled_is_a_no_op():
+    assert fed(1.0, 100.0, enabled=False).check(1e4) is None
+
+
+def test_fault_drops_the_climb_and_a_climb_back_is_the_same_episode():
+    d = fed(1.0, 100.0)
+    found = d.check(1e4)
+    assert found.episode == 1 and found.rises == 1 and found.start == 1.0
+    d.fault(found)
+    assert d.state_dict()["losses"] == [1.0] and d.reference == 1.0
+    for x in (1.1, 5.0, 25.0):  # after the restore, a slower climb: 5x per step
+        assert d.check(x) is None, x
+        d.add(x)
+    again = d.check(125.0)
+    assert again is not None and again.episode == 2 and again.reference == 1.0
+    assert "climbed back" in again.describe()
+
+
+def test_an_episode_closes_once_the_run_is_back_for_recover_after_steps():
+    d = fed(1.0, 100.0, recover_after=5)
+    d.fault(d.check(1e4))
+    for x in (1.0, 0.9, 0.8, 0.7, 0.6):
+        d.add(x)
+    assert d.reference is None and d.episode == 0
+
+
+def test_state_round_trip():
+    d = fed(1.0, 100.0)
+    d.fault(d.check(1e4))
+    e = DivergenceDetector()
+    e.load_state_dict(d.state_dict())
+    assert e.state_dict() == d.state_dict()
+    assert e.check(150.0) == d.check(150.0)
+
+
+def test_bad_arguments_name_what_is_expected():
+    with pytest.raises(ValueError, match="growth > 1"):
+        DivergenceDetector(growth=1.0)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_noisy_and_heavy_tailed_healthy_curves_never_trip(seed):
+    """A decaying, noisy curve (a factor up to 3 between batches), then a converged heavy-tailed
+    one (most batches lognormal around 1e-4, one in 16 up to 0.05, 500x the median, as a
+    misclassified sample in a converged classifier): 6000 steps, no divergence."""
+    rng = random.Random(seed)
+    d = DivergenceDetector()
+    for i in range(6000):
+        if i < 3000:
+            loss = (2.0 * 0.995**i + 0.01) * rng.uniform(0.5, 1.5)
+        else:
+            loss = 0.05 * rng.random() if rng.random() < 1 / 16 else 1e-4 * rng.lognormvariate(0, 1)
+        assert d.check(loss) is None, (i, loss)
+        d.add(loss)
