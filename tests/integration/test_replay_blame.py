@@ -150,3 +150,38 @@ def test_a_model_defined_in_an_installed_package_is_named_at_its_forward():
     assert d["op_line"] == f"{inspect.getsourcefile(LogNormFeatures)}:{line} in forward", d
     assert d["op_caller"] is not None and "test_replay_blame.py" in d["op_caller"], d
 
+
+class BagOfWords(torch.nn.Module):
+    """Embeddings of which rows 10..19 are never looked up: their gradient rows are always zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(20, 4)
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, ids):
+        return self.head(self.embed(ids).mean(1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_an_update_is_named_by_the_optimizer_and_its_hyperparameters(foreach):
+    """Issue 18 classes 4 and 6: Adam with ``eps=0`` on rows whose gradient is always zero makes
+    ``0 / (sqrt(0) + 0)`` = NaN in the update. The weight replay's line is the optimizer and its
+    hyperparameters (``Adam(... eps=0 ...)``), not the script that called ``fit``."""
+    torch.manual_seed(0)
+    model = BagOfWords()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=0.0, foreach=foreach)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 10, (8, 5), generator=g), torch.randn(8, generator=g)) for _ in range(6)]
+    cfg = load_config(None, [*BASE, "detect.check_weights_every=1", "recovery.max_retries=2"])
+    try:
+        result = SafeTrainer(model, opt, cfg, loss_fn=F.mse_loss).fit(batches)
+    except TrainingAborted as exc:
+        result = exc.result  # type: ignore[attr-defined]
+    event = next(e for e in result.events if e.name == "anomaly")
+    d = event.detail["diagnosis"]
+    assert d["kind"] == "weights" and d["weights_step"] == 1 and "embed.weight" in d["nonfinite_weights"], d
+    assert "addcdiv" in d["op"], d
+    assert d["op_line"].startswith("Adam(lr=0.001, betas=(0.9, 0.999), eps=0, "), d
+    assert "test_replay_blame.py" not in d["op_line"], "not the script that called fit"
+    assert "Adam(lr=0.001, betas=(0.9, 0.999), eps=0, " in event.message, event.message
