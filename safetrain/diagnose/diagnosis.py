@@ -31,8 +31,13 @@ class Diagnosis:
         module: the first module (qualified name) whose output was non-finite, ``None`` if none.
         module_type: its class name.
         call_index: which call of that module.
-        op: the first op whose output was non-finite from finite inputs (``aten.log.default``).
-        op_line: the user's ``file:line in function`` that called it.
+        op: the first op whose output was non-finite from finite inputs and flowed on into a
+            non-finite module output or the loss (``aten.log.default``), or, for a weight replay,
+            into the broken parameters.
+        op_line: the ``file:line in function`` of the user's or the model's code (the innermost,
+            say the ``forward`` that ran it) that called it; for a weight replay, the optimizer
+            with its hyperparameters (``Adam(lr=0.001, betas=(0.9, 0.999), eps=0, ...)``).
+        op_caller: the line that called ``op_line``'s code (a parent module, the user's script).
         backward_node: the autograd node anomaly mode named (``LogBackward0``), if any.
         nonfinite_grads: parameters whose gradient was non-finite in the replay.
         traceback: the forward traceback of that node, trimmed to the user's frames.
@@ -52,6 +57,7 @@ class Diagnosis:
     call_index: Optional[int] = None
     op: Optional[str] = None
     op_line: Optional[str] = None
+    op_caller: Optional[str] = None
     backward_node: Optional[str] = None
     nonfinite_grads: Tuple[str, ...] = ()
     traceback: Tuple[str, ...] = ()
@@ -75,7 +81,9 @@ class Diagnosis:
         if self.module is not None:
             parts.append(f"first non-finite output in module '{self.module or '<root>'}' ({self.module_type})")
         if self.op is not None:
-            parts.append(f"op {self.op} at {self.op_line}")
+            parts.append(
+                f"op {self.op} at {self.op_line}" + (f" (called from {self.op_caller})" if self.op_caller else "")
+            )
         if self.backward_node is not None:
             parts.append(f"backward {self.backward_node}")
         if self.nonfinite_grads:

@@ -22,7 +22,7 @@ from ..detect import HUGE_NORM, ActivationMonitor, drop_rows, fused_norms, iter_
 from ..wrappers import plain_namer
 from .bisect import Bisection, isolate_rows
 from .diagnosis import Diagnosis
-from .nonfinite import LIBRARY_PATHS, any_nonfinite, first_nonfinite_op, nonfinite_names
+from .nonfinite import any_nonfinite, first_nonfinite_op, nonfinite_names, user_frames
 from .rng import RNG_MOVED, StepRNG
 
 __all__ = ["StepReplay"]
@@ -37,11 +37,15 @@ class StepReplay:
 
     * exact hooks on every module (the first module, in execution order, with a non-finite output),
     * a dispatch mode that names the first op whose output is non-finite from finite inputs (say
-      ``aten.log``) with the user's line that called it (so a ``log(0)`` inside a loss is found),
+      ``aten.log``) and flows on into a non-finite module output or the loss, with the line of the
+      user's (or the model's) code that called it and that code's caller (so a ``log(0)`` inside a
+      loss is found, and a kernel's internal ``-inf``, such as SDPA's boolean mask, is not blamed),
     * ``torch.autograd.detect_anomaly(check_nan=True)`` for the backward (the autograd node, such as
       ``LogBackward0``, and the forward traceback that created it),
 
-    then a **reproducible** fault is told from a **transient** one (the replay is finite) and, when
+    then a **reproducible** fault (a module's output, the loss or a gradient is non-finite again, or
+    the gradients' norm overflows float32 again) is told from a **transient** one (the replay is
+    finite there, whatever a kernel does inside) and, when
     the loss is per-sample separable, the batch is bisected (:mod:`.bisect`) to the rows that make it
     non-finite. Parameters already non-finite before the step are a ``weights`` fault: the step only
     shows it (:mod:`.weight_replay` explains those). The replay leaves training exactly as it was:
@@ -126,20 +130,25 @@ class StepReplay:
                 # The backward runs inside inspect(): BatchNorm saves its running statistics for
                 # the backward, so they are put back only after it.
                 with self.monitor.inspect() as seen:
-                    with first_nonfinite_op() as op_mode, self.autocast():
+                    with first_nonfinite_op(self.model) as op_mode, self.autocast():
                         loss = self.loss_of(batch)
                     loss_bad = not math.isfinite(float(loss.detach().float()))  # host sync: replay only
+                    culprit = op_mode.culprit([loss])
                     node, frames = self._backward(loss)
                 grads = [n for n, p in self._named_parameters() if p.grad is not None and any_nonfinite([p.grad])]
                 huge = 0.0 if grads or loss_bad else self._huge_norm()  # finite, but too large for float32?
-                if seen.finding is not None or op_mode.op is not None or loss_bad or node is not None or grads or huge:
+                # Reproduced: a module's output, the loss or a gradient is non-finite (or its norm
+                # overflows) again. An op that made an Inf inside a kernel (SDPA's boolean mask) and
+                # no further is not.
+                if seen.finding is not None or loss_bad or node is not None or grads or huge:
                     f = seen.finding
                     found = dict(
                         module=f.module if f else None,
                         module_type=f.module_type if f else None,
                         call_index=f.call_index if f else None,
-                        op=op_mode.op,
-                        op_line=op_mode.line,
+                        op=culprit.op if culprit else None,
+                        op_line=culprit.line if culprit else None,
+                        op_caller=culprit.caller if culprit else None,
                         backward_node=node,
                         traceback=tuple(frames),
                         nonfinite_grads=tuple(grads),
@@ -193,7 +202,7 @@ class StepReplay:
                     text = str(w.message)
                     if "Traceback of forward call" in text:
                         lines = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', text)
-                        frames = [f"{f}:{n} in {fn}" for f, n, fn in lines if not f.startswith(LIBRARY_PATHS)]
+                        frames = user_frames((f, int(n), fn) for f, n, fn in lines)
                 return match.group(1), frames
         return None, []
 

@@ -22,9 +22,39 @@ from .diagnosis import Diagnosis
 from .nonfinite import first_nonfinite_op, nonfinite_names
 from .rng import RNG_MOVED
 
-__all__ = ["WeightReplay"]
+__all__ = ["WeightReplay", "describe_optimizer"]
 
 logger = logging.getLogger("safetrain")
+
+
+#: Optimizer settings that say how an update is computed, not what it computes: left out of the line.
+_HOW = frozenset({"foreach", "fused", "capturable", "differentiable", "initial_lr", "params"})
+
+
+def describe_optimizer(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor] = ()) -> str:
+    """The optimizer's class and the hyperparameters of the group holding the first of ``params``
+    (else the first group): ``Adam(lr=0.001, betas=(0.9, 0.999), eps=0, weight_decay=0)``.
+
+    Example::
+
+        >>> describe_optimizer(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.5))
+        'SGD(lr=0.5, momentum=0, dampening=0, weight_decay=0, nesterov=False, maximize=False)'
+    """
+    ids = {id(p) for p in params}
+    groups = optimizer.param_groups
+    group = next((g for g in groups if any(id(p) in ids for p in g["params"])), groups[0] if groups else {})
+
+    def show(v: Any) -> str:
+        if isinstance(v, bool) or not isinstance(v, (float, int, tuple, list, torch.Tensor)):
+            return repr(v)
+        if isinstance(v, torch.Tensor):
+            return show(v.item()) if v.numel() == 1 else f"tensor{tuple(v.shape)}"  # host sync: replay only
+        if isinstance(v, (tuple, list)):
+            return "(" + ", ".join(show(x) for x in v) + ")"
+        return f"{v:g}"
+
+    kept = [f"{k}={show(v)}" for k, v in group.items() if k not in _HOW and v is not None and not callable(v)]
+    return f"{type(optimizer).__name__}({', '.join(kept)})"
 
 
 class _Applied(NamedTuple):
@@ -57,7 +87,8 @@ class WeightReplay:
        if there had been no replay.
 
     The :class:`~.diagnosis.Diagnosis` names the step whose update first made a weight non-finite,
-    the parameters and the op (with the user's line, for a hand-written optimizer); or, when every
+    the parameters, the op and the optimizer with its hyperparameters (``Adam(lr=0.001, ...,
+    eps=0, ...)``: with the user's line in its ``step`` for a hand-written optimizer); or, when every
     replayed step stays finite, says the weights were changed outside the training step. The budget
     is not spent here: :class:`~safetrain.diagnose.Diagnoser` spends it.
 
@@ -256,12 +287,14 @@ class WeightReplay:
                 scaler.update()
             broken = nonfinite_names(self.params)
             if broken:
+                culprit = mode.culprit([p for n, p in self.params if n in broken])
+                line = describe_optimizer(optimizer, [p for n, p in self.params if n in broken])
                 return {
                     "reproducible": True,
                     "weights_step": applied.step,
                     "nonfinite_weights": broken,
-                    "op": mode.op,
-                    "op_line": mode.line,
+                    "op": culprit.op if culprit else None,
+                    "op_line": f"{line} at {culprit.line}" if culprit and culprit.inside else line,
                     "nonfinite_grads": bad_grads,
                     "note": f"replayed {done + 1} update(s) from the snapshot of step {self._base}",
                 }
