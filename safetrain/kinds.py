@@ -30,14 +30,15 @@ __all__ = [
 
 
 class Kind(str, enum.Enum):
-    """What went wrong in a step, in the order a step meets it (the judge names the most upstream one)."""
+    """What went wrong in a step. The judge names the most upstream one: weights, input, target,
+    forward, loss, an fp16 overflow or scaler, gradient, grad_norm, divergence, spike."""
 
     INPUT = "input"  # non-finite values in the batch's inputs
     TARGET = "target"  # non-finite values in the batch's targets
     FORWARD = "forward"  # a module's output went non-finite
     LOSS = "loss"  # the loss is non-finite
     GRADIENT = "gradient"  # non-finite gradients
-    GRAD_NORM = "grad_norm"  # finite gradients whose total norm is above guard.grad_norm_threshold
+    GRAD_NORM = "grad_norm"  # finite gradients whose norm is above guard.grad_norm_threshold or overflows float32
     DIVERGENCE = "divergence"  # a finite loss growing geometrically over consecutive steps (guard.divergence)
     SPIKE = "spike"  # a finite loss far above the recent ones
     WEIGHTS = "weights"  # non-finite parameters (an update broke them, or code outside the step)

@@ -51,6 +51,7 @@ __all__ = [
     "record_step",
     "mark_last_skipped",
     "vouch",
+    "read_clean",
     "newest_taken",
 ]
 
@@ -387,6 +388,12 @@ def mark_last_skipped(history: History) -> History:
 def vouch(history: History) -> History:
     """A step read clean (a re-run of an anomalous step included): the newest snapshot is sound."""
     return replace(history, unverified=False) if history.unverified else history
+
+
+def read_clean(history: History) -> History:
+    """A re-run of an anomalous step read clean: it vouches for the newest snapshot and, having
+    passed the scaler's check, ends an fp16 overflow run (it does not count as a healthy step)."""
+    return replace(history, unverified=False, overflows=0)
 
 
 def newest_taken(history: History) -> History:

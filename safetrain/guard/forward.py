@@ -158,7 +158,7 @@ class Forward:
         model = self.model if can_force_eager() else self.named
         return run_eagerly(lambda: compute_loss(model, batch, self.loss_fn, self.step_fn))
 
-    def rerun(self, micro: Sequence[Any]) -> None:
+    def confirm(self, micro: Sequence[Any]) -> None:
         """Run the step's forwards again, exactly and quietly (RNG forked, no DDP sync): the
         monitor's exact re-run that confirms an activation flag."""
         device = self.plumbing.device

@@ -38,7 +38,8 @@ class Judge:
 
     Order: weights the periodic check found broken, input rows, target rows, then (parameters
     checked exactly first, so a symptom is not blamed) a module's output, the loss, an fp16
-    overflow, gradients, the gradient norm, a loss spike.
+    overflow, gradients, the gradient norm (above the threshold, or overflowing float32), a loss
+    growing geometrically (divergence), a loss spike.
 
     Args:
         cfg: the configuration (``detect.mode``, ``sanitize``, ``guard.grad_norm_threshold``).
@@ -46,7 +47,7 @@ class Judge:
         monitor, grads, all_weights, spike: the detectors whose values the read holds.
         plumbing: the scaler's backoff factor.
         sync: agreement across ranks on the slow path (a no-op in one process).
-        rerun: ``rerun(micro)`` runs the step's forwards again exactly (confirms an activation flag).
+        confirm: ``confirm(micro)`` runs the step's forwards again exactly (confirms an activation flag).
         divergence: the divergence detector (``None``: off); ``lrs()`` gives the schedule's LRs
             its evidence carries, for the policy's ``recovery.min_lr`` limit and abort message.
     """
@@ -61,12 +62,12 @@ class Judge:
         spike: SpikeDetector,
         plumbing: Plumbing,
         sync: Any,
-        rerun: Callable[[List[Any]], None],
+        confirm: Callable[[List[Any]], None],
         divergence: Optional[DivergenceDetector] = None,
         lrs: Callable[[], List[float]] = list,
     ) -> None:
         self.counters, self.monitor, self.grads, self.all_weights = counters, monitor, grads, all_weights
-        self.spike, self.plumbing, self.sync, self._rerun = spike, plumbing, sync, rerun
+        self.spike, self.plumbing, self.sync, self._confirm = spike, plumbing, sync, confirm
         self.sanitize = cfg.sanitize
         self.threshold = cfg.guard.grad_norm_threshold
         self.weights_checked = cfg.detect.mode != "off"
@@ -110,7 +111,7 @@ class Judge:
         if forward_tripped:
             # The hooks fold a cheap sum; with a finite loss, confirm by an exact re-run (RNG and
             # buffers kept as they were) before calling it, since a finite sum can overflow.
-            rerun = None if loss_tripped else (lambda: self._rerun(pending.micro))
+            rerun = None if loss_tripped else (lambda: self._confirm(pending.micro))
             finding = self.monitor.locate(read.forward, rerun=rerun, **self.where())
             if rerun is not None:  # confirmed on some rank: on all
                 finding = self.sync.agree_finding(finding, lambda: self.monitor.locate(read.forward, **self.where()))

@@ -22,7 +22,7 @@ from ..divergence import DivergenceDetector
 from ..events import AnomalyFound, Event, EventBus, SnapshotTaken
 from ..kinds import Action
 from ..lr import LRBackoff
-from ..policy import Anomaly, History, Rules, decide, newest_taken, raises, vouch
+from ..policy import Anomaly, History, Rules, decide, newest_taken, raises, read_clean, vouch
 from ..spike import SpikeDetector
 from ..steps import Counters, Pending, Phase, StepResult
 from ..wrappers import plain_namer, unwrap_compiled
@@ -134,7 +134,7 @@ class Guard:
                                           accumulate=k, clip=c.guard.clip_grad_norm)  # fmt: skip
         diag.wrap_step_replay(lambda replay: sync.wrap_replayer(replay, named))
         all_weights = detect.WeightCheck(all_params + fwd.buffers.checked(kept=True), 0)  # as before the step
-        self.judge = Judge(c, counters, monitor, grads, all_weights, self.spike, pipes, sync, fwd.rerun,
+        self.judge = Judge(c, counters, monitor, grads, all_weights, self.spike, pipes, sync, fwd.confirm,
                            divergence=self.divergence, lrs=lambda: backoff.unscaled)  # fmt: skip
         self.updates = Updates(c.guard, pipes, grads, counters, scheduler, backoff, diag.record_update)
         self.recovery = Recovery(c, counters, self.recovery_state, store, state, backoff, grads, dict(params),
@@ -233,8 +233,9 @@ class Guard:
         if self.recovery_state.skip_after_restore > 0 and self.phase is Phase.READY:
             return self._skip_data()
         if batch_rows(batch) == 0 and self.sync.world == 1:  # (under DDP every rank must step)
-            event = self.recovery.empty_batch(ready := self.phase is Phase.READY)
-            return StepResult(self.counters.steps, False, math.nan, math.nan, "skip_batch", (event,)) if ready else None
+            whole = self.phase is Phase.READY and self.cfg.guard.accumulate_steps == 1  # else one micro-batch less
+            event = self.recovery.empty_batch(whole, lambda: self.updates.skipped_data(self.last_loss))
+            return StepResult(self.counters.steps, False, math.nan, math.nan, "skip_batch", (event,)) if whole else None
         if self.plumbing.moves:  # a CPU loader's batch to the model's accelerator
             batch = self.plumbing.move(batch)
         if self.phase is Phase.READY:
@@ -280,14 +281,19 @@ class Guard:
 
     def _finish(self) -> StepResult:
         """The step's one read, then the decision loop: each turn judges, diagnoses, decides and
-        carries out; a re-run (drop_rows, replace, retry) is the next turn, never a call back."""
-        read = self._read()
+        carries out; a re-run (drop_rows, replace, retry) is the next turn, never a call back.
+        However it ends (an abort or a BatchError included), the guard is ready for a new step."""
+        try:
+            return self._decide(self._read())
+        finally:
+            self.phase = Phase.READY
+
+    def _decide(self, read: detect.StepRead) -> StepResult:
         events: List[Event] = []
         rerun_action, retried = "", False
         while (anomaly := self.judge(read, self._pending, self.last_loss)) is not None:
             anomaly = dataclasses.replace(anomaly, retried=retried)
             if raises(anomaly.kind, self.rules):
-                self.phase = Phase.READY
                 self.recovery.reject_rows(anomaly)
             diagnosis = self._explain(anomaly) if self.diagnoser.explains(anomaly.kind) else None
             decision, self.history = decide(anomaly, self.history, self.rules, diagnosis)
@@ -327,7 +333,7 @@ class Guard:
             self.updates.apply(outcome.total_norm, self._pending.micro, self.last_loss)
             self.recovery_state.count_loss(self.last_loss)
             self.judge.observe(self.last_loss)  # a trained step's loss joins the spike and divergence windows
-        self.phase, action = Phase.READY, str(outcome.action) or rerun_action
+        action = str(outcome.action) or rerun_action
         return StepResult(self.counters.steps, trained, self.last_loss, self.last_grad_norm, action, tuple(events))
 
     def diagnose(self) -> Diagnosis:
@@ -347,7 +353,7 @@ class Guard:
         rs.count_loss(self.last_loss)  # before the snapshot below, which keeps the epoch's losses
         self.judge.observe(self.last_loss)
         if rerun_action:
-            rs.history = vouch(rs.history)  # this clean read vouches for the newest snapshot
+            rs.history = read_clean(rs.history)  # vouches for the newest snapshot, ends an fp16 overflow run
         else:
             self.counters.healthy_steps += 1
             new_scale = rs.healthy()  # also vouches for the newest snapshot
@@ -356,7 +362,6 @@ class Guard:
         rs.since_snapshot += 1
         if rs.since_snapshot >= self.cfg.snapshot.every:
             events.append(self.snapshot())
-        self.phase = Phase.READY
         return StepResult(self.counters.steps, True, self.last_loss, self.last_grad_norm, rerun_action, tuple(events))
 
     def _skip_data(self) -> Optional[StepResult]:

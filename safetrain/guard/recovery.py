@@ -136,7 +136,7 @@ class Recovery:
         if anomaly.kind is Kind.OVERFLOW:  # escalated: too many in a row, or the scale too low
             detail = {"scale": detail["new_scale"], "overflows_in_a_row": self.state.history.overflows}
         if kind in (Kind.INPUT, Kind.TARGET) and action is not Action.ABORT:
-            return self.bad_rows(kind, decision, detail["rows"], pending)
+            return self.fix_rows(kind, decision, detail["rows"], pending)
         replayed = f"; replay: {diagnosis.describe()}" if diagnosis is not None else ""
         message = f"{kind} anomaly: {summary(kind, detail)}{replayed} -> {action} ({decision.reason})"
         payload = {**_payload(detail, diagnosis), "rung": decision.rung}
@@ -181,11 +181,15 @@ class Recovery:
         self.emit(AnomalyFound, anomaly.kind, Action.RAISE, str(error), detail)
         raise error
 
-    def empty_batch(self, whole_step: bool) -> Event:
-        """An empty batch (0 rows) is a data event: skipped and journaled, never a reason to recover
-        (an empty micro-batch is left out of the step being accumulated, which goes on)."""
-        self.counters.steps += whole_step
-        self.counters.skipped_batches += whole_step
+    def empty_batch(self, whole_step: bool, step_scheduler: Callable[[], None]) -> Event:
+        """An empty batch (0 rows) is a data event: skipped and journaled, never a reason to recover.
+        With ``whole_step`` (one micro-batch a step) it is a skipped step, counted toward
+        ``recovery.max_skip_fraction``; else it is left out of the step being accumulated."""
+        if whole_step:
+            self.counters.steps += 1
+            self.counters.skipped_batches += 1
+            self.state.history = record_step(self.state.history, self.cfg.recovery, skipped=True)
+            step_scheduler()  # (moves only when it follows batches)
         return self.emit(AnomalyFound, Kind.INPUT, Action.SKIP_BATCH, "empty batch (0 rows): skipped", {"rows": 0})
 
     def zero_nonfinite_grads_(self, finding: Any) -> Optional[float]:
@@ -201,7 +205,7 @@ class Recovery:
             return None
         return math.hypot(*(float(n) for n in torch.stack(grads.norm_list).tolist()))  # host sync: slow path
 
-    def bad_rows(self, kind: Kind, decision: Decision, rows: List[Any], pending: Pending) -> Outcome:
+    def fix_rows(self, kind: Kind, decision: Decision, rows: List[Any], pending: Pending) -> Outcome:
         """Non-finite input or target rows: skip the step, replace (already done before the
         forward: judge the rest), or drop them and run the step again on what is left."""
         action = decision.action
@@ -269,8 +273,7 @@ class Recovery:
         self.counters.steps += 1
         self.counters.skipped_batches += 1
         s.history = record_step(s.history, self.cfg.recovery, skipped=True)
-        if self.cfg.guard.scheduler_follows == "batch":
-            step_scheduler()
+        step_scheduler()  # (moves only when it follows batches)
         return self.emit(
             Restored,
             "restore",
