@@ -159,7 +159,7 @@ class SafeTrainer:
                 start_epoch, skip, epoch_rng, resumed = self._resume(guard, resume, run_dir, rank)
                 _check_loader(loader, epochs, max_steps, start_epoch)
                 writers.bar = _progress(cfg.log.progress and rank == 0, epochs, loader)
-                keeper = QuarantineKeeper(getattr(loader, "sampler", None), run_dir, writers.quarantined)
+                keeper = QuarantineKeeper.for_loader(loader, run_dir, writers.quarantined)
                 first = guard.counters.steps
                 run = _Loop(loader, epochs, max_steps, writers.bar, result, writers.metrics, keeper, stop)
                 self._epochs(guard, run, start_epoch, skip, epoch_rng)

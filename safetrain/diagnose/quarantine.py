@@ -7,18 +7,21 @@ that carries a diagnosis. Part of :mod:`safetrain.diagnose`; ``fit`` drives :cla
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections import deque
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sized, Union
 
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Sampler
 
 from .. import distributed
 from ..errors import SafetrainError
 from ..rundir import atomic_write_text
 
 __all__ = ["QuarantineSampler", "QuarantineKeeper", "read_quarantine", "write_quarantine"]
+
+logger = logging.getLogger("safetrain")
 
 
 class QuarantineSampler(Sampler[int]):
@@ -96,7 +99,12 @@ class QuarantineSampler(Sampler[int]):
             self.sampler.set_epoch(epoch)
 
     def take(self, n: int) -> List[int]:
-        """The dataset indices of the next batch of ``n`` rows, in the order the loader used them."""
+        """The next ``n`` dataset indices handed out (fewer at the end of the epoch), in order.
+
+        Call it with the number of indices the loader's batch sampler takes per batch (its
+        ``batch_size``), not with a batch's row count: a ``collate_fn`` that drops a sample makes
+        a batch shorter than its indices (see :meth:`QuarantineKeeper.indices_for`).
+        """
         return [self._issued.popleft() for _ in range(min(n, len(self._issued)))]
 
     def add(self, indices: Iterable[int]) -> List[int]:
@@ -144,31 +152,74 @@ def write_quarantine(
 class QuarantineKeeper:
     """``fit``'s side of the quarantine: batch indices in, isolated samples out to file and journal.
 
+    A batch takes ``batch_size`` indices from the sampler (fewer at the end of an epoch), the way
+    the ``DataLoader``'s batch sampler grouped them, so a batch that a ``collate_fn`` made shorter
+    (or longer) leaves the next batches' mapping intact. Such a batch's own rows cannot be told
+    apart: its mapping is refused (``None``), the first one is journaled (action ``unmapped``), and
+    a replay that isolates rows in it names no dataset sample (action ``refused``, saying why)
+    rather than a healthy neighbour. A ``collate_fn`` that swaps samples while keeping the row
+    count cannot be seen; without ``batch_size`` each batch takes as many indices as it has rows.
+
     Args:
         sampler: the loader's :class:`QuarantineSampler` (``None``: a no-op keeper).
         run_dir: where ``quarantine.json`` lives (``None``: in memory only); it is read at start.
         emit: ``emit(action, message, detail)`` journals a ``Quarantined`` event.
+        batch_size: the indices the loader takes from the sampler per batch (``DataLoader.batch_size``);
+            ``None``: not known.
     """
 
-    def __init__(self, sampler: Any, run_dir: Optional[Path], emit: Any) -> None:
+    def __init__(self, sampler: Any, run_dir: Optional[Path], emit: Any, batch_size: Optional[int] = None) -> None:
         self.sampler = sampler if isinstance(sampler, QuarantineSampler) else None
         self._distributed = distributed.active()
         self.path = run_dir / "quarantine.json" if run_dir is not None else None
         self.emit = emit
+        self.batch_size = batch_size if isinstance(batch_size, int) and batch_size > 0 else None
+        self.unmapped = 0  # batches whose rows could not be mapped to dataset indices
+        self._whole = False  # each batch is one dataset sample (a DataLoader without batching)
+        self._step_unmapped: Optional[Dict[str, int]] = None  # the last such batch of the step being fed
         self._skipped_seen = self._repeated_seen = 0
         if self.sampler is not None and self.path is not None:
             known = self.sampler.add(read_quarantine(self.path))
             if known:
                 emit("load", f"{len(known)} quarantined samples from {self.path} will be skipped", {"indices": known})
 
+    @classmethod
+    def for_loader(cls, loader: Any, run_dir: Optional[Path], emit: Any) -> "QuarantineKeeper":
+        """The keeper of a loader: its ``sampler`` (a no-op keeper unless a :class:`QuarantineSampler`)
+        and its ``batch_size`` (a ``DataLoader``'s; ``None`` for another iterable). A ``DataLoader``
+        without batching (``batch_size=None``) takes one index per batch: every row is that sample's."""
+        size = getattr(loader, "batch_size", None)
+        keeper = cls(getattr(loader, "sampler", None), run_dir, emit, size)
+        keeper._whole = isinstance(loader, DataLoader) and loader.batch_sampler is None
+        return keeper
+
     def indices_for(self, batch: Any) -> Optional[List[int]]:
-        """The dataset indices of ``batch``'s rows, or ``None`` when they are not known."""
+        """The dataset indices of ``batch``'s rows, or ``None`` when they are not known.
+
+        ``None`` too when the batch's row count differs from the indices the sampler gave for it
+        (a ``collate_fn`` dropped or added samples): which row is which sample is then ambiguous.
+        """
         if self.sampler is None:
             return None
         from ..detect import iter_tensors
 
         rows = next((t.shape[0] for _, t in iter_tensors(batch) if t.dim() > 0), 0)
-        return self.sampler.take(rows)
+        if self._whole:
+            return self.sampler.take(1) * rows or None
+        indices = self.sampler.take(self.batch_size if self.batch_size is not None else rows)
+        if len(indices) == rows:
+            return indices
+        self.unmapped += 1
+        self._step_unmapped = {"rows": rows, "indices": len(indices)}
+        if self.unmapped == 1:
+            self.emit(
+                "unmapped",
+                f"a batch of {rows} rows came from {len(indices)} dataset indices (a collate_fn that drops or "
+                "adds samples?): its rows cannot be matched to dataset samples, so a bad sample in such a batch "
+                "is not quarantined (later batches are mapped as usual)",
+                dict(self._step_unmapped),
+            )
+        return None
 
     def after_step(self, events: Iterable[Any]) -> None:
         """Quarantine the dataset indices a replay isolated in this step's events.
@@ -179,6 +230,7 @@ class QuarantineKeeper:
         """
         if self.sampler is None:
             return
+        unmapped, self._step_unmapped = self._step_unmapped, None
         diagnosed = [
             event.detail.get("diagnosis")
             for event in events
@@ -187,6 +239,8 @@ class QuarantineKeeper:
         if not diagnosed:
             return
         indices = [i for d in diagnosed for i in d.get("dataset_indices") or ()]
+        if unmapped is not None:
+            self._refused(diagnosed, unmapped)
         if self._distributed:
             indices = _union_across_ranks(indices)
         new = self.sampler.add(indices)
@@ -199,6 +253,18 @@ class QuarantineKeeper:
                 "add",
                 f"quarantined dataset samples {new}: skipped {when}",
                 {"indices": new, "file": str(self.path) if self.path else None},
+            )
+
+    def _refused(self, diagnosed: List[Dict[str, Any]], unmapped: Dict[str, int]) -> None:
+        """Journal rows a replay isolated in a batch whose rows could not be mapped to samples."""
+        rows = sorted({int(r) for d in diagnosed if not d.get("dataset_indices") for r in d.get("bad_rows") or ()})
+        if rows:
+            self.emit(
+                "refused",
+                f"bad rows {rows} not quarantined: their batch had {unmapped['rows']} rows but the sampler gave "
+                f"{unmapped['indices']} dataset indices for it (a collate_fn that drops or adds samples?), so which "
+                "samples they are is ambiguous; none is named rather than a healthy one",
+                {"bad_rows": rows, **unmapped},
             )
 
     def end_epoch(self) -> None:

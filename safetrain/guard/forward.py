@@ -128,8 +128,10 @@ class Forward:
                 scan = detect.scan_batch(inputs, replace=self._replace_inputs, clean=self.clean)
                 new_inputs = scan.batch
                 p.input_values += scan.values
-            if s.targets != "off" and not (type(targets) is Tensor and not targets.is_floating_point()):
-                # (class indices, the usual targets, hold no NaN/Inf: nothing to scan)
+            if s.targets != "off" and (
+                type(targets) is not Tensor or targets.is_floating_point() or targets.is_complex()
+            ):
+                # (class indices, the usual targets, hold no NaN/Inf: nothing to scan; complex ones are)
                 scan = detect.scan_batch(targets, replace=self._replace_targets, clean=self.clean)
                 new_targets = scan.batch
                 p.target_values += scan.values

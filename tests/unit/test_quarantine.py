@@ -67,3 +67,61 @@ def test_under_distributed_the_keeper_unites_ranks_only_on_diagnosed_steps(monke
     assert calls == [[3]] and sorted(sampler.quarantined) == [3, 9], "another rank's sample is quarantined here too"
     assert list(sampler) == [0, 1, 2, 4, 5, 6, 7, 8, 10, 11, 0, 1], "under DDP the shard keeps its length"
     assert emitted[0][0] == "add" and emitted[0][2]["indices"] == [3, 9]
+
+
+def test_the_keeper_maps_by_the_loaders_batch_size_and_refuses_a_batch_that_lost_a_sample():
+    """Issue 16: a collate_fn that drops a sample shifted every later batch's mapping by one.
+    Fails before: there was no batch_size; batch 2 was mapped to [3, 4, 5, 6] (row count taking)."""
+    import torch
+
+    sampler = QuarantineSampler(SequentialSampler(range(10)))
+    emitted = []
+    keeper = QuarantineKeeper(sampler, None, lambda *a: emitted.append(a), batch_size=4)
+    list(sampler)  # the loader's workers may run ahead: every index handed out already
+    assert keeper.indices_for((torch.zeros(3, 2), torch.zeros(3))) is None, "3 rows from 4 indices: ambiguous"
+    assert keeper.indices_for((torch.zeros(4, 2), torch.zeros(4))) == [4, 5, 6, 7], "the next batch is not shifted"
+    assert keeper.indices_for({"x": torch.zeros(2, 2)}) == [8, 9], "the epoch's last, shorter batch"
+    assert keeper.unmapped == 1 and [a[0] for a in emitted] == ["unmapped"]
+    assert emitted[0][2] == {"rows": 3, "indices": 4}
+
+
+def test_a_replay_in_an_unmapped_batch_quarantines_nothing_and_says_why():
+    import torch
+
+    from safetrain.events import AnomalyFound
+
+    def anomaly(detail):
+        return AnomalyFound(step=1, epoch=0, batch=0, kind="loss", action="skip_batch", message="", detail=detail)
+
+    sampler = QuarantineSampler(SequentialSampler(range(8)))
+    emitted = []
+    keeper = QuarantineKeeper(sampler, None, lambda *a: emitted.append(a), batch_size=4)
+    list(sampler)
+    assert keeper.indices_for(torch.zeros(5, 2)) is None, "a collate_fn that adds a row is ambiguous too"
+    keeper.after_step([anomaly({"diagnosis": {"bad_rows": [1], "dataset_indices": []}})])
+    assert sampler.quarantined == set()
+    assert [a[0] for a in emitted] == ["unmapped", "refused"]
+    assert "bad rows [1] not quarantined" in emitted[1][1] and emitted[1][2] == {
+        "bad_rows": [1],
+        "rows": 5,
+        "indices": 4,
+    }
+    assert keeper.indices_for(torch.zeros(4, 2)) == [4, 5, 6, 7]
+    keeper.after_step([anomaly({"diagnosis": {"bad_rows": [2], "dataset_indices": [6]}})])
+    assert sorted(sampler.quarantined) == [6] and [a[0] for a in emitted] == ["unmapped", "refused", "add"]
+
+
+def test_for_loader_reads_the_sampler_and_batch_size_of_a_dataloader():
+    """Fails before (the unbatched loader): a batch of 3 rows took indices [0, 1, 2], naming two
+    samples that were not in it."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    sampler = QuarantineSampler(SequentialSampler(range(10)))
+    keeper = QuarantineKeeper.for_loader(DataLoader(range(10), batch_size=3, sampler=sampler), None, print)
+    assert keeper.sampler is sampler and keeper.batch_size == 3
+    assert QuarantineKeeper.for_loader([[1, 2]], None, print).sampler is None
+    plain = QuarantineKeeper.for_loader(DataLoader(range(10), batch_size=None, sampler=sampler), None, print)
+    list(sampler)
+    assert plain.indices_for(torch.zeros(3, 2)) == [0, 0, 0], "no batching: a batch is one sample, all its rows"
+    assert plain.indices_for(torch.zeros(2, 2)) == [1, 1]
