@@ -15,7 +15,15 @@ The ladder. The n-th anomalous step in a row (n = 1, 2, ...) gets:
 input and target anomalies never climb it (bad data is not fixed by rolling the model back);
 ``recovery.reset_after`` healthy steps in a row put it back at the first rung. Independently, a
 run aborts when more than ``recovery.max_skip_fraction`` of the last ``recovery.skip_window``
-steps were not trained, so it never reaches its end by skipping.
+steps were not trained (of the steps so far, once :data:`MIN_SKIP_STEPS` have run, while the
+window has not filled), so it never reaches its end by skipping.
+
+A ``weights`` fault found at step k was made by an earlier update (the weight replay names it):
+the steps from that update on were counted healthy but were not, so they are taken back (a ladder
+reset they made is undone, and an update that broke the weights right after an anomalous step is
+one more anomalous step in a row). A fault that comes back at the same place right after a
+restore is persistent (:mod:`safetrain.faults`): it aborts at once when its cause is known to be
+beyond any recovery action (an optimizer ``eps`` the dtype cannot hold), else after a few.
 
 Rules beside the ladder: an fp16 overflow is normal (skip the step) until the scale would fall
 below ``amp.min_scale`` or ``amp.max_overflows`` come in a row (then it is a ``scaler`` anomaly);
@@ -32,8 +40,10 @@ even after ``reset_after`` healthy steps), and when one more backoff would take 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Tuple
 
+from .faults import broken_for, persistent_reason, signature_of
+from .history import MIN_SKIP_STEPS, History, skip_denominator
 from .kinds import DATA_KINDS, NON_CLIMBING, REPLAYED_KINDS, RESTORING, TRAINING_ACTIONS, Action, Kind
 
 if TYPE_CHECKING:  # config imports no torch either; only its types are needed here
@@ -53,6 +63,7 @@ __all__ = [
     "vouch",
     "read_clean",
     "newest_taken",
+    "MIN_SKIP_STEPS",
 ]
 
 
@@ -107,58 +118,6 @@ class Rules:
             first = self.inputs if kind is Kind.INPUT else self.targets
             return Action.ABORT if first == "raise" else first
         return self.recovery.actions[kind]
-
-
-@dataclass(frozen=True)
-class History:
-    """What the policy remembers between steps; part of every snapshot via :meth:`to_dict`.
-
-    Attributes:
-        consecutive: anomalous steps that climbed the ladder since it was last reset
-            (``reset_after`` healthy steps in a row reset it).
-        healthy_streak: healthy steps in a row.
-        recent: for the last ``skip_window`` steps, 1 if the step was not trained, else 0.
-        lr_scale: the product of every LR backoff still in force (1.0: none).
-        since_lr_change: healthy steps since ``lr_scale`` last changed.
-        overflows: fp16 overflows in a row.
-        unverified: the newest snapshot was taken after an update and no healthy step has read
-            clean since (it may hold the update that broke the run); not part of a snapshot.
-    """
-
-    consecutive: int = 0
-    healthy_streak: int = 0
-    recent: Tuple[int, ...] = ()
-    lr_scale: float = 1.0
-    since_lr_change: int = 0
-    overflows: int = 0
-    unverified: bool = False
-
-    def to_dict(self) -> Dict[str, Any]:
-        """JSON-ready form, for snapshots and the journal."""
-        return {
-            "consecutive": self.consecutive,
-            "healthy_streak": self.healthy_streak,
-            "recent": list(self.recent),
-            "lr_scale": self.lr_scale,
-            "since_lr_change": self.since_lr_change,
-            "overflows": self.overflows,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "History":
-        """Inverse of :meth:`to_dict` (``overflows`` defaults to 0 for snapshots that lack it)."""
-        return cls(
-            consecutive=int(data["consecutive"]),
-            healthy_streak=int(data["healthy_streak"]),
-            recent=tuple(int(x) for x in data["recent"]),
-            lr_scale=float(data["lr_scale"]),
-            since_lr_change=int(data["since_lr_change"]),
-            overflows=int(data.get("overflows", 0)),
-        )
-
-    def skipped_fraction(self, window: int) -> float:
-        """Fraction of the last ``window`` steps that were not trained (steps not yet run count as trained)."""
-        return sum(self.recent) / window
 
 
 @dataclass(frozen=True)
@@ -234,13 +193,35 @@ def decide(
             kind, Action.RETRY, history, "transient (the replay from the same state was finite): retrying the step once"
         )
         return decision, record_step(history, rules.recovery, skipped=False)
-    return _climb(kind, history, rules, anomaly.detail)
+    return _climb(kind, history, rules, anomaly.detail, diagnosis)
 
 
-def _climb(kind: Kind, history: History, rules: Rules, detail: Mapping[str, Any]) -> Tuple[Decision, History]:
+def _take_back(history: History, steps: int, reset_after: int) -> History:
+    """A ``weights`` fault: the last ``steps`` steps counted healthy ran on (or made) broken weights.
+    A ladder reset they made is undone; an update that broke the weights right after an anomalous
+    step is one more anomalous step in a row."""
+    if steps <= 0 or history.healthy_streak <= 0:
+        return history
+    kept = max(0, history.healthy_streak - steps)
+    consecutive = history.consecutive
+    if history.healthy_streak >= reset_after > kept:
+        consecutive = history.reset_from
+    if kept == 0 and consecutive > 0:
+        consecutive += 1
+    return replace(history, consecutive=consecutive, healthy_streak=kept)
+
+
+def _climb(
+    kind: Kind, history: History, rules: Rules, detail: Mapping[str, Any], diagnosis: Any = None
+) -> Tuple[Decision, History]:
     recovery = rules.recovery
     first = Action(rules.first_action(kind))
     climbs = kind not in DATA_KINDS and first not in NON_CLIMBING
+    if climbs and kind is Kind.WEIGHTS:
+        history = _take_back(history, broken_for(detail, diagnosis), recovery.reset_after)
+    signature = signature_of(kind, detail, diagnosis) if climbs else None
+    again = signature is not None and signature == history.fault and history.restored
+    recurrences = history.recurrences + 1 if again else 0
     n = history.consecutive + 1 if climbs else 1
     diverging = kind is Kind.DIVERGENCE and climbs
     if diverging:  # the same episode climbing back: the ladder goes on
@@ -260,16 +241,23 @@ def _climb(kind: Kind, history: History, rules: Rules, detail: Mapping[str, Any]
         action, reason = Action.SCALE_LR, f"{kind}: still growing at step {n} of the episode, backing the LR off again"
     if diverging:
         action, reason = _divergence_limit(action, reason, n, history, recovery, detail)
+    persistent = persistent_reason(signature, recurrences, diagnosis) if signature is not None else ""
+    if persistent and action is not Action.ABORT:
+        action, reason = Action.ABORT, persistent
 
     lr_scale, since = history.lr_scale, history.since_lr_change
     if action is Action.SCALE_LR:
         lr_scale, since = lr_scale * recovery.lr_factor, 0
     trains = action in TRAINING_ACTIONS
     recent = _push(history.recent, not trains, recovery.skip_window)
-    if action is not Action.ABORT and sum(recent) / recovery.skip_window > recovery.max_skip_fraction:
+    if action is not Action.ABORT and replace(history, recent=recent).skipped_fraction(recovery.skip_window) > (
+        recovery.max_skip_fraction
+    ):
         action = Action.ABORT
+        over = skip_denominator(len(recent), recovery.skip_window)
+        last = f"the last {over}" if over == recovery.skip_window else f"the first {len(recent)}"
         reason = (
-            f"{kind}: {sum(recent)} of the last {recovery.skip_window} steps were not trained, more than "
+            f"{kind}: {sum(recent)} of {last} steps were not trained, more than "
             f"recovery.max_skip_fraction={recovery.max_skip_fraction}"
         )
         trains = False
@@ -282,6 +270,10 @@ def _climb(kind: Kind, history: History, rules: Rules, detail: Mapping[str, Any]
         lr_scale=lr_scale,
         since_lr_change=since,
         unverified=history.unverified and not restoring,
+        fault=signature if climbs else history.fault,
+        restored=restoring if climbs else history.restored,
+        recurrences=recurrences if climbs else history.recurrences,
+        reset_from=0 if climbs else history.reset_from,
     )
     decision = Decision(
         kind=kind,
@@ -348,7 +340,11 @@ def observe_healthy(history: History, recovery: "RecoveryConfig", steps: int = 1
     if steps < 1 or (steps > 1 and climb_pending(history, recovery)):
         raise ValueError(f"observe_healthy: got steps={steps}; expected 1, or more only when no LR climb is pending")
     streak = history.healthy_streak + steps
-    consecutive = 0 if streak >= recovery.reset_after else history.consecutive
+    reset = streak >= recovery.reset_after
+    consecutive = 0 if reset else history.consecutive
+    reset_from = history.consecutive if reset and history.consecutive else history.reset_from
+    # a fault in the weights is silent until read: healthy steps do not say it is gone
+    forget = reset and history.fault is not None and history.fault.kind != Kind.WEIGHTS
     since = history.since_lr_change + steps
     lr_scale, changed = history.lr_scale, None
     after = recovery.lr_restore_after
@@ -361,6 +357,10 @@ def observe_healthy(history: History, recovery: "RecoveryConfig", steps: int = 1
         recent=_push(history.recent, False, recovery.skip_window, steps),
         lr_scale=lr_scale,
         since_lr_change=since,
+        fault=None if forget else history.fault,
+        restored=False if forget else history.restored,
+        recurrences=0 if forget else history.recurrences,
+        reset_from=reset_from,
     )
     return new, changed
 

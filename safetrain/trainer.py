@@ -160,9 +160,11 @@ class SafeTrainer:
                 _check_loader(loader, epochs, max_steps, start_epoch)
                 writers.bar = _progress(cfg.log.progress and rank == 0, epochs, loader)
                 keeper = QuarantineKeeper.for_loader(loader, run_dir, writers.quarantined)
-                first = guard.counters.steps
+                first, trained = guard.counters.steps, guard.counters.optimizer_steps
                 run = _Loop(loader, epochs, max_steps, writers.bar, result, writers.metrics, keeper, stop)
                 self._epochs(guard, run, start_epoch, skip, epoch_rng)
+                if not stop.requested:  # never "done" untrained or with non-finite parameters: aborts
+                    guard.recovery.check_end(guard.counters.steps - first, guard.counters.optimizer_steps - trained)
                 if guard.counters.steps == first and resumed is not None:
                     logger.warning(
                         "nothing left to train: resumed from %s at step %d (epoch %d, batch %d), where "

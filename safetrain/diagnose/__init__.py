@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -19,6 +20,7 @@ from ..config import ReplayConfig
 from ..detect import ActivationMonitor
 from ..kinds import REPLAYED_KINDS, Kind
 from .diagnosis import Diagnosis
+from .optim_numerics import explain_optimizer
 from .rng import StepRNG
 from .step_replay import StepReplay
 from .weight_replay import WeightReplay
@@ -148,10 +150,10 @@ class Diagnoser:
                 raise ValueError("explain('weights') needs the snapshot store to replay from (store=...)")
             why_not = self.weight_replay.why_not(store)
             if why_not:
-                return self.weight_replay.not_replayed(why_not)
+                return self._numerics(self.weight_replay.not_replayed(why_not))
             self.used += 1
             moved = self.rng.moved()  # the updates kept since the last look have that look's RNG state
-            return self.weight_replay.replay(store, rng_moved=moved)
+            return self._numerics(self.weight_replay.replay(store, rng_moved=moved))
         if kind is not None and kind not in REPLAYED_KINDS:
             raise ValueError(
                 f"no replay explains a {str(kind)!r} anomaly; expected one of "
@@ -159,3 +161,10 @@ class Diagnoser:
             )
         self.used += 1
         return self.step_replay.replay([self.prepare(batch) for batch in micro], indices)
+
+    def _numerics(self, diagnosis: Diagnosis) -> Diagnosis:
+        """A ``weights`` diagnosis with the known optimizer numerics fault behind it, if any."""
+        broken = set(diagnosis.nonfinite_weights)
+        params = [p for n, p in self.weight_replay.params if n in broken]
+        known = explain_optimizer(self.weight_replay.state.optimizer, params) if params else ""
+        return dataclasses.replace(diagnosis, numerics=known) if known else diagnosis

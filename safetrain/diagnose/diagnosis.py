@@ -46,6 +46,9 @@ class Diagnosis:
         forward_passes: forward passes the bisection used.
         seconds: time the replay took.
         note: why something is missing (budget, time limit, not separable...).
+        numerics: a known optimizer numerics fault behind a ``weights`` fault, with its fix
+            (``Adam eps=0: ... = NaN in the update ...; fix: ...``), ``""`` when none is known
+            (:mod:`.optim_numerics`): no restore or LR backoff changes it.
     """
 
     reproducible: bool
@@ -66,6 +69,7 @@ class Diagnosis:
     forward_passes: int = 0
     seconds: float = 0.0
     note: str = ""
+    numerics: str = ""
 
     def to_dict(self) -> Dict[str, Any]:
         """JSON-ready form for the journal."""
@@ -96,7 +100,9 @@ class Diagnosis:
         names = ", ".join(self.nonfinite_weights[:5]) or "parameters"
         if self.weights_step is not None:
             op = f" by {self.op}" + (f" at {self.op_line}" if self.op_line else "") if self.op else ""
-            return f"weights: the update of step {self.weights_step} made {names} non-finite{op}"
+            known = f"; {self.numerics}" if self.numerics else ""
+            return f"weights: the update of step {self.weights_step} made {names} non-finite{op}{known}"
         if not self.reproducible:
             return f"transient: {self.note}"
-        return f"weights: {names} non-finite" + (f" ({self.note})" if self.note else "")
+        known = f"; {self.numerics}" if self.numerics else ""
+        return f"weights: {names} non-finite" + (f" ({self.note})" if self.note else "") + known

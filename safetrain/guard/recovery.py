@@ -17,6 +17,7 @@ import torch
 from ..batches import without_rows
 from ..config import TrainConfig
 from ..detect import batch_error
+from ..diagnose.optim_numerics import explain_optimizer
 from ..errors import TrainingAborted
 from ..events import Aborted, AnomalyFound, Event, LRChanged, Restored
 from ..kinds import Action, Kind
@@ -26,7 +27,7 @@ from ..steps import Counters, Pending
 from .judge import micro_rows
 from .state import RecoveryState
 
-__all__ = ["Recovery", "Outcome", "Rerun", "Emit"]
+__all__ = ["Recovery", "Outcome", "Rerun", "Emit", "with_hint"]
 
 #: How the executor journals: ``emit(event_class, kind, action, message, detail) -> event``.
 Emit = Callable[[type, str, str, str, Mapping[str, Any]], Event]
@@ -99,6 +100,7 @@ class Recovery:
     after_restore: Callable[[int], None]
     sync: Any
     put_back: Callable[[], Tuple[str, ...]] = tuple
+    masked_targets: int = 0  # steps whose targets held NaN/Inf while their loss was finite
 
     def carry_out(
         self, anomaly: Anomaly, decision: Decision, read: Any, pending: Pending, diagnosis: Any = None
@@ -135,6 +137,8 @@ class Recovery:
         detail = dict(anomaly.detail)
         if anomaly.kind is Kind.OVERFLOW:  # escalated: too many in a row, or the scale too low
             detail = {"scale": detail["new_scale"], "overflows_in_a_row": self.state.history.overflows}
+        if kind is Kind.TARGET and read.loss is not None and math.isfinite(read.loss):
+            self.masked_targets += 1  # NaN targets, yet a finite loss: the loss masks them
         if kind in (Kind.INPUT, Kind.TARGET) and action is not Action.ABORT:
             return self.fix_rows(kind, decision, detail["rows"], pending)
         replayed = f"; replay: {diagnosis.describe()}" if diagnosis is not None else ""
@@ -161,15 +165,62 @@ class Recovery:
             self.counters.lr_backoffs += 1
             events.append(self.lr_changed(decision.lr_scale, f"backoff after {kind}"))
         if action is Action.ABORT:
-            aborted = self.emit(
-                Aborted,
-                kind,
-                Action.ABORT,
-                f"training aborted: {decision.reason}; model and optimizer left at the last good snapshot",
-                {"reason": decision.reason},
-            )
-            raise TrainingAborted(decision.reason, result=None, event=aborted)
+            self.abort(kind, with_hint(decision.reason, kind, diagnosis, self.masked_targets, self.counters.steps))
         return Outcome(action, tuple(events))
+
+    def abort(self, kind: str, reason: str) -> None:
+        """Journal the abort and raise; the state is already at the last good snapshot.
+
+        Raises:
+            TrainingAborted: always, with ``reason`` (the cause and its fix).
+        """
+        aborted = self.emit(
+            Aborted,
+            kind,
+            Action.ABORT,
+            f"training aborted: {reason}; model and optimizer left at the last good snapshot",
+            {"reason": reason},
+        )
+        raise TrainingAborted(reason, result=None, event=aborted)
+
+    def check_end(self, seen: int, trained: int) -> None:
+        """The end of ``fit``: a run never ends "done" with no trained step or with non-finite
+        parameters (slow path: one host sync, once per run). Either aborts, the model put back at
+        the last good snapshot.
+
+        Args:
+            seen: steps this ``fit`` decided.
+            trained: optimizer steps this ``fit`` applied.
+
+        Raises:
+            TrainingAborted: naming the cause and the fix.
+        """
+        names = list(self.params)
+        finite = torch.stack([torch.isfinite(p).all() for p in self.params.values()]).tolist() if names else []
+        broken = [n for n, ok in zip(names, finite) if not ok]  # host sync: once, at the end of the run
+        if broken:
+            known = explain_optimizer(self.train_state.optimizer, [self.params[n] for n in broken])
+            kind, reason = (
+                Kind.WEIGHTS,
+                (
+                    f"weights: the run ended with non-finite parameters ({', '.join(broken[:5])}) that no check "
+                    f"caught on the way (detect.check_weights_every={self.cfg.detect.check_weights_every} steps)"
+                    + (f"; {known}" if known else "; lower detect.check_weights_every to find the step that broke them")
+                ),
+            )
+        elif seen > 0 and trained == 0:
+            c = self.counters
+            kind, reason = (
+                Kind.TARGET if self.masked_targets else "run",
+                (f"run: none of the {seen} steps trained ({c.skipped_batches} skipped, {c.restores} restores)"),
+            )
+            reason = with_hint(reason, Kind.TARGET, None, self.masked_targets, seen)
+        else:
+            return
+        if len(self.store):
+            self.store.restore(self.train_state)
+            self.counters.restores += 1
+        self.abort(kind, reason)
 
     def reject_rows(self, anomaly: Anomaly) -> None:
         """``sanitize.*: raise``: the step is not applied, the rows are journaled, then BatchError."""
@@ -295,6 +346,26 @@ class Recovery:
         )
 
 
+def with_hint(reason: str, kind: str, diagnosis: Any, masked_targets: int, steps: int) -> str:
+    """An abort's ``reason`` with what it adds about the cause and its fix: NaN targets a finite
+    loss masks (in most of the ``steps`` so far), or a known optimizer numerics fault not yet named.
+
+    Example::
+
+        >>> with_hint("target: 8 of the first 8 steps were not trained", "target", None, 8, 8)[:60]
+        'target: 8 of the first 8 steps were not trained; the targets'
+    """
+    if kind == Kind.TARGET and masked_targets * 2 > steps:
+        return reason + (
+            f"; the targets held NaN in {masked_targets} of {steps} steps while the loss on them was finite: NaN "
+            "looks like a missing-value marker the loss masks (its gradient is still NaN through torch.where); "
+            "fix: sanitize.targets: replace (sanitize.nan sets the value the loss then sees), or mask the NaN "
+            "targets out before the loss is computed (select the valid rows, or torch.where on the targets)"
+        )
+    known = str(getattr(diagnosis, "numerics", "") or "")
+    return f"{reason}; {known}" if known and known not in reason else reason
+
+
 def _micro_batch(path: str) -> str:
     """Which micro-batch a row finding's path is in: ``micro[i]`` of an accumulated step, else
     ``batch`` (a row bad in several tensors of one batch, ``batch["x"]`` and ``batch["z"]``, is one row)."""
@@ -313,6 +384,9 @@ def summary(kind: str, detail: Mapping[str, Any]) -> str:
     finding = detail.get("finding")
     if finding is not None and hasattr(finding, "describe"):
         return finding.describe()
+    rows = detail.get("rows")
+    if isinstance(rows, list) and rows and hasattr(rows[0], "describe"):  # bad input or target rows
+        return "; ".join(f.describe() for f in rows[:4])
     if kind == "spike":
         return f"loss {detail['loss']:.4g} is {detail['z']:.1f} robust sigmas above the median {detail['median']:.4g}"
     if kind == "loss":

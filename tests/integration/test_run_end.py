@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from safetrain import SafeTrainer, SafetrainError, load_config
+from safetrain.errors import TrainingAborted
 from safetrain.report import format_report
 from safetrain.rundir import RunDirError, read_run
 from tests.conftest import mlp, regression_data
@@ -170,5 +171,7 @@ def test_final_loss_is_the_last_steps_even_when_not_finite(tmp_path):
 
     warn = [f"recovery.actions.{k}=warn" for k in ("loss", "forward", "gradient", "weights")]
     _, _, fit = _fit(tmp_path, None, *warn, loss_fn=loss_fn)
-    result = fit()
+    with pytest.raises(TrainingAborted, match="the run ended with non-finite parameters") as info:  # issue 18
+        fit()
+    result = info.value.result  # never "done" with NaN weights: aborted, the result still says how it ended
     assert result.steps == 8 and math.isnan(result.final_loss)

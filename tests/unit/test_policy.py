@@ -137,7 +137,7 @@ def test_history_round_trips_through_json_form():
     assert history.lr_scale == 0.5 and history.consecutive == 2
 
 
-@pytest.mark.parametrize("module", ["kinds", "policy"])
+@pytest.mark.parametrize("module", ["kinds", "policy", "faults", "history"])
 def test_module_imports_no_torch(module):
     """The vocabulary and the policy load without torch (the package's __init__ is bypassed: a
     bare parent package, then the module and whatever it imports)."""
@@ -269,3 +269,191 @@ def test_skip_batch_is_not_a_first_action_for_divergence():
 
     with pytest.raises(ConfigError, match=r"recovery\.actions\.divergence: got 'skip_batch'"):
         load_config(None, ["recovery.actions.divergence=skip_batch"])
+
+
+class Found:
+    """A finding as the judge gives it: its step and the non-finite parameters or the module."""
+
+    def __init__(self, step, nonfinite=(), module=None):
+        self.step, self.nonfinite, self.module = step, tuple(nonfinite), module
+
+
+class Replayed:
+    """A diagnosis as the replays give it (only what the policy reads)."""
+
+    def __init__(self, reproducible=True, nonfinite_weights=(), weights_step=None, module=None, op=None, numerics=""):
+        self.reproducible, self.nonfinite_weights, self.weights_step = reproducible, nonfinite_weights, weights_step
+        self.module, self.op, self.numerics = module, op, numerics
+
+
+ADAM_EPS0 = "Adam eps=0: ... = NaN in the update ...; fix: a positive eps"
+
+
+def weights(found, made, numerics="", names=("embed.weight",)):
+    """A weights fault found at step ``found``, made by the update of step ``made``."""
+    diagnosis = Replayed(nonfinite_weights=names, weights_step=made, op="aten.addcdiv_.default", numerics=numerics)
+    return Anomaly("weights", {"finding": Found(found, names)}), diagnosis
+
+
+def forward(module, op="aten.log.default", step=0):
+    return Anomaly("forward", {"finding": Found(step, module=module)}), Replayed(module=module, op=op)
+
+
+def feed(outcomes, overrides=()):
+    """Like :func:`run`, with ``(anomaly, diagnosis)`` pairs for anomalies; actions, rungs and the last reason."""
+    cfg = load_config(None, list(overrides))
+    history, actions, rungs, reason = History(), [], [], ""
+    for outcome in outcomes:
+        if outcome == "ok":
+            history, _ = observe_healthy(history, cfg.recovery)
+            actions.append("ok")
+            continue
+        decision, history = decide(*outcome[:1], history, Rules.of(cfg), outcome[1])
+        actions.append(str(decision.action))
+        rungs.append(decision.rung)
+        reason = decision.reason
+    return actions, rungs, reason, history
+
+
+PERSISTENT = [
+    # (name, overrides, outcomes, expected actions, expected rungs)
+    (
+        "issue 18 class 4: Adam eps=0 breaks the weights again right after the restore: abort at once",
+        [],
+        [weights(2, 1, ADAM_EPS0), "ok", weights(4, 3, ADAM_EPS0)],
+        ["restore", "ok", "abort"],
+        [1, 3],
+    ),
+    (
+        "the update that broke the weights right after a restore is one more anomalous step in a row",
+        ["recovery.max_retries=9"],
+        [weights(2, 1), "ok", weights(4, 3)],
+        ["restore", "ok", "scale_lr"],
+        [1, 3],
+    ),
+    (
+        "no known cause: the same weights fault after each restore aborts at its 3rd recurrence",
+        ["recovery.max_retries=20"],
+        [weights(2, 1), "ok", weights(4, 3), "ok", weights(6, 5), "ok", weights(8, 7)],
+        ["restore", "ok", "scale_lr", "ok", "scale_lr", "ok", "abort"],
+        [1, 3, 5, 7],
+    ),
+    (
+        "a reset_after made by steps that ran on broken weights is undone",
+        ["recovery.reset_after=2", "recovery.max_retries=9", "recovery.escalate=[restore,scale_lr]"],
+        [weights(2, 1, names=("a",)), "ok", "ok", "ok", weights(6, 4, names=("b",))],
+        ["restore", "ok", "ok", "ok", "restore"],
+        [1, 2],
+    ),
+    (
+        "a reset_after made by healthy steps before the broken update stays",
+        ["recovery.reset_after=2", "recovery.max_retries=9"],
+        [weights(2, 1, names=("a",)), "ok", "ok", "ok", weights(6, 5, names=("b",))],
+        ["restore", "ok", "ok", "ok", "restore"],
+        [1, 1],
+    ),
+    (
+        "a forward fault at the same module and op after each restore aborts at its 3rd recurrence",
+        ["recovery.max_retries=20"],
+        [forward("1")] * 6,
+        ["skip_batch", "restore", "scale_lr", "scale_lr", "abort"],
+        [1, 2, 3, 4, 5],
+    ),
+    (
+        "faults at different places are not recurrences: the ladder alone goes on",
+        ["recovery.max_retries=20"],
+        [forward("1"), forward("2")] * 3,
+        ["skip_batch", "restore", "scale_lr", "scale_lr", "scale_lr", "scale_lr"],
+        [1, 2, 3, 4, 5, 6],
+    ),
+    (
+        "only a restore between makes a recurrence: faults after skips climb the ladder alone",
+        ["recovery.escalate=[skip_batch,skip_batch,restore]", "recovery.max_retries=20"],
+        [forward("1")] * 7,
+        ["skip_batch", "skip_batch", "skip_batch", "restore", "restore", "restore", "abort"],
+        [1, 2, 3, 4, 5, 6, 7],
+    ),
+]
+
+
+@pytest.mark.parametrize("name,overrides,outcomes,expected,rungs", PERSISTENT, ids=[r[0] for r in PERSISTENT])
+def test_persistent_faults(name, overrides, outcomes, expected, rungs):
+    actions, got_rungs, _, _ = feed(outcomes, overrides)
+    assert actions[: len(expected)] == expected, name
+    assert got_rungs[: len(rungs)] == rungs, name
+
+
+def test_a_persistent_fault_with_a_known_cause_names_it_and_the_fix():
+    *_, reason, history = feed([weights(2, 1, ADAM_EPS0), "ok", weights(4, 3, ADAM_EPS0)])
+    assert "persistent fault: weights in embed.weight by aten.addcdiv_.default" in reason, reason
+    assert "came back right after a restore" in reason and ADAM_EPS0 in reason, reason
+    assert history.fault is not None and history.recurrences == 1
+
+
+def test_a_weights_fault_is_remembered_across_a_ladder_reset_other_faults_are_not():
+    cfg = load_config(None, ["recovery.reset_after=2"])
+    anomaly, diagnosis = weights(2, 2)  # the weights were changed outside the step: no take-back
+    _, history = decide(anomaly, History(), Rules.of(cfg), diagnosis)
+    for _ in range(3):
+        history, _ = observe_healthy(history, cfg.recovery)
+    assert history.consecutive == 0 and history.fault is not None and history.restored
+    anomaly, diagnosis = forward("1")
+    _, history = decide(anomaly, History(), Rules.of(cfg), diagnosis)
+    for _ in range(3):
+        history, _ = observe_healthy(history, cfg.recovery)
+    assert history.fault is None and history.recurrences == 0
+
+
+def test_history_round_trips_the_fault_and_reads_old_snapshots():
+    from safetrain.faults import Signature
+
+    cfg = load_config(None)
+    anomaly, diagnosis = weights(4, 3, ADAM_EPS0)
+    _, history = decide(anomaly, History(consecutive=1, healthy_streak=1, restored=True), Rules.of(cfg), diagnosis)
+    assert history.fault == Signature("weights", ("embed.weight",), "aten.addcdiv_.default")
+    assert History.from_dict(history.to_dict()) == history
+    old = {"consecutive": 2, "healthy_streak": 0, "recent": [1], "lr_scale": 0.5, "since_lr_change": 0}
+    back = History.from_dict(old)
+    assert back.fault is None and not back.restored and back.recurrences == 0 and back.reset_from == 0
+
+
+SKIPS = [
+    # (name, overrides, outcomes, expected actions); sanitize.targets=skip_batch (the default)
+    (
+        "issue 18 class 5: max_skip_fraction holds from the start, over the steps so far once 8 have run",
+        [],
+        ["target"] * 8,
+        ["skip_batch"] * 7 + ["abort"],
+    ),
+    (
+        "half of the first 8 skipped is allowed",
+        [],
+        ["target", "ok"] * 4 + ["target"],
+        ["skip_batch", "ok"] * 4 + ["abort"],
+    ),
+    (
+        "before 8 steps the whole window is the measure, as before",
+        [],
+        ["target"] * 7,
+        ["skip_batch"] * 7,
+    ),
+    (
+        "a window smaller than 8 is judged once it is full, as before",
+        ["recovery.skip_window=4"],
+        ["target", "target", "ok", "target"],
+        ["skip_batch", "skip_batch", "ok", "abort"],
+    ),
+]
+
+
+@pytest.mark.parametrize("name,overrides,outcomes,expected", SKIPS, ids=[r[0] for r in SKIPS])
+def test_skip_fraction_from_the_start(name, overrides, outcomes, expected):
+    actions, history = run(outcomes, overrides)
+    assert actions == expected, name
+
+
+def test_skip_fraction_abort_says_over_how_many_steps():
+    cfg = load_config(None)
+    history = History(recent=(1,) * 7)
+    decision, _ = decide(Anomaly("target"), history, Rules.of(cfg))
+    assert decision.action == "abort" and "8 of the first 8 steps were not trained" in decision.reason
