@@ -20,7 +20,19 @@ steps were not trained, so it never reaches its end by skipping.
 Rules beside the ladder: an fp16 overflow is normal (skip the step) until the scale would fall
 below ``amp.min_scale`` or ``amp.max_overflows`` come in a row (then it is a ``scaler`` anomaly);
 a forward, loss or gradient fault whose replay was finite (transient) is retried once; a restore
-passes over the newest snapshot when no healthy step has vouched for it since it was taken.
+passes over the newest snapshot (it is kept, never restored) when no healthy step has vouched for
+it since it was taken and the fault may lie in the weights its update made:
+
+=====================================================  ==========================
+fault that restores (newest snapshot unverified)       pass over the newest?
+=====================================================  ==========================
+weights, divergence, spike, grad_norm, scaler          yes (the update is suspect)
+forward, loss, gradient with no diagnosis              yes (nothing clears the weights)
+... replay: reproducible, no bad rows isolated          yes (the whole batch fails)
+... replay: the weights at fault (``kind: weights``)    yes
+... replay: reproducible in some rows (``bad_rows``)    no: a data fault; its update was skipped
+... replay: transient (retried, failed again)           no: the weights read clean in the replay
+=====================================================  ==========================
 
 Divergence (a loss growing geometrically) is fixed only by a smaller LR: every rung after its
 first is ``scale_lr`` (a restore or a skip alone replays the same climb), a climb back within
@@ -233,10 +245,26 @@ def decide(
             kind, Action.RETRY, history, "transient (the replay from the same state was finite): retrying the step once"
         )
         return decision, record_step(history, rules.recovery, skipped=False)
-    return _climb(kind, history, rules, anomaly.detail)
+    return _climb(kind, history, rules, anomaly.detail, _implicates_weights(kind, diagnosis))
 
 
-def _climb(kind: Kind, history: History, rules: Rules, detail: Mapping[str, Any]) -> Tuple[Decision, History]:
+#: Kinds whose fault may lie in the weights the last update made (see the module's table).
+_WEIGHT_KINDS = frozenset({Kind.WEIGHTS, Kind.DIVERGENCE, Kind.SPIKE, Kind.GRAD_NORM, Kind.SCALER})
+
+
+def _implicates_weights(kind: Kind, diagnosis: Optional[Diagnosed]) -> bool:
+    """Whether the newest (unverified) snapshot may hold the fault: not when a replay pinned it on
+    some rows of the batch (a data fault) or found it transient."""
+    if kind in _WEIGHT_KINDS or diagnosis is None:
+        return True
+    if getattr(diagnosis, "kind", None) == "weights":
+        return True
+    return bool(diagnosis.reproducible) and not getattr(diagnosis, "bad_rows", ())
+
+
+def _climb(
+    kind: Kind, history: History, rules: Rules, detail: Mapping[str, Any], suspect: bool = True
+) -> Tuple[Decision, History]:
     recovery = rules.recovery
     first = Action(rules.first_action(kind))
     climbs = kind not in DATA_KINDS and first not in NON_CLIMBING
@@ -290,7 +318,7 @@ def _climb(kind: Kind, history: History, rules: Rules, detail: Mapping[str, Any]
         lr_scale=lr_scale,
         trains=trains,
         reason=reason,
-        pass_over_newest=restoring and history.unverified,
+        pass_over_newest=restoring and history.unverified and suspect,
     )
     return decision, new
 
