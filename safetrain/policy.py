@@ -28,7 +28,19 @@ beyond any recovery action (an optimizer ``eps`` the dtype cannot hold), else af
 Rules beside the ladder: an fp16 overflow is normal (skip the step) until the scale would fall
 below ``amp.min_scale`` or ``amp.max_overflows`` come in a row (then it is a ``scaler`` anomaly);
 a forward, loss or gradient fault whose replay was finite (transient) is retried once; a restore
-passes over the newest snapshot when no healthy step has vouched for it since it was taken.
+passes over the newest snapshot (it is kept, never restored) when no healthy step has vouched for
+it since it was taken and the fault may lie in the weights its update made:
+
+=====================================================  ==========================
+fault that restores (newest snapshot unverified)       pass over the newest?
+=====================================================  ==========================
+weights, divergence, spike, grad_norm, scaler          yes (the update is suspect)
+forward, loss, gradient with no diagnosis              yes (nothing clears the weights)
+... replay: reproducible, no bad rows isolated          yes (the whole batch fails)
+... replay: the weights at fault (``kind: weights``)    yes
+... replay: reproducible in some rows (``bad_rows``)    no: a data fault; its update was skipped
+... replay: transient (retried, failed again)           no: the weights read clean in the replay
+=====================================================  ==========================
 
 Divergence (a loss growing geometrically) is fixed only by a smaller LR: every rung after its
 first is ``scale_lr`` (a restore or a skip alone replays the same climb), a climb back within
@@ -196,6 +208,20 @@ def decide(
     return _climb(kind, history, rules, anomaly.detail, diagnosis)
 
 
+#: Kinds whose fault may lie in the weights the last update made (see the module's table).
+_WEIGHT_KINDS = frozenset({Kind.WEIGHTS, Kind.DIVERGENCE, Kind.SPIKE, Kind.GRAD_NORM, Kind.SCALER})
+
+
+def _implicates_weights(kind: Kind, diagnosis: Optional[Diagnosed]) -> bool:
+    """Whether the newest (unverified) snapshot may hold the fault: not when a replay pinned it on
+    some rows of the batch (a data fault) or found it transient."""
+    if kind in _WEIGHT_KINDS or diagnosis is None:
+        return True
+    if getattr(diagnosis, "kind", None) == "weights":
+        return True
+    return bool(diagnosis.reproducible) and not getattr(diagnosis, "bad_rows", ())
+
+
 def _take_back(history: History, steps: int, reset_after: int) -> History:
     """A ``weights`` fault: the last ``steps`` steps counted healthy ran on (or made) broken weights.
     A ladder reset they made is undone; an update that broke the weights right after an anomalous
@@ -283,7 +309,7 @@ def _climb(
         lr_scale=lr_scale,
         trains=trains,
         reason=reason,
-        pass_over_newest=restoring and history.unverified,
+        pass_over_newest=restoring and history.unverified and _implicates_weights(kind, diagnosis),
     )
     return decision, new
 

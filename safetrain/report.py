@@ -136,6 +136,26 @@ def _status(s: Dict[str, Any]) -> str:
     return "finished" if ended == "done" else str(ended)
 
 
+def _run_lines(run: RunLog) -> List[str]:
+    """One line per run: its id, its starts (and resumes) and how each start ended."""
+    lines = []
+    for rid in run.run_ids:
+        starts, ends, current = [], [], None
+        for e in run.events:
+            if e.get("event") == "run_started":
+                d = e.get("detail") or {}
+                current = d.get("run_id") if isinstance(d.get("run_id"), str) else None
+                if current == rid or (current is None and rid.startswith("run-")):
+                    starts.append(f"{e.get('action', 'start')} at step {e.get('step', '?')}")
+            elif e.get("event") == "run_ended" and (current == rid or (current is None and rid.startswith("run-"))):
+                ends.append(f"{e.get('action', '?')} at step {e.get('step', '?')}")
+        steps = ""
+        if run.metrics is not None and "run" in run.metrics:
+            steps = f", {run.metrics['run'].count(rid)} metric rows"
+        lines.append(f"  run {rid[:12]}: {', '.join(starts) or 'no start'}; ended {', '.join(ends) or '?'}{steps}")
+    return lines
+
+
 def format_report(run: RunLog) -> str:
     """The text report: journal health, the event table, the summary counters and their cross-check.
 
@@ -146,7 +166,12 @@ def format_report(run: RunLog) -> str:
     """
     out = [f"run {run.run_dir}"]
     if run.runs > 1:
-        out.append(f"  {run.runs} runs in this journal (resumed); the summary is the last one's")
+        n = len(run.run_ids)
+        out.append(
+            f"  {n} run{'s' if n != 1 else ''} in this journal ({run.runs} starts, {run.resumes} resumed); "
+            "the summary is the last one's"
+        )
+        out.extend(_run_lines(run))
     if run.cut_at is not None:
         out.append(
             f"  journal was cut at line {run.cut_at} (the run crashed while writing it); "

@@ -1,8 +1,9 @@
 """The run directory's reader: ``events.jsonl`` and ``metrics.csv`` read back without trusting them.
 
 :func:`read_run` reads what :mod:`safetrain.rundir`'s writers left: a line cut by a crash, a
-full disk or a kill is skipped (and only that line), a resumed run's second start is counted,
-and ``metrics.csv`` rows are keyed by step. Nothing here imports torch; ``report`` and ``plot``
+full disk or a kill is skipped (and only that line), runs are told apart by the ``run_id`` of
+their ``run_started`` (a resume continues its run's id), and ``metrics.csv`` rows are keyed by
+(run, step). Nothing here imports torch; ``report`` and ``plot``
 read what it returns (also re-exported by :mod:`safetrain.rundir`).
 """
 
@@ -41,6 +42,9 @@ class RunLog:
         bad_lines: 1-based numbers of unreadable lines before the last one (a crash, then a resume).
         metrics: ``metrics.csv`` as columns (floats; ``action`` as strings), or ``None`` when absent.
         runs: how many times ``fit`` started on this directory (more than 1 after a resume).
+        run_ids: the distinct runs, in order (a ``run_started`` without a ``run_id``, from an older
+            safetrain, is a new run unless it resumed).
+        resumes: how many starts continued a run (``run_started`` action ``resume``).
     """
 
     run_dir: Path
@@ -50,6 +54,8 @@ class RunLog:
     bad_lines: List[int] = field(default_factory=list)
     metrics: Optional[Dict[str, List[Any]]] = None
     runs: int = 0
+    run_ids: List[str] = field(default_factory=list)
+    resumes: int = 0
 
 
 def read_run(run_dir: PathLike) -> RunLog:
@@ -85,6 +91,7 @@ def read_run(run_dir: PathLike) -> RunLog:
     except OSError as exc:
         raise ReportError(f"{path}: cannot read the journal ({exc.strerror or exc})") from None
     run = RunLog(run_dir=root)
+    starts: List[Any] = []  # (run id, start step) of each run_started, in order
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -101,13 +108,34 @@ def read_run(run_dir: PathLike) -> RunLog:
         if record["event"] == "summary":
             run.summary = {k: v for k, v in record.items() if k != "event"}
             continue
-        run.runs += record["event"] == "run_started"
+        if record["event"] == "run_started":
+            starts.append(_note_start(run, record))
         run.events.append(record)
-    run.metrics = _read_metrics(root / METRICS_FILE)
+    run.metrics = _read_metrics(root / METRICS_FILE, starts)
     return run
 
 
-def _read_metrics(path: Path) -> Optional[Dict[str, List[Any]]]:
+def _note_start(run: RunLog, record: Dict[str, Any]) -> "tuple[str, int]":
+    """Count a ``run_started``; ``(run id, step it started at)``."""
+    run.runs += 1
+    resumed = record.get("action") == "resume"
+    run.resumes += resumed
+    rid = (record.get("detail") or {}).get("run_id")
+    if not isinstance(rid, str):  # an older journal: a resume continues the run before it
+        rid = run.run_ids[-1] if resumed and run.run_ids else f"run-{len(run.run_ids) + 1}"
+    if rid not in run.run_ids:
+        run.run_ids.append(rid)
+    step = record.get("step", 0)
+    return rid, int(step) if isinstance(step, (int, float)) else 0
+
+
+def _read_metrics(path: Path, starts: List[Any]) -> Optional[Dict[str, List[Any]]]:
+    """``metrics.csv`` as columns, with a ``run`` column: rows keyed by (run, step).
+
+    The file has no run column: a new process starts a new stretch of rows (the step goes back
+    down), matched in order to the journal's starts (the one that started one step before its
+    first row, else the next); a resume's rows replace its run's rows at the steps it re-ran.
+    """
     if not path.is_file():
         return None
     columns: Dict[str, List[Any]] = {}
@@ -119,6 +147,8 @@ def _read_metrics(path: Path) -> Optional[Dict[str, List[Any]]]:
         columns = {name: [] for name in header}
         key = header.index("step") if "step" in header else None
         rows: Dict[Any, List[Any]] = {}
+        order: List[str] = []  # runs in order of their first row
+        current, last, at = "", None, -1
         for row in reader:
             if len(row) != len(header):
                 continue  # a header repeated by a resume, or a row cut by a crash
@@ -126,10 +156,28 @@ def _read_metrics(path: Path) -> Optional[Dict[str, List[Any]]]:
                 values = [value if name == "action" else float(value) for name, value in zip(header, row)]
             except ValueError:
                 continue
-            rows[values[key] if key is not None else len(rows)] = (
-                values  # keyed by step: a resumed run's rows replace the ones it re-runs
-            )
-    for values in (rows[k] for k in sorted(rows)):
-        for name, value in zip(header, values):
+            step = values[key] if key is not None else len(rows)
+            if last is None or step <= last:  # a new process: the next start in the journal
+                current, at = _next_start(starts, at, step)
+                if current not in order:
+                    order.append(current)
+            last = step
+            rows[(current, step)] = values  # a resumed run's rows replace the ones it re-runs
+    columns["run"] = []
+    for run_key, step in sorted(rows, key=lambda k: (order.index(k[0]), k[1])):
+        for name, value in zip(header, rows[(run_key, step)]):
             columns[name].append(value)
+        columns["run"].append(run_key)
     return columns
+
+
+def _next_start(starts: List[Any], at: int, first_step: float) -> "tuple[str, int]":
+    """The start a stretch of rows beginning at ``first_step`` belongs to: after ``at``, the one
+    that started at the step before (else the next; else the last)."""
+    rest = range(at + 1, len(starts))
+    for i in rest:
+        if starts[i][1] == first_step - 1:
+            return starts[i][0], i
+    if rest:
+        return starts[at + 1][0], at + 1
+    return (starts[-1][0], at) if starts else ("", at)

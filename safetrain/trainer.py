@@ -201,10 +201,15 @@ class SafeTrainer:
                 logger.warning("resume='auto': no valid snapshot (%s); starting fresh", exc)
                 return self._resume(guard, None, run_dir, rank)
             guard.load_state_dict(info.extra)
+            guard.store.adopt(info.run_id)  # the run goes on: its snapshots are this store's
             passed = [{"path": p, "why": why} for p, why in info.passed_over]  # newer files not usable
             used = {"resumed_from": info.path, "passed_over": passed}
             start_epoch, skip = guard.counters.epoch, guard.counters.batch
             epoch_rng = info.extra_tensors.get("epoch_rng")
+        else:  # a fresh run: refuse a directory holding another run's snapshots (or overwrite them)
+            dropped = guard.store.check_fresh()
+            if dropped:
+                used = {"overwritten": dropped}
         guard.bus.emit(
             RunStarted(
                 step=guard.counters.steps,
@@ -214,7 +219,12 @@ class SafeTrainer:
                 rank=rank,
                 action="resume" if resume else "start",
                 message=f"{_resumed(resume, used) if resume else 'started'}; run dir {run_dir}",
-                detail={"config": to_dict(self.cfg), "resume": str(resume) if resume else None, **used},
+                detail={
+                    "config": to_dict(self.cfg),
+                    "resume": str(resume) if resume else None,
+                    "run_id": guard.store.run_id,
+                    **used,
+                },
             )
         )
         return start_epoch, skip, epoch_rng, resume

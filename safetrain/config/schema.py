@@ -231,6 +231,10 @@ class SnapshotConfig:
     on_signal: bool = _f(
         True, "on a caught SIGTERM/SIGINT, snapshot the step fit stopped at (safetensors store only), for resume"
     )
+    overwrite: bool = _f(
+        False,
+        "let a fresh run (no resume=) start in a snapshot dir holding another run's snapshots, deleting them first",
+    )
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ rank 0 writes the safetensors file, every rank reads it) and resume agrees on th
 from __future__ import annotations
 
 import logging
+import re
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..errors import SnapshotError
@@ -46,6 +47,11 @@ class DistributedStore:
     def __init__(self, store: Any, sync: "DistributedSync") -> None:
         self.inner, self.sync = store, sync
         self.shared = isinstance(store, SafetensorsStore)
+        if self.shared and re.fullmatch(r"[0-9a-f]{32}", store.run_id):
+            # rank 0 writes the files: every rank's store belongs to rank 0's run (4 x 32 bits)
+            parts = [sync.gather_int(int(store.run_id[i : i + 8], 16))[0] for i in range(0, 32, 8)]
+            store.run_id = "".join(f"{p:08x}" for p in parts)
+            store._ids.add(store.run_id)
 
     def __getattr__(self, name: str) -> Any:
         if name == "inner":  # not set yet (copy, unpickling): no recursion

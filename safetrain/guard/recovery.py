@@ -294,10 +294,12 @@ class Recovery:
 
     def restore(self, decision: Decision) -> Event:
         """Put the last good snapshot back, keeping the LR scale and policy history in force now."""
-        if decision.pass_over_newest and len(self.store) > 1:
-            # No healthy step has run since the newest snapshot: it may hold the update that broke
-            # the run (an LR blow-up leaves finite but ruined weights). Drop it; go one further back.
-            self.store.discard_newest()
+        passed = None
+        if decision.pass_over_newest:
+            # No healthy step has run since the newest snapshot and the fault implicates the weights:
+            # it may hold the update that broke the run (an LR blow-up leaves finite but ruined
+            # weights). Go one further back; the file is kept (rotation drops it in its time).
+            passed = self.store.pass_over_newest()
         info = self.store.restore(self.train_state)
         self.after_restore(info.step)
         self.backoff.load_state_dict({"unscaled": info.extra["lr"]["unscaled"]})
@@ -308,8 +310,9 @@ class Recovery:
             Restored,
             decision.kind,
             decision.action,
-            f"restored the snapshot of step {info.step} after {decision.kind}",
-            {"snapshot_step": info.step, "path": str(info.path) if info.path else None},
+            f"restored the snapshot of step {info.step} after {decision.kind}"
+            + (f", passing over the newest ({passed}): no healthy step vouched for it" if passed else ""),
+            {"snapshot_step": info.step, "path": str(info.path) if info.path else None, "passed_over": passed},
         )
 
     def skip_data(self, step_scheduler: Callable[[], None]) -> Optional[Event]:

@@ -4,10 +4,18 @@ Files are ``snapshot-{step:010d}.safetensors`` so that names sort by step. A sav
 ``.tmp-snapshot-...`` in the same directory, fsyncs it, renames it over the final name and
 fsyncs the directory: a crash at any moment leaves either the previous set of snapshots or
 the new one, never a half-written file under a snapshot's name. Temporary files are never
-listed and are removed when a store opens the directory. After a save, snapshots newer than
-it (left over from a trajectory that was rolled back) and all but the newest ``keep`` are
-renamed out of the listing at once and unlinked by a worker thread (``close()`` waits for it).
-Loading reads into fresh memory (no mmap), so deleted files really free their space.
+listed. After a save, this run's snapshots newer than it (left over from a trajectory that was
+rolled back) and all but its newest ``keep`` are renamed out of the listing at once and unlinked
+by a worker thread (``close()`` waits for it). Loading reads into fresh memory (no mmap), so
+deleted files really free their space.
+
+A directory may hold snapshots of several runs (each file's metadata names its ``run_id``): a
+store restores, rotates and deletes only its own run's, and a fresh run refuses a directory
+holding another run's (:meth:`SafetensorsStore.check_fresh`). One process writes a directory at
+a time: the first write takes an ``fcntl.flock`` for the directory (:mod:`.dirlock`; held until
+``close()``, a second writer gets a ``SnapshotError`` naming the directory and the holder). Only
+temporary files of this process or of a process of this host that is gone are removed
+(temporary names carry the host and the pid), when the store opens and at its first write.
 """
 
 from __future__ import annotations
@@ -19,22 +27,32 @@ import os
 import re
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Dict, Iterable, List, Optional, Set, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 import torch
 
 from ..errors import SnapshotError
 from ..rundir import AtomicFile, fsync_dir
+from .dirlock import TMP_PREFIX as _TMP_PREFIX
+from .dirlock import DirLock, stale, tmp_tag
 from .fileformat import FileWriter, checksum, read_header, read_tensors
 from .state import Captured, TrainState, validate_meta
-from .store import SnapshotInfo, SnapshotStore, make_info
+from .store import SnapshotInfo, SnapshotStore, make_info, run_of
 
 __all__ = ["SafetensorsStore", "load_snapshot", "list_snapshots", "snapshot_step"]
 
 log = logging.getLogger("safetrain")
 
 _NAME = re.compile(r"^snapshot-(\d{10,})\.safetensors$")
-_TMP_PREFIX = ".tmp-snapshot-"
+_UNREADABLE = "\0unreadable"  # the run of a file whose header cannot be read (never anyone's)
+
+
+def _stat_key(path: str) -> Optional[Tuple[int, int, int]]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 def list_snapshots(directory: Union[str, os.PathLike]) -> List[str]:
@@ -67,9 +85,15 @@ class SafetensorsStore(SnapshotStore):
     """Snapshots as safetensors files in a directory: survive the process, verified on load.
 
     Args:
-        directory: where the files go (created if needed). Leftover temporary files from a
-            crashed writer are removed.
-        keep: number of snapshot files kept.
+        directory: where the files go (created if needed). Leftover temporary files of a writer
+            that is gone are removed at the first write.
+        keep: number of this run's snapshot files kept.
+        run_id: the run this store belongs to. ``None`` (the default, for direct use): continue
+            the run of the newest snapshot in the directory (a fresh id when there is none), so a
+            restarted process restores what it wrote. :func:`~.make.make_store` passes a fresh id:
+            a new run that owns nothing until :meth:`adopt` (a resume).
+        overwrite: a fresh run may start in a directory that holds another run's snapshots:
+            :meth:`check_fresh` deletes them instead of raising.
 
     Example::
 
@@ -82,30 +106,110 @@ class SafetensorsStore(SnapshotStore):
         'snapshot-0000000003.safetensors'
     """
 
-    def __init__(self, directory: Union[str, os.PathLike], keep: int = 2) -> None:
-        super().__init__(keep)
+    def __init__(
+        self,
+        directory: Union[str, os.PathLike],
+        keep: int = 2,
+        run_id: Optional[str] = None,
+        overwrite: bool = False,
+    ) -> None:
+        super().__init__(keep, run_id)
         self.directory = os.fspath(directory)
+        self.overwrite = bool(overwrite)
         try:
             os.makedirs(self.directory, exist_ok=True)
         except OSError as exc:
             raise SnapshotError(
                 f"{self.directory}: cannot create the snapshot directory: {exc.strerror or exc}"
             ) from None
-        for name in os.listdir(self.directory):
-            if name.startswith(_TMP_PREFIX):
-                log.info("removing %s, left by an interrupted snapshot write", name)
-                try:
-                    os.remove(os.path.join(self.directory, name))
-                except FileNotFoundError:
-                    pass
+        self._ids: Set[Optional[str]] = {self.run_id}  # the runs whose files are this store's
+        self._runs: Dict[str, Tuple[Any, Optional[str]]] = {}  # path -> (stat key, run id): headers read once
+        self._checked = False  # check_fresh passed, or the store continues a run (adopt)
+        self._lock = DirLock(self.directory)  # taken at the first write, held until close()
+        if self._lock.take(wait_error=False):  # no writer now: clear what gone writers left, let go
+            self._clean()
+            self._lock.release()
+        if run_id is None:
+            for path in reversed(self.paths()):
+                run = self._run(path)
+                if run != _UNREADABLE:
+                    self.adopt(run)  # the newest readable snapshot's run
+                    break
         # One thread unlinks rotated files in the background (see _rotate).
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="safetrain-snapshot")
         self._staging: Dict[str, torch.Tensor] = {}
         self._removals: List[Future] = []
 
     def paths(self) -> List[str]:
-        """The snapshot files, oldest step first."""
+        """The snapshot files of every run, oldest step first."""
         return list_snapshots(self.directory)
+
+    def _run(self, path: str) -> Optional[str]:
+        """The run id in ``path``'s metadata (its header is read once per version of the file)."""
+        key = _stat_key(path)
+        cached = self._runs.get(path)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        try:
+            run = run_of(read_header(path).state())
+        except (SnapshotError, OSError, ValueError) as exc:
+            log.debug("cannot read the run id of %s: %s", path, exc)
+            # damaged since this store saw it: still that run's (restore tries it and sets it aside)
+            run = cached[1] if cached is not None else _UNREADABLE
+        self._runs[path] = (key, run)
+        return run
+
+    def own_paths(self) -> List[str]:
+        """This run's snapshot files, oldest step first."""
+        return [p for p in self.paths() if self._run(p) in self._ids]
+
+    def foreign(self) -> List[str]:
+        """Readable snapshots of other runs in the directory, oldest step first."""
+        return [p for p in self.paths() if self._run(p) not in self._ids and self._run(p) != _UNREADABLE]
+
+    def check_fresh(self) -> List[str]:
+        """Refuse to start a fresh run here if the directory holds another run's snapshots.
+
+        With ``overwrite`` they are deleted instead (and returned). Also run by the first save of
+        a store that neither checked nor adopted a run.
+
+        Raises:
+            SnapshotError: naming the directory, the files, and the ways out.
+        """
+        self._require_open("check_fresh")
+        others = self.foreign()
+        self._checked = True
+        if not others:
+            return []
+        if not self.overwrite:
+            self._checked = False
+            names = ", ".join(os.path.basename(p) for p in others[-3:])
+            raise SnapshotError(
+                f"{self.directory}: holds {len(others)} snapshot(s) of another run ({names}); a fresh run "
+                "would mix with them. Continue that run with fit(..., resume=DIR) or resume='auto', give this "
+                "run a new directory (snapshot.dir or log.dir), or set snapshot.overwrite: true to delete them"
+            )
+        for path in others:
+            log.warning("snapshot.overwrite: deleting %s, a snapshot of another run", path)
+            self._remove(path)
+        fsync_dir(self.directory)
+        return others
+
+    def _adopt(self, run_id: Optional[str]) -> None:
+        self._ids.add(run_id)
+        self._checked = True
+
+    def _take_lock(self, wait_error: bool = True) -> None:
+        """Become the directory's one writer, then clear the temporary files of gone writers."""
+        if not self._lock.take(wait_error):
+            return
+        self._clean()
+
+    def _clean(self) -> None:
+        for name in os.listdir(self.directory):
+            if name.startswith(_TMP_PREFIX) and stale(name):
+                log.info("removing %s, left by an interrupted snapshot write", name)
+                self._remove(os.path.join(self.directory, name))
 
     # -- save ----------------------------------------------------------------------------------
 
@@ -137,7 +241,13 @@ class SafetensorsStore(SnapshotStore):
         if step < 0:
             raise SnapshotError(f"counters['step']: got {step}; expected >= 0")
         final = os.path.join(self.directory, f"snapshot-{step:010d}.safetensors")
-        tmp = os.path.join(self.directory, f"{_TMP_PREFIX}{step:010d}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self._take_lock()
+        if not self._checked:
+            self.check_fresh()
+        if os.path.exists(final) and self._run(final) not in self._ids | {_UNREADABLE}:
+            raise SnapshotError(f"{final}: a snapshot of another run is there; this run never replaces it")
+        captured.meta["run_id"] = self.run_id
+        tmp = os.path.join(self.directory, f"{_TMP_PREFIX}{tmp_tag()}-{step:010d}-{uuid.uuid4().hex[:8]}")
         state_json = json.dumps(captured.meta, separators=(",", ":"), allow_nan=False)
         host, devices = self._to_host(captured.tensors)
         target, writer = AtomicFile(final, tmp=tmp), None
@@ -159,6 +269,8 @@ class SafetensorsStore(SnapshotStore):
             writer.finish(sums)  # the data, the header, fsync of the file
             writer = None
             target.commit(replace=self._publish)  # rename, then fsync the directory
+            self._runs[final] = (_stat_key(final), self.run_id)
+            self._passed.discard(final)  # a new file under that name
         except OSError as exc:
             raise SnapshotError(f"{final}: cannot write the snapshot: {exc.strerror or exc}") from None
         finally:
@@ -178,7 +290,9 @@ class SafetensorsStore(SnapshotStore):
         unlinks it; ``final`` names a whole file at every moment. Without hard links (some
         filesystems), the rename frees it in place.
         """
-        hidden = os.path.join(self.directory, f"{_TMP_PREFIX}removed-{uuid.uuid4().hex[:8]}-{os.path.basename(final)}")
+        hidden = os.path.join(
+            self.directory, f"{_TMP_PREFIX}removed-{tmp_tag()}-{uuid.uuid4().hex[:8]}-{os.path.basename(final)}"
+        )
         try:
             os.link(final, hidden)
         except OSError:  # no file at that step (the usual case), or no hard links here
@@ -190,18 +304,22 @@ class SafetensorsStore(SnapshotStore):
                 self._removals.append(self._pool.submit(self._remove, hidden))
 
     def _rotate(self, step: int) -> None:
-        paths = self.paths()
+        paths = self.own_paths()  # another run's files are never touched
         doomed = []
         for path in paths:
             if int(_NAME.match(os.path.basename(path)).group(1)) > step:
                 log.warning("removing %s: newer than step %d, from a run that was rolled back", path, step)
                 doomed.append(path)
         kept = [p for p in paths if p not in doomed]
-        doomed += kept[: max(0, len(kept) - self.keep)]
+        usable = [p for p in kept if p not in self._passed]  # a passed-over file does not count toward keep
+        if len(usable) > self.keep:
+            oldest_kept = usable[len(usable) - self.keep]
+            doomed += [p for p in kept if snapshot_step(p) < snapshot_step(oldest_kept)]
         for path in doomed:
             # Rename now (instant: the listing is right at once), unlink in the background: on a
             # filesystem mounted with `discard`, freeing gigabytes takes a noticeable time.
-            hidden = os.path.join(self.directory, f"{_TMP_PREFIX}removed-{os.path.basename(path)}")
+            hidden = os.path.join(self.directory, f"{_TMP_PREFIX}removed-{tmp_tag()}-{os.path.basename(path)}")
+            self._passed.discard(path)
             try:
                 os.replace(path, hidden)
             except FileNotFoundError:
@@ -226,7 +344,7 @@ class SafetensorsStore(SnapshotStore):
     # -- restore -------------------------------------------------------------------------------
 
     def _candidates(self) -> Iterable[str]:
-        return list(reversed(self.paths()))
+        return list(reversed(self.own_paths()))
 
     def _restore(self, path: str, state: TrainState) -> SnapshotInfo:
         return _load_file(path, state)
@@ -240,6 +358,7 @@ class SafetensorsStore(SnapshotStore):
         return make_info(meta, tensors, path, path)
 
     def _discard(self, path: str) -> None:
+        self._take_lock()
         self._remove(path)
         fsync_dir(self.directory)
 
@@ -256,6 +375,7 @@ class SafetensorsStore(SnapshotStore):
     def _close(self) -> None:
         self._pool.shutdown(wait=True)  # finishes pending removals of rotated files
         self._staging.clear()
+        self._lock.release()
 
 
 def load_snapshot(path: Union[str, os.PathLike], state: TrainState) -> SnapshotInfo:

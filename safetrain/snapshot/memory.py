@@ -74,6 +74,8 @@ class MemoryStore(SnapshotStore):
         device: ``"cpu"`` keeps copies in host memory (pinned when the model is on CUDA, so
             copies are asynchronous); ``"model"`` keeps them on each tensor's own device (fastest
             restore, costs accelerator memory).
+        run_id: the run stamped into each snapshot (default: a fresh uuid); a memory store's
+            snapshots are all its own.
 
     Example::
 
@@ -86,8 +88,8 @@ class MemoryStore(SnapshotStore):
         0
     """
 
-    def __init__(self, keep: int = 2, device: Literal["cpu", "model"] = "cpu") -> None:
-        super().__init__(keep)
+    def __init__(self, keep: int = 2, device: Literal["cpu", "model"] = "cpu", run_id: Optional[str] = None) -> None:
+        super().__init__(keep, run_id)
         if device not in ("cpu", "model"):
             raise SnapshotError(f"snapshot.device: got {device!r}; expected 'cpu' or 'model'")
         self.device = device
@@ -99,7 +101,9 @@ class MemoryStore(SnapshotStore):
         return torch.device("cpu") if self.device == "cpu" else t.device
 
     def _save(self, captured: Captured) -> Optional[SnapshotInfo]:
-        slot = min(self._slots, key=lambda s: s.seq)  # the empty or oldest slot
+        # the empty slot, else one passed over (never restored again), else the oldest
+        slot = min(self._slots, key=lambda s: (s.seq >= 0 and self._key(s) not in self._passed, s.seq))
+        captured.meta["run_id"] = self.run_id
         meta_json = json.dumps(captured.meta, separators=(",", ":"), allow_nan=False)
         # Another snapshot survives whatever happens to this slot: check while copying (see the class docstring).
         fallback = any(s.meta_json is not None for s in self._slots if s is not slot)
@@ -140,6 +144,12 @@ class MemoryStore(SnapshotStore):
 
     def _candidates(self) -> Iterable[_Slot]:
         return sorted((s for s in self._slots if s.meta_json is not None), key=lambda s: -s.seq)
+
+    def _key(self, slot: _Slot) -> Any:
+        return (slot.index, slot.seq)
+
+    def _name(self, slot: _Slot) -> str:
+        return self._slot_name(slot)
 
     def _slot_name(self, slot: _Slot) -> str:
         return f"memory snapshot at step {slot.step} (slot {slot.index})"

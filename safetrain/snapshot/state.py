@@ -320,6 +320,9 @@ def validate_meta(meta: Any, where: str) -> None:
     created = meta.get("created", 0.0)
     if isinstance(created, bool) or not isinstance(created, (int, float)):
         raise CorruptSnapshotError(f"{where}: malformed snapshot metadata: created {created!r:.80}")
+    run_id = meta.get("run_id")
+    if run_id is not None and not isinstance(run_id, str):
+        raise CorruptSnapshotError(f"{where}: malformed snapshot metadata: run_id {run_id!r:.80}")
     counters = meta["counters"]
     if "step" not in counters or not all(isinstance(v, int) and not isinstance(v, bool) for v in counters.values()):
         raise CorruptSnapshotError(f"{where}: malformed snapshot metadata: counters {counters!r}")

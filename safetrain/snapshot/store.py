@@ -6,6 +6,11 @@ A store's life is ``OPEN`` -> ``CLOSED``; using a closed store raises. ``save`` 
 state, refuses it when a parameter or optimizer tensor is non-finite (one device-side pass,
 one host read), and hands the capture to the concrete store. ``restore`` walks the snapshots
 from newest to oldest and applies the first one that verifies and fits the live state.
+
+A store belongs to one run: ``run_id`` (a uuid, written into every snapshot's metadata) names it,
+and a store restores, rotates and deletes only the snapshots of its run. :meth:`SnapshotStore.adopt`
+continues the run a resume loaded; :meth:`SnapshotStore.check_fresh` refuses a fresh run in a
+directory that holds another run's snapshots (see :class:`~.disk.SafetensorsStore`).
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ from __future__ import annotations
 import abc
 import enum
 import logging
+import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 import torch
 
@@ -22,7 +28,7 @@ from ..errors import SnapshotError
 from .codec import decode
 from .tensors import nonfinite
 
-__all__ = ["SnapshotInfo", "SnapshotStore", "StoreState", "CorruptSnapshotError", "make_info"]
+__all__ = ["SnapshotInfo", "SnapshotStore", "StoreState", "CorruptSnapshotError", "make_info", "new_run_id", "run_of"]
 
 log = logging.getLogger("safetrain")
 
@@ -46,6 +52,7 @@ class SnapshotInfo:
         created: ``time.time()`` when the snapshot was taken.
         passed_over: ``(path, why)`` of each newer file that a load from a directory skipped
             (damaged, not a regular file, from another model), newest first.
+        run_id: the run that wrote it (``None``: a snapshot of a safetrain without run ids).
     """
 
     step: int
@@ -57,6 +64,7 @@ class SnapshotInfo:
     path: Optional[str] = None
     created: float = 0.0
     passed_over: Tuple[Tuple[str, str], ...] = field(default=(), compare=False)
+    run_id: Optional[str] = None
 
 
 def make_info(
@@ -80,7 +88,19 @@ def make_info(
         extra_tensors=extra_tensors,
         path=path,
         created=float(meta.get("created", 0.0)),
+        run_id=run_of(meta),
     )
+
+
+def run_of(meta: Mapping[str, Any]) -> Optional[str]:
+    """The run id in a snapshot's metadata, or ``None`` (none recorded)."""
+    run = meta.get("run_id")
+    return run if isinstance(run, str) else None
+
+
+def new_run_id() -> str:
+    """A fresh run id: a uuid4 as 32 hex digits."""
+    return uuid.uuid4().hex
 
 
 class StoreState(enum.Enum):
@@ -95,6 +115,7 @@ class SnapshotStore(abc.ABC):
 
     Args:
         keep: how many snapshots are kept; the oldest is dropped when a new one is taken.
+        run_id: the run this store belongs to (default: a fresh uuid); stamped into every snapshot.
 
     Example::
 
@@ -109,11 +130,41 @@ class SnapshotStore(abc.ABC):
         {'step': 10, 'epoch': 0, 'batch': 10}
     """
 
-    def __init__(self, keep: int) -> None:
+    def __init__(self, keep: int, run_id: Optional[str] = None) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise SnapshotError(f"snapshot.keep: got {keep!r}; expected an integer >= 1")
+        if run_id is not None and (not isinstance(run_id, str) or not run_id):
+            raise SnapshotError(f"run_id: got {run_id!r}; expected a non-empty string")
         self.keep = keep
+        self.run_id: str = run_id or new_run_id()
         self.state = StoreState.OPEN
+        self._passed: Set[Any] = set()  # keys of snapshots passed over (suspect): kept, never restored
+
+    def adopt(self, run_id: Optional[str]) -> None:
+        """Continue the run ``run_id`` (the one a resume loaded): its snapshots become this store's
+        (restored and rotated like its own) and new snapshots carry its id. ``None`` (a snapshot
+        without a run id) keeps this store's id and adopts the snapshots that have none."""
+        self._require_open("adopt")
+        self._adopt(run_id)
+        if run_id is not None:
+            self.run_id = run_id
+
+    def foreign(self) -> List[str]:
+        """Snapshots of other runs this store can see (a directory's files), oldest first; never
+        restored, rotated or deleted by this store."""
+        return []
+
+    def check_fresh(self) -> List[str]:
+        """Before a fresh run's first snapshot: refuse a directory that holds another run's snapshots.
+
+        Returns:
+            The other run's files deleted because the store was opened with ``overwrite``.
+
+        Raises:
+            SnapshotError: another run's snapshots are there (the message names the directory
+                and the ways out: ``resume=``, a new directory, ``snapshot.overwrite: true``).
+        """
+        return []
 
     def _require_open(self, what: str) -> None:
         if self.state is not StoreState.OPEN:
@@ -187,7 +238,7 @@ class SnapshotStore(abc.ABC):
         """
         self._require_open("restore")
         failures: List[str] = []
-        candidates = list(self._candidates())[older:]
+        candidates = self._usable()[older:]
         for candidate in candidates:
             try:
                 return self._restore(candidate, state)
@@ -205,7 +256,7 @@ class SnapshotStore(abc.ABC):
     def latest(self) -> Optional[SnapshotInfo]:
         """The newest snapshot's :class:`SnapshotInfo` (without restoring it), or ``None``."""
         self._require_open("latest")
-        for candidate in self._candidates():
+        for candidate in self._usable():
             try:
                 return self._info(candidate)
             except SnapshotError as exc:
@@ -216,11 +267,36 @@ class SnapshotStore(abc.ABC):
         """Drop the newest snapshot: one that turned out to hold a bad update (finite, but the
         next step broke). Returns ``False`` when the store is empty."""
         self._require_open("discard_newest")
-        for candidate in self._candidates():
+        for candidate in self._usable():
             self._discard(candidate)
             log.warning("discarded the newest snapshot (%s): the step after it was not healthy", candidate)
             return True
         return False
+
+    def pass_over_newest(self) -> Optional[str]:
+        """Never restore the newest snapshot again, but keep it (it may hold the update that broke
+        the run; rotation drops it in its time). Returns what was passed over (a file, a memory
+        slot), or ``None`` when fewer than two snapshots are usable (the only one is kept in use)."""
+        self._require_open("pass_over_newest")
+        usable = self._usable()
+        if len(usable) < 2:
+            return None
+        self._passed.add(self._key(usable[0]))
+        where = self._name(usable[0])
+        log.warning("passing over the newest snapshot (%s): no healthy step vouched for it", where)
+        return where
+
+    def _usable(self) -> List[Any]:
+        """Candidates, newest first, without those passed over."""
+        return [c for c in self._candidates() if self._key(c) not in self._passed]
+
+    def _key(self, candidate: Any) -> Any:
+        """What identifies a snapshot across calls (a file's path)."""
+        return candidate
+
+    def _name(self, candidate: Any) -> str:
+        """A snapshot, for messages."""
+        return str(candidate)
 
     def close(self) -> None:
         """Release buffers and threads; the store cannot be used afterwards. Idempotent."""
@@ -235,7 +311,7 @@ class SnapshotStore(abc.ABC):
         self.close()
 
     def __len__(self) -> int:
-        return 0 if self.state is StoreState.CLOSED else len(list(self._candidates()))
+        return 0 if self.state is StoreState.CLOSED else len(self._usable())
 
     # -- what a concrete store provides --------------------------------------------------------
 
@@ -265,3 +341,6 @@ class SnapshotStore(abc.ABC):
 
     def _close(self) -> None:  # noqa: B027 (an optional hook: a no-op by default)
         """Free the store's resources."""
+
+    def _adopt(self, run_id: Optional[str]) -> None:  # noqa: B027 (an optional hook: a no-op by default)
+        """Take over the snapshots of run ``run_id`` that the store can see."""

@@ -133,7 +133,8 @@ def test_a_cut_last_line_does_not_swallow_the_next_runs_first(tmp_path):
     run = read_run(tmp_path)
     assert run.runs == 2 and run.bad_lines == [cut_at] and run.cut_at is None
     assert run.events[-1]["action"] == "done"
-    assert len(run.metrics["step"]) == 8
+    # a second fresh run is another run (issue 16): its 8 rows are all there, beside run 1's
+    assert run.metrics["run"].count(run.run_ids[-1]) == 8 and len(run.run_ids) == 2
 
 
 def test_max_steps_zero_trains_nothing(tmp_path):

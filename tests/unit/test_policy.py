@@ -457,3 +457,37 @@ def test_skip_fraction_abort_says_over_how_many_steps():
     history = History(recent=(1,) * 7)
     decision, _ = decide(Anomaly("target"), history, Rules.of(cfg))
     assert decision.action == "abort" and "8 of the first 8 steps were not trained" in decision.reason
+
+
+class _Diag:
+    """A replay's verdict, as the policy reads it."""
+
+    def __init__(self, reproducible=True, kind=None, bad_rows=()):
+        self.reproducible, self.kind, self.bad_rows = reproducible, kind, tuple(bad_rows)
+
+
+PASS_OVER = [
+    # (name, kind, diagnosis, unverified, expected pass_over_newest) for a restoring decision
+    ("weights fault: the update is suspect", "weights", None, True, True),
+    ("divergence", "divergence", None, True, True),
+    ("spike", "spike", None, True, True),
+    ("grad_norm", "grad_norm", None, True, True),
+    ("loss without a replay: nothing clears the weights", "loss", None, True, True),
+    ("loss, reproducible, no rows isolated: the whole batch fails", "loss", _Diag(), True, True),
+    ("loss, the replay blames the weights", "loss", _Diag(kind="weights", bad_rows=[1]), True, True),
+    ("loss in some rows: a data fault, its update skipped (issue 16)", "loss", _Diag(bad_rows=[3, 7]), True, False),
+    ("forward in some rows: a data fault", "forward", _Diag(bad_rows=[0]), True, False),
+    ("gradient in some rows: a data fault", "gradient", _Diag(bad_rows=[2]), True, False),
+    ("a vouched newest is never passed over", "weights", None, False, False),
+]
+
+
+@pytest.mark.parametrize("name,kind,diagnosis,unverified,expected", PASS_OVER, ids=[r[0] for r in PASS_OVER])
+def test_pass_over_newest_only_when_the_weights_may_be_at_fault(name, kind, diagnosis, unverified, expected):
+    cfg = load_config(None, ["recovery.actions.loss=restore", "recovery.actions.forward=restore",
+                             "recovery.actions.gradient=restore", "recovery.actions.spike=restore",
+                             "recovery.actions.grad_norm=restore", "recovery.actions.divergence=scale_lr"])  # fmt: skip
+    anomaly = Anomaly(kind, {"episode": 1, "lr": [1.0]}, retried=diagnosis is not None)
+    decision, _ = decide(anomaly, History(unverified=unverified), Rules.of(cfg), diagnosis)
+    assert decision.restore, name
+    assert decision.pass_over_newest is expected, name

@@ -130,7 +130,8 @@ def test_resumed_journal_counts_runs_and_skips_the_cross_check(tmp_path):
     write_run(tmp_path, metrics=False)  # a second fit() appends to the same journal
     run = read_run(tmp_path)
     assert run.runs == 2 and reconcile(run) == {}
-    assert "2 runs in this journal (resumed)" in format_report(run)
+    # two starts without resume= are two runs, not a resume (issue 16: every start counted as one)
+    assert "2 runs in this journal (2 starts, 0 resumed)" in format_report(run)
 
 
 @pytest.mark.parametrize(
