@@ -32,6 +32,8 @@ class LocalSync:
     :class:`DistributedSync`, so the guard never branches on being distributed)."""
 
     world = 1
+    #: A rank may skip a step on its own (an empty batch): no other rank waits in a collective.
+    steps_alone = True
     #: No hook on the step's read (see :class:`~safetrain.detect.StepFlags`).
     reduce = None
 
@@ -100,6 +102,9 @@ class DistributedSync:
         >>> sync = DistributedSync.from_environment(torch.device("cpu"))  # None: not distributed
         >>> flags = StepFlags(reduce=sync.reduce if sync else None)       # doctest: +SKIP
     """
+
+    #: Every rank must run every step (the step's read is a collective).
+    steps_alone = False
 
     def __init__(self, device: torch.device, group: Any = None) -> None:
         self.group = group

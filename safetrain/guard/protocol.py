@@ -232,7 +232,7 @@ class Guard:
         self.counters.batch += 1
         if self.recovery_state.skip_after_restore > 0 and self.phase is Phase.READY:
             return self._skip_data()
-        if batch_rows(batch) == 0 and self.sync.world == 1:  # (under DDP every rank must step)
+        if batch_rows(batch) == 0 and self.sync.steps_alone:  # (under DDP every rank must step)
             whole = self.phase is Phase.READY and self.cfg.guard.accumulate_steps == 1  # else one micro-batch less
             event = self.recovery.empty_batch(whole, lambda: self.updates.skipped_data(self.last_loss))
             return StepResult(self.counters.steps, False, math.nan, math.nan, "skip_batch", (event,)) if whole else None
