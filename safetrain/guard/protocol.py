@@ -385,32 +385,19 @@ class Guard:
         Returns:
             The :class:`SnapshotTaken` event (``action`` ``"saved"`` or ``"refused"`` when not finite).
         """
-        self.recovery_state.since_snapshot = 0
+        c, rs = self.counters, self.recovery_state
+        rs.since_snapshot = 0
         tensors = {"epoch_rng": self.epoch_rng} if self.epoch_rng is not None else {}
-        info = self.store.save(
-            self.state,
-            counters={"step": self.counters.steps, **vars(self.counters)},
-            extra=self.state_dict(),
-            extra_tensors=tensors,
-        )
+        counters = {"step": c.steps, **vars(c)}
+        info = self.store.save(self.state, counters=counters, extra=self.state_dict(), extra_tensors=tensors)
         if info is None:
-            return self._emit(
-                SnapshotTaken,
-                "snapshot",
-                "refused",
-                "snapshot refused: the state is not finite; the previous one stays",
-                {},
-            )
+            why = "snapshot refused: the state is not finite; the previous one stays"
+            return self._emit(SnapshotTaken, "snapshot", "refused", why, {})
         # taken after an update: unverified until the next step reads clean (a forced one is sound)
-        self.history = newest_taken(self.history) if not force else vouch(self.history)
-        self.diagnoser.clear(self.counters.steps)
-        return self._emit(
-            SnapshotTaken,
-            "snapshot",
-            "saved",
-            f"snapshot of step {self.counters.steps}",
-            {"path": str(info.path) if info.path else None, "forced": force},
-        )
+        rs.history = newest_taken(rs.history) if not force else vouch(rs.history)
+        self.diagnoser.clear(c.steps)
+        detail = {"path": str(info.path) if info.path else None, "forced": force}
+        return self._emit(SnapshotTaken, "snapshot", "saved", f"snapshot of step {c.steps}", detail)
 
     def state_dict(self) -> Dict[str, Any]:
         """The guard's own state, JSON-ready: counters, policy history (with the fp16 overflow
