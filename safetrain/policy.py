@@ -88,11 +88,14 @@ class Anomaly:
         detail: the evidence for the journal (a finding, rows, a scale...); the policy reads
             ``new_scale`` of an ``overflow`` only.
         retried: found in the retry of a transient fault (it is not retried again).
+        again: found in a re-run of the same step (a retry, ``drop_rows`` or ``replace``): the
+            step already has its entry in the recent window, which this decision replaces.
     """
 
     kind: Kind
     detail: Mapping[str, Any] = field(default_factory=dict)
     retried: bool = False
+    again: bool = False
 
 
 class Diagnosed(Protocol):
@@ -200,6 +203,8 @@ def decide(
         kind = Kind.SCALER
     elif kind in (Kind.GRADIENT, Kind.GRAD_NORM, Kind.DIVERGENCE, Kind.SPIKE):  # judged after the scaler's check passed
         history = replace(history, overflows=0)
+    if anomaly.again:  # this step's entry is already in the window: the decision below replaces it
+        history = replace(history, recent=history.recent[:-1])
     if kind in REPLAYED_KINDS and diagnosis is not None and not diagnosis.reproducible and not anomaly.retried:
         decision = _off_ladder(
             kind, Action.RETRY, history, "transient (the replay from the same state was finite): retrying the step once"

@@ -292,7 +292,7 @@ class Guard:
         events: List[Event] = []
         rerun_action, retried = "", False
         while (anomaly := self.judge(read, self._pending, self.last_loss)) is not None:
-            anomaly = dataclasses.replace(anomaly, retried=retried)
+            anomaly = dataclasses.replace(anomaly, retried=retried, again=bool(rerun_action))
             if raises(anomaly.kind, self.rules):
                 self.recovery.reject_rows(anomaly)
             diagnosis = self._explain(anomaly) if self.diagnoser.explains(anomaly.kind) else None

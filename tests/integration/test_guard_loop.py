@@ -53,3 +53,18 @@ def test_an_empty_batch_is_one_skipped_step_or_one_micro_batch_less(accumulate):
 def test_a_clean_re_run_ends_an_overflow_run():
     history = History(overflows=3, unverified=True)
     assert read_clean(history) == History(overflows=0, unverified=False)
+
+
+def test_a_step_re_run_after_a_fault_keeps_one_policy_entry():
+    """A transient fault is retried; when the retry trips again the step is decided once more, and
+    its entry in the recent window is replaced, not doubled (found in review: 6 entries for 5 steps)."""
+    model = mlp()
+    cfg = load_config(None, [*BASE, "detect.mode=eager"])
+    batches = list(loader(regression_data()))[:5]
+    with Guard(model, torch.optim.SGD(model.parameters(), lr=0.02), cfg, loss_fn=F.mse_loss) as guard:
+        OutputFault(model[0], calls=[3, 5])  # the 4th step trips, its replay and retry: the retry trips again
+        results = [guard.step(b) for b in batches]
+        actions = [e.action for e in guard.bus.events if e.name == "anomaly"]
+        assert actions[0] == "retry" and len(actions) == 2, actions
+        assert len(guard.history.recent) == guard.counters.steps == 5, guard.history.recent
+        assert guard.history.recent[3] == int(not results[3].trained)
