@@ -25,6 +25,11 @@ loss level before the climb becomes the **reference**. Until ``recover_after`` h
 have come after the last fault and the loss is back within ``growth`` x the reference, the
 episode stays open: a loss that climbs back to ``ratio`` x the reference is the same anomaly
 again (``episode`` counts them, and the policy's ladder goes on instead of starting afresh).
+
+:attr:`DivergenceDetector.climbing` says a climb may be under way (the last two healthy losses
+were each a new high of the window before them, the second at least ``growth`` x the first): the
+guard then takes no snapshot and lets no snapshot be vouched for, so that a restore after the
+divergence lands before the climb began.
 """
 
 from __future__ import annotations
@@ -123,11 +128,21 @@ class DivergenceDetector:
         self.reference: Optional[float] = None
         self.episode = 0
         self._since = 0  # healthy losses since the last fault
+        self._highs = 0  # a run of new highs of the window, each (after the first) >= growth x the one before
 
     @classmethod
     def from_config(cls, cfg: "DivergenceConfig", recover_after: int = 20) -> "DivergenceDetector":
         """The detector of a ``guard.divergence`` section (``recover_after``: ``recovery.reset_after``)."""
         return cls(cfg.growth, cfg.steps, cfg.ratio, cfg.enabled, recover_after=recover_after)
+
+    @property
+    def climbing(self) -> bool:
+        """Whether a climb may be under way: the last two (or more) healthy losses in a row were
+        each a new high of the window before them (the first loss of an empty window is one), each
+        after the first at least ``growth`` times the one before it.
+
+        One integer comparison: the guard asks it on every healthy step."""
+        return self._highs >= 2
 
     def check(self, loss: float) -> Optional[DivergenceFinding]:
         """Return the evidence when ``loss`` is divergence, else ``None`` (nothing is recorded)."""
@@ -194,8 +209,12 @@ class DivergenceDetector:
         self.episode, self._since = int(state.get("episode", 0)), int(state.get("since", 0))
 
     def _push(self, loss: float) -> None:
-        self._losses.append(loss)
         peaks = self._peaks
+        if not peaks or loss > peaks[0][1]:  # a new high of the window (peaks[0]: its max)
+            self._highs = self._highs + 1 if self._highs and loss >= self.growth * self._losses[-1] else 1
+        else:
+            self._highs = 0
+        self._losses.append(loss)
         while peaks and peaks[-1][1] <= loss:
             peaks.pop()
         peaks.append((self._added, loss))
@@ -206,5 +225,6 @@ class DivergenceDetector:
     def _refill(self, losses: List[float]) -> None:
         self._losses = deque(maxlen=self.window)
         self._peaks.clear()
+        self._highs = 0
         for x in losses:
             self._push(x)

@@ -352,6 +352,8 @@ class Guard:
         self.updates.apply(read.total_norm, self._pending.micro, self.last_loss)
         rs.count_loss(self.last_loss)  # before the snapshot below, which keeps the epoch's losses
         self.judge.observe(self.last_loss)
+        # Mid-climb (divergence.climbing) a read vouches for no snapshot and none is taken: a restore lands before it.
+        keep_unverified = (climbing := self.divergence.climbing) and rs.history.unverified
         if rerun_action:
             rs.history = read_clean(rs.history)  # vouches for the newest snapshot, ends an fp16 overflow run
         else:
@@ -359,8 +361,10 @@ class Guard:
             new_scale = rs.healthy()  # also vouches for the newest snapshot
             if new_scale is not None:  # the climb is an event at its step
                 events.append(self.recovery.lr_changed(new_scale, "healthy run: LR scale climbs back one notch"))
+        if keep_unverified:
+            rs.history = newest_taken(rs.history)
         rs.since_snapshot += 1
-        if rs.since_snapshot >= self.cfg.snapshot.every:
+        if rs.since_snapshot >= self.cfg.snapshot.every and not climbing:
             events.append(self.snapshot())
         return StepResult(self.counters.steps, True, self.last_loss, self.last_grad_norm, rerun_action, tuple(events))
 

@@ -69,6 +69,23 @@ def test_divergence_from_the_first_steps_backs_the_lr_off_until_the_run_recovers
     assert full_loss(model, unscaled_regression()) <= before, (full_loss(model, unscaled_regression()), before)
 
 
+def test_a_restore_after_divergence_lands_before_the_climb_with_a_snapshot_every_step():
+    """The same run with snapshot.every=1: the snapshot of step 1 holds the weights whose loss
+    (step 2's) was already climbing. Before, the restore landed there ("restored the snapshot of
+    step 1", three times) and the snapshot of step 2 pushed step 0's out of the store (keep=2).
+    Now a step whose loss is a second new high in a row (DivergenceDetector.climbing) vouches for
+    no snapshot and takes none, so the restore passes over step 1's and lands on step 0's."""
+    _, model, _, before, run = diverging_fit(["snapshot.every=1"])
+    result = run()
+    restored = [e.detail["snapshot_step"] for e in result.events if e.name == "restored"]
+    assert restored == [0, 0, 0], restored
+    saved = [e.step for e in result.events if e.name == "snapshot" and e.action == "saved"]
+    assert saved[:2] == [0, 1] and 2 not in saved, f"step 2's loss was a second new high: no snapshot: {saved}"
+    assert [e.kind for e in result.events if e.name == "anomaly"] == ["divergence"] * 3
+    assert not result.aborted and finite_params(model)
+    assert full_loss(model, unscaled_regression()) <= before
+
+
 def test_divergence_aborts_naming_the_lr_when_min_lr_is_reached():
     """The same run with recovery.min_lr=0.02: the second backoff would take the LR (0.0275)
     below it, so the run aborts at once, the message naming divergence, the LR and the fix."""

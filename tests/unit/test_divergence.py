@@ -90,3 +90,42 @@ def test_noisy_and_heavy_tailed_healthy_curves_never_trip(seed):
             loss = 0.05 * rng.random() if rng.random() < 1 / 16 else 1e-4 * rng.lognormvariate(0, 1)
         assert d.check(loss) is None, (i, loss)
         d.add(loss)
+
+
+# (healthy losses, climbing?, msg)
+CLIMBING = [
+    ((), False, "nothing seen"),
+    ((1.0,), False, "one loss is no climb"),
+    ((1.0, 100.0), True, "the first loss and a new high after it"),
+    ((5.0, 1.0, 2.0), False, "2.0 is no new high of the window (5.0 is in it)"),
+    ((5.0, 1.0, 6.0, 13.0), True, "two new highs in a row, the second >= growth x the first"),
+    ((5.0, 1.0, 6.0, 7.0), False, "two new highs in a row, but 7.0 is < 2x 6.0: noise, not a climb"),
+    ((1.0, 1.5), False, "an early wiggle up is no climb"),
+    ((1.0, 2.0, 4.0, 5.0, 11.0), True, "a slower new high starts the count again; the next doubling climbs"),
+    ((1.0, 100.0, 50.0), False, "a climb that stopped"),
+    ((1.0, 1.0), False, "an equal loss is no new high"),
+]
+
+
+@pytest.mark.parametrize("losses,climbing,msg", CLIMBING, ids=[r[2] for r in CLIMBING])
+def test_climbing(losses, climbing, msg):
+    assert fed(*losses).climbing is climbing, msg
+
+
+def test_climbing_after_a_fault_and_a_reload_counts_from_the_kept_window():
+    d = fed(1.0, 100.0)
+    assert d.climbing
+    d.fault(d.check(1e4))  # the climb leaves the window: [1.0]
+    assert not d.climbing
+    e = DivergenceDetector()
+    e.load_state_dict(fed(5.0, 6.0, 13.0).state_dict())
+    assert e.climbing
+    d.add(0.5)
+    assert not d.climbing
+
+
+def test_climbing_forgets_a_high_that_left_the_window():
+    d = fed(9.0, 1.0, 2.0, 3.0, window=2, steps=2)  # 2.0 met 9.0 in its window of 2; 3.0 did not
+    assert not d.climbing
+    d.add(6.0)
+    assert d.climbing
