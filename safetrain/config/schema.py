@@ -160,6 +160,13 @@ class GuardConfig:
     grad_norm_threshold: Optional[float] = _f(
         None, "a total gradient norm above this is a grad_norm anomaly; parameters above it are named (null: off)", gt=0
     )
+    end_loss_ratio: Optional[float] = _f(
+        3.0,
+        "a run whose last trained losses (median of 5) end above this many times its first trained loss "
+        "aborts instead of finishing worse than it started (null: off)",
+        gt=1,
+        finite=True,
+    )
     spike: SpikeConfig = _f(doc="loss-spike detection", factory=SpikeConfig)
     divergence: DivergenceConfig = _f(doc="divergence detection (scale_lr first)", factory=DivergenceConfig)
     accumulate_steps: int = _f(1, "micro-batches whose gradients are summed before one optimizer step", ge=1)

@@ -184,9 +184,9 @@ class Recovery:
         raise TrainingAborted(reason, result=None, event=aborted)
 
     def check_end(self, seen: int, trained: int) -> None:
-        """The end of ``fit``: a run never ends "done" with no trained step or with non-finite
-        parameters (slow path: one host sync, once per run). Either aborts, the model put back at
-        the last good snapshot.
+        """The end of ``fit``: a run never ends "done" with no trained step, with non-finite
+        parameters, or with its last trained losses ``guard.end_loss_ratio`` times its first (slow
+        path: one host sync, once per run). Each aborts, the model put back at the last good snapshot.
 
         Args:
             seen: steps this ``fit`` decided.
@@ -215,6 +215,14 @@ class Recovery:
                 (f"run: none of the {seen} steps trained ({c.skipped_batches} skipped, {c.restores} restores)"),
             )
             reason = with_hint(reason, Kind.TARGET, None, self.masked_targets, seen)
+        elif worse := self.state.ended_worse(self.cfg.guard.end_loss_ratio):
+            kind, reason = (
+                "run",
+                (
+                    f"run: {worse}; fix: a smaller learning rate (or LR warmup), targets and inputs in the units "
+                    "the model expects; for a run whose loss may rise by design (a GAN, RL), guard.end_loss_ratio: null"
+                ),
+            )
         else:
             return
         if len(self.store):

@@ -8,13 +8,18 @@ the steps since the last snapshot and the epoch's loss. Tests and users read it 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Tuple
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, Mapping, Optional, Tuple
 
 from ..config import RecoveryConfig
 from ..policy import History, climb_pending, observe_healthy
 
 __all__ = ["RecoveryState"]
+
+#: How many of the run's last trained losses the end-of-run check takes the median of.
+_LAST = 5
 
 
 @dataclass
@@ -36,6 +41,8 @@ class RecoveryState:
     skipped_micro: int = 0
     since_snapshot: int = 0
     epoch_loss: Tuple[float, int] = (0.0, 0)
+    first_loss: Optional[float] = None  # the run's first trained, finite loss
+    last_losses: Deque[float] = field(default_factory=lambda: deque(maxlen=_LAST))  # its last ones
     _history: History = History()
     _healthy_run: int = 0  # healthy steps not yet applied to the history
 
@@ -61,14 +68,35 @@ class RecoveryState:
         return None
 
     def count_loss(self, loss: float) -> None:
-        """Add a trained step's loss to the epoch's mean (a non-finite one is left out)."""
+        """Add a trained step's loss to the epoch's mean and to the run's first and last losses (a
+        non-finite one is left out)."""
         if math.isfinite(loss):
             total, n = self.epoch_loss
             self.epoch_loss = (total + loss, n + 1)
+            self.last_losses.append(loss)
+            if self.first_loss is None:
+                self.first_loss = loss
+
+    def ended_worse(self, ratio: Optional[float]) -> Optional[str]:
+        """Whether the run ends worse than it started: the median of its last trained losses above
+        ``ratio`` times its first trained loss; a sentence saying so, else ``None``."""
+        if ratio is None or self.first_loss is None or len(self.last_losses) < self.last_losses.maxlen:
+            return None
+        end = statistics.median(self.last_losses)
+        if end <= ratio * self.first_loss:
+            return None
+        return (
+            f"the run ends worse than it started: its last trained losses (median {end:.4g}) are "
+            f"{end / self.first_loss:.3g}x its first ({self.first_loss:.4g}), above guard.end_loss_ratio={ratio:g}"
+        )
 
     def state_dict(self) -> Dict[str, Any]:
         """The persisted part, JSON-ready: ``history`` and ``epoch_loss``."""
-        return {"history": self.history.to_dict(), "epoch_loss": list(self.epoch_loss)}
+        return {
+            "history": self.history.to_dict(),
+            "epoch_loss": list(self.epoch_loss),
+            "losses": {"first": self.first_loss, "last": list(self.last_losses)},
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Put back what :meth:`state_dict` returned (snapshots of earlier versions keep the fp16
@@ -79,3 +107,6 @@ class RecoveryState:
         self.history = History.from_dict(history)
         total, n = state.get("epoch_loss", (0.0, 0))  # absent from snapshots of earlier versions
         self.epoch_loss = (float(total), int(n))
+        losses = state.get("losses", {"first": None, "last": []})  # absent from earlier snapshots
+        self.first_loss = losses["first"]
+        self.last_losses = deque((float(x) for x in losses["last"]), maxlen=_LAST)

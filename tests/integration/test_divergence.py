@@ -156,7 +156,7 @@ def test_an_early_batch_in_the_wrong_unit_is_a_spike_and_skipped():
 
 
 def test_hard_ratio_null_leaves_early_spikes_to_the_zscore():
-    result, _ = train_on(wrong_unit_batches(bad_step=6), ["guard.spike.hard_ratio=null"])
+    result, _ = train_on(wrong_unit_batches(bad_step=6), ["guard.spike.hard_ratio=null", "guard.end_loss_ratio=null"])
     assert not [e for e in result.events if e.kind == "spike"], "off: min_history=20 is not reached at step 7"
 
 
