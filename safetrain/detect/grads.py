@@ -33,6 +33,17 @@ _DOT_MIN = 1 << 16
 NamedParams = Union[nn.Module, Iterable[Tuple[str, Tensor]]]
 
 
+try:  # FSDP2 shards parameters and gradients as DTensors: the checks look at each rank's shard
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # pragma: no cover - torch without DTensor
+    _DTensor = ()  # type: ignore[assignment,misc]
+
+
+def _local(t: Any) -> Any:
+    """A ``DTensor``'s local shard (a view of its live storage); anything else as it is."""
+    return t.to_local() if isinstance(t, _DTensor) else t
+
+
 def _named(params: NamedParams) -> List[Tuple[str, Tensor]]:
     items = params.named_parameters() if isinstance(params, nn.Module) else params
     return [(name, p) for name, p in items]
@@ -203,7 +214,9 @@ class GradCheck:
             p.device == first.device and p.dtype == first.dtype for p in self._params
         )
         self._acc = torch.float32 if first is not None and first.dtype in _LOW else None
-        self._dots = _DotPlan(self._params)  # used when every parameter has a gradient
+        # FSDP2: norms of each rank's shard (the step's read sums their squares over ranks).
+        self._sharded = any(isinstance(p, _DTensor) for p in self._params)
+        self._dots = _DotPlan([_local(p) for p in self._params])  # used when every parameter has a gradient
 
     def run(self) -> Optional[GradNorms]:
         """Compute the norms of this step's gradients, device-side, with no host sync.
@@ -215,6 +228,8 @@ class GradCheck:
             return None
         params = self._params
         grads = [p.grad for p in params]
+        if self._sharded:
+            grads = [_local(g) for g in grads]
         if _has_none(grads):
             keep = [i for i, g in enumerate(grads) if g is not None]
             self.names = tuple(self._all_names[i] for i in keep)
@@ -247,7 +262,7 @@ class GradCheck:
             max_norm: ``guard.clip_grad_norm``.
             total_norm: this step's total norm, as a host float or a 0-dim device tensor.
         """
-        grads = [p.grad for p in self._params if p.grad is not None]  # whatever ran since: no run() needed
+        grads = [_local(p.grad) for p in self._params if p.grad is not None]  # whatever ran since: no run() needed
         if not grads:
             return
         if isinstance(total_norm, Tensor):
@@ -300,7 +315,7 @@ class GradCheck:
         if any(not math.isfinite(n) for n in norms):
             # A norm that is Inf only because the float32 squares overflowed is no non-finite
             # gradient: the true norm (host sync per such gradient: slow path) tells them apart.
-            exact = true_norms([p.grad for p in self._with_grad], norms)
+            exact = true_norms([_local(p.grad) for p in self._with_grad], norms)
             nonfinite = tuple(name for name, v in zip(self.names, exact) if not math.isfinite(v))
             overflowing = tuple(
                 name for name, v, n in zip(self.names, exact, norms) if math.isfinite(v) and not math.isfinite(n)
@@ -350,7 +365,7 @@ class WeightCheck:
         self._params = [p for _, p in named]
         self.every = every
         self.enabled = enabled and every > 0 and bool(self._params)
-        self._dots = _DotPlan(self._params)
+        self._dots = _DotPlan([_local(p) for p in self._params])
 
     def due(self, step: int) -> bool:
         """``True`` when ``step`` is a multiple of ``every`` (host arithmetic, no sync)."""
@@ -371,7 +386,7 @@ class WeightCheck:
         if not (self.enabled or force) or not self._params:
             return None
         with torch.no_grad():
-            params = [p.detach() for p in self._params]
+            params = [_local(p).detach() for p in self._params]
             norms = self._dots.norms(params)
             return _stack(norms if norms is not None else fused_norms(params)).sum()
 
@@ -402,6 +417,7 @@ class WeightCheck:
         counts = []
         with torch.no_grad():
             for name, p in zip(self.names, self._params):
+                p = _local(p)
                 nan, inf = torch.stack([torch.isnan(p).sum(), torch.isinf(p).sum()]).tolist()  # host sync: slow path
                 if nan or inf:
                     counts.append((name, int(nan), int(inf)))

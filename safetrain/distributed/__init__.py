@@ -1,7 +1,8 @@
 """Data parallel training: every rank detects together, decides together, restores together.
 
 Under an initialized process group with more than one rank and a ``DistributedDataParallel``
-model, the guard builds a :class:`DistributedSync` once, at construction (:func:`make_sync`). One
+or FSDP2 (``fully_shard``) model, the guard builds a :class:`DistributedSync` once, at
+construction (:func:`make_sync`). One
 process uses :class:`LocalSync` instead: the same methods, each a no-op that returns its input, so
 the guard never asks whether it is distributed. Cost: one collective inside the step's one sync,
 plus one small collective per slow-path decision. Used by ``guard`` and ``diagnose``; builds on
@@ -11,6 +12,7 @@ plus one small collective per slow-path decision. Used by ``guard`` and ``diagno
 from .group import active, keep_rng, local, rank
 from .replay import AgreedReplay
 from .resume import load_snapshot
+from .sharding import DDP, FSDP2, LOCAL, ShardedState, for_layout, layout_of, train_state
 from .store import DistributedStore
 from .sync import DistributedSync, LocalSync, make_sync
 
@@ -25,4 +27,11 @@ __all__ = [
     "local",
     "keep_rng",
     "load_snapshot",
+    "layout_of",
+    "for_layout",
+    "train_state",
+    "ShardedState",
+    "LOCAL",
+    "DDP",
+    "FSDP2",
 ]

@@ -11,6 +11,7 @@ from ..errors import SnapshotError
 from ..snapshot import SnapshotInfo
 from ..snapshot import load_snapshot as _load_snapshot
 from .group import active, keep_rng
+from .sharding import ShardedState
 from .store import agree_restored
 from .sync import DistributedSync
 
@@ -25,9 +26,14 @@ def load_snapshot(path: Any, state: Any) -> SnapshotInfo:
     model that is not DDP-wrapped) it is exactly :func:`safetrain.snapshot.load_snapshot`.
 
     Raises:
-        SnapshotError: the file is unusable on some rank (then on every rank), or the ranks
-            loaded different steps (directories not shared).
+        SnapshotError: the file is unusable on some rank (then on every rank), the ranks
+            loaded different steps (directories not shared), or the model is FSDP2 (not yet).
     """
+    if isinstance(state, ShardedState):
+        raise SnapshotError(
+            f"{os.fspath(path)}: resume of an FSDP2 (fully_shard) run is not supported yet: sharded "
+            "snapshots on disk are not written yet (snapshot.store: memory only)"
+        )
     if not active() or not isinstance(state.model, torch.nn.parallel.DistributedDataParallel):
         return _load_snapshot(path, state)
     sync = DistributedSync(_device_of(state))

@@ -16,15 +16,18 @@ from torch import Tensor
 from ..detect.flags import Layout, packed_order, parse_read
 from .group import active, rank
 from .replay import AgreedReplay
+from .sharding import DDP, FSDP2, layout_of
 from .store import DistributedStore
 
 __all__ = ["LocalSync", "DistributedSync", "make_sync"]
 
 logger = logging.getLogger("safetrain")
 
-_FIRST, _SUM, _MEAN = 0, 1, 2
+_FIRST, _SUM, _MEAN, _HYPOT = 0, 1, 2, 3
 #: Floating values that are counts, not magnitudes: summed over ranks like bool flags.
 _SUMMED = frozenset({"found_inf"})
+#: Under FSDP2, norms of each rank's shard: the whole tensor's norm is the root of their summed squares.
+_SHARDED = frozenset({"grad_norms", "total_norm"})
 
 
 class LocalSync:
@@ -52,6 +55,10 @@ class LocalSync:
         """This rank's weight finding."""
         return finding
 
+    def agree_gradient(self, finding: Any) -> Any:
+        """This rank's gradient finding."""
+        return finding
+
     def total(self, count: int) -> int:
         """This rank's ``count``."""
         return count
@@ -71,7 +78,11 @@ class LocalSync:
 
 def make_sync(device: torch.device, model: Optional[torch.nn.Module] = None) -> "LocalSync | DistributedSync":
     """The guard's sync: a :class:`DistributedSync` under a process group of more than one rank
-    with a DDP model, else a :class:`LocalSync`."""
+    with a DDP or FSDP2 model, else a :class:`LocalSync`.
+
+    Raises:
+        SafetrainError: a model spread in a way safetrain does not handle (see :func:`layout_of`).
+    """
     sync = DistributedSync.from_environment(device, model)
     return sync if sync is not None else LocalSync(rank())
 
@@ -85,7 +96,9 @@ class DistributedSync:
       sum, an activation sum, ``found_inf``) trips everywhere when it trips on any rank, ``loss`` is
       the mean over ranks (so the spike detector sees the same number everywhere), and the gradient
       norms and the scaler's scale are rank 0's (identical after DDP's all-reduce; a non-finite value
-      on any rank still wins). Each rank's own row is kept, so the journal can say which ranks
+      on any rank still wins). Under FSDP2 (``sharded``) each rank's gradient norms are of its own
+      shards: combined as the root of their summed squares, the whole gradient's norm. Each rank's
+      own row is kept, so the journal can say which ranks
       tripped (:meth:`DistributedSync.tripped_ranks`).
     * **Slow paths agree.** A decision that a rank makes from its own data (an exact forward re-run,
       a replay, the rows left after ``drop_rows``, a snapshot's finiteness, a restore) is combined
@@ -106,8 +119,10 @@ class DistributedSync:
     #: Every rank must run every step (the step's read is a collective).
     steps_alone = False
 
-    def __init__(self, device: torch.device, group: Any = None) -> None:
+    def __init__(self, device: torch.device, group: Any = None, *, sharded: bool = False) -> None:
         self.group = group
+        #: FSDP2: the gradient norms are of each rank's shard, combined as a root of summed squares.
+        self.sharded = sharded
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         backend = str(dist.get_backend(group))
@@ -121,22 +136,23 @@ class DistributedSync:
     def from_environment(
         cls, device: torch.device, model: Optional[torch.nn.Module] = None, group: Any = None
     ) -> Optional["DistributedSync"]:
-        """A sync when ``group`` has more than one rank and ``model`` is DDP-wrapped, else ``None``.
+        """A sync when ``group`` has more than one rank and ``model`` is DDP-wrapped or FSDP2
+        (``fully_shard``), else ``None``.
 
-        A model that is not ``DistributedDataParallel`` in a process group (model or pipeline
-        parallel, FSDP, independent runs) keeps per-rank decisions: its ranks' flag layouts need
-        not match, and FSDP's sharded gradient norms need other rules (see the README).
+        A plain model in a process group (independent runs) keeps per-rank decisions: its ranks'
+        flag layouts need not match. A model spread in another way is refused (:func:`layout_of`).
         """
+        layout = layout_of(model) if model is not None else DDP
         if not active(group):
             return None
-        if model is not None and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        if layout not in (DDP, FSDP2):
             logger.info(
                 "process group of %d ranks, but the model is not DistributedDataParallel: "
                 "each rank decides on its own flags",
                 dist.get_world_size(group),
             )
             return None
-        return cls(device, group)
+        return cls(device, group, sharded=layout == FSDP2)
 
     # ------------------------------------------------------------------ the step's one read
     def reduce(self, packed: Tensor, layout: Layout) -> List[float]:
@@ -158,7 +174,7 @@ class DistributedSync:
         if plan is None:
             if len(self._plans) > 64:  # layouts that keep changing: do not grow without bound
                 self._plans.clear()
-            plan = self._plans[key] = _plan(layout)
+            plan = self._plans[key] = _plan(layout, self.sharded)
         self._rows, self._layout = rows, key
         return _combine(rows, plan)
 
@@ -200,6 +216,17 @@ class DistributedSync:
             return None
         return empty(ranks) if finding is None else dataclasses.replace(finding, ranks=ranks)
 
+    def agree_gradient(self, finding: Any) -> Any:
+        """Under FSDP2, a ``gradient`` finding on every rank when some rank's shard holds NaN/Inf
+        (a rank whose own shard is finite would call an Inf norm an overflow, ``grad_norm``); one
+        small collective. Under DDP the gradients are the same everywhere: the finding as it is."""
+        if not self.sharded:
+            return finding
+        votes = self.gather_int(finding.kind == "gradient")
+        if any(votes) and finding.kind != "gradient":
+            return dataclasses.replace(finding, kind="gradient")
+        return finding
+
     def total(self, count: int) -> int:
         """The sum of ``count`` over ranks (one small collective)."""
         return sum(self.gather_int(count))
@@ -218,12 +245,16 @@ class DistributedSync:
         return AgreedReplay(replayer, self, model)
 
 
-def _plan(layout: Layout) -> List[Tuple[int, int, int]]:
-    """``(start, end, rule)`` segments of the packed vector, adjacent equal rules merged."""
+def _plan(layout: Layout, sharded: bool = False) -> List[Tuple[int, int, int]]:
+    """``(start, end, rule)`` segments of the packed vector, adjacent equal rules merged;
+    ``sharded`` (FSDP2): the gradient norms are each rank's shard's, combined as a root of
+    summed squares."""
     plan: List[Tuple[int, int, int]] = []
     pos = 0
     for name, count, is_bool, _ in packed_order(layout):
         rule = _MEAN if name == "loss" else _SUM if is_bool or name in _SUMMED else _FIRST
+        if sharded and name in _SHARDED:
+            rule = _HYPOT
         if plan and plan[-1][2] == rule and plan[-1][1] == pos:
             plan[-1] = (plan[-1][0], pos + count, rule)
         else:
@@ -233,7 +264,8 @@ def _plan(layout: Layout) -> List[Tuple[int, int, int]]:
 
 
 def _combine(rows: Sequence[List[float]], plan: Sequence[Tuple[int, int, int]]) -> List[float]:
-    """Rank 0's row with: sums where counted, the mean loss, and any rank's non-finite value."""
+    """Rank 0's row with: sums where counted, the mean loss, roots of summed squares for sharded
+    norms, and any rank's non-finite value."""
     out = list(rows[0])
     others, world = rows[1:], len(rows)
     for start, end, rule in plan:
@@ -244,6 +276,9 @@ def _combine(rows: Sequence[List[float]], plan: Sequence[Tuple[int, int, int]]) 
                 for i in range(start, end):
                     if not math.isfinite(row[i]) and math.isfinite(out[i]):
                         out[i] = row[i]
+        elif rule == _HYPOT:  # squares of float32 norms fit a Python float; NaN/Inf stay so
+            for i in range(start, end):
+                out[i] = math.sqrt(sum(row[i] * row[i] for row in rows))
         elif rule == _SUM:
             for i in range(start, end):
                 out[i] = sum(row[i] for row in rows)

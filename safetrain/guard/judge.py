@@ -128,7 +128,7 @@ class Judge:
         ):
             # An Inf norm of finite elements (float32 squares overflowed) is GRAD_NORM with its true
             # norm, whatever the threshold; only NaN/Inf elements are GRADIENT.
-            finding = self.grads.finding(read.grad_norms, self.threshold, **self.where())
+            finding = self.sync.agree_gradient(self.grads.finding(read.grad_norms, self.threshold, **self.where()))
             return Anomaly(Kind.GRADIENT if finding.kind == "gradient" else Kind.GRAD_NORM, {"finding": finding})
         diverged = self.divergence.check(loss)  # a climb over steps; a single jump is a spike, below
         if diverged is not None:

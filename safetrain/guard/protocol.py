@@ -92,12 +92,14 @@ class Guard:
         bus: Optional[EventBus] = None,
         run_dir: Optional[str] = None,
     ) -> None:
-        self.cfg = c = as_config(cfg)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         # The forward runs through the user's model; names, hooks and snapshots use what a
         # torch.compile wrapper holds, so they read as in the user's code (no "_orig_mod." prefix)
         # and a snapshot loads into the model compiled or not.
         self._named = named = unwrap_compiled(model)
+        # One process, DDP or FSDP2; anything else is refused here (FSDP2: replays off, memory snapshots).
+        self.layout = layout = distributed.layout_of(named)
+        self.cfg = c = distributed.for_layout(layout, as_config(cfg))
         self.bus = bus if bus is not None else EventBus()
         self.counters = counters = Counters()
         self.rules = Rules.of(c)
@@ -108,7 +110,7 @@ class Guard:
         sp = c.guard.spike
         self.spike = SpikeDetector(sp.window, sp.min_history, sp.zscore, sp.enabled, sp.min_ratio, sp.hard_ratio)
         self.divergence = DivergenceDetector.from_config(c.guard.divergence, recover_after=c.recovery.reset_after)
-        self.state = state = snapshot.TrainState(named, optimizer, scheduler=scheduler, scaler=self.scaler)
+        self.state = state = distributed.train_state(layout, named, optimizer, scheduler=scheduler, scaler=self.scaler)
         plain = plain_namer(named)
         # Every parameter, frozen ones too, for the exact check after a trip (a snapshot restores them).
         all_params = [(plain(n), p) for n, p in named.named_parameters()]

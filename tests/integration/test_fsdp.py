@@ -1,0 +1,346 @@
+"""FSDP2 (``fully_shard``) on 2 gloo ranks: sharded gradients and parameters, one read, one decision.
+
+Issue #17 (first slice). The scenarios run once, in ONE subprocess that spawns 2 ranks (as
+tests/integration/test_ddp.py does); each test asserts on its part of the ranks' JSON results.
+A fault is injected on rank 1 only. Parameters are compared as full tensors (every shard
+gathered), so "equal across ranks" means the ranks hold one consistent model.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import hashlib
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Dict, List
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 150  # seconds for all scenarios together
+MARK = 1e31  # an input value that the Spike layer turns into +inf (the loss stays finite)
+
+
+# ----------------------------------------------------------------------------- the ranks' side
+
+
+class Spike(torch.nn.Module):
+    """+inf where the input is above 1e30: a layer emitting Inf on the rank whose data is marked."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.where(x > 1e30, 1e10, 1.0)
+
+
+class _Bomb(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * math.inf if GradBomb.armed else grad
+
+
+class GradBomb(torch.nn.Module):
+    """Identity forward; an Inf gradient in the backward while ``armed`` (set on rank 1 only)."""
+
+    armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Bomb.apply(x)
+
+
+def _model() -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        Spike(), torch.nn.Linear(4, 8), torch.nn.Tanh(), GradBomb(), torch.nn.Linear(8, 6), torch.nn.Tanh(),
+        torch.nn.Linear(6, 1),
+    )  # fmt: skip
+    for layer in (net[1], net[4], net[6]):
+        fully_shard(layer)
+    fully_shard(net)
+    return net
+
+
+def _batches(rank: int, n: int, poison: Callable[[int, torch.Tensor], None]) -> List[Any]:
+    g = torch.Generator().manual_seed(100 + rank)
+    out = []
+    for step in range(1, n + 1):
+        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+        if rank == 1:
+            poison(step, x)
+        out.append((x, y))
+    return out
+
+
+def _full(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """Every parameter as its full tensor (a collective: every rank calls it)."""
+    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+def _digest(model: torch.nn.Module) -> str:
+    flat = torch.cat([t.reshape(-1) for t in _full(model).values()])
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+
+
+def _run(
+    rank: int,
+    overrides: List[str],
+    poison: Callable[[int, torch.Tensor], None] = lambda step, x: None,
+    steps: int = 10,
+    after: Callable[[Any], Dict[str, Any]] = lambda guard: {},
+    before: Callable[[int, Any], None] = lambda step, guard: None,
+) -> Dict[str, Any]:
+    import torch.nn.functional as F
+
+    from safetrain import TrainingAborted, load_config
+    from safetrain.guard import Guard
+    from safetrain.testing import count_host_syncs
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    cfg = load_config(None, ["log.progress=false", "snapshot.every=3", *overrides])
+    out: Dict[str, Any] = {"steps": [], "anomalies": [], "restored": [], "aborted_at": None}
+    with Guard(model, opt, cfg, loss_fn=F.mse_loss) as guard:
+        out["replay"] = guard.cfg.detect.replay.enabled
+        guard.bus.subscribe(
+            lambda e: (
+                out["anomalies"].append([e.step, e.kind, e.action, e.detail.get("ranks"), e.detail.get("finding")])
+                if e.name == "anomaly"
+                else None
+            )
+        )
+        guard.bus.subscribe(
+            lambda e: out["restored"].append([e.step, e.detail.get("snapshot_step")]) if e.name == "restored" else None
+        )
+        guard.begin_epoch(0)
+        try:
+            for i, batch in enumerate(_batches(rank, steps, poison)):
+                before(i + 1, guard)
+                with count_host_syncs() as syncs:
+                    result = guard.step(batch)
+                snap = any(e.name == "snapshot" for e in result.events)
+                out["steps"].append([result.step, result.trained, result.action, syncs.count, snap, result.loss])
+        except TrainingAborted:
+            out["aborted_at"] = guard.counters.steps
+        out.update(after(guard))
+    GradBomb.armed = False
+    out["digest"] = _digest(model)
+    out["finite"] = all(bool(torch.isfinite(t).all()) for t in _full(model).values())
+    return out
+
+
+def _reference(steps: int, clip: float) -> Dict[str, torch.Tensor]:
+    """The same training in one process, unsharded: both ranks' rows in one batch, clipped by
+    the norm of the whole gradient (what FSDP2 under the guard must match)."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        Spike(), torch.nn.Linear(4, 8), torch.nn.Tanh(), GradBomb(), torch.nn.Linear(8, 6), torch.nn.Tanh(),
+        torch.nn.Linear(6, 1),
+    )  # fmt: skip
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    for (x0, y0), (x1, y1) in zip(_batches(0, steps, lambda s, x: None), _batches(1, steps, lambda s, x: None)):
+        opt.zero_grad()
+        F.mse_loss(net(torch.cat([x0, x1])), torch.cat([y0, y1])).backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+        opt.step()
+    return {n: p.detach() for n, p in net.named_parameters()}
+
+
+def _healthy(rank: int, tmp: str) -> Dict[str, Any]:
+    def after(guard: Any) -> Dict[str, Any]:
+        ref, full = _reference(8, 0.05), _full(guard.model)
+        return {"max_diff_from_unsharded": max(float((full[n] - ref[n]).abs().max()) for n in ref)}
+
+    return _run(rank, ["guard.clip_grad_norm=0.05"], steps=8, after=after)
+
+
+def _faults(rank: int, tmp: str) -> Dict[str, Any]:
+    def poison(step: int, x: torch.Tensor) -> None:
+        if step == 3:
+            x[2, 1] = math.nan  # a NaN input on rank 1 -> both skip (sanitize.inputs=skip_batch)
+        if step == 5:
+            x[5, 0] = MARK  # Spike emits inf on rank 1 only, finite loss -> forward -> both skip
+
+    def before(step: int, guard: Any) -> None:
+        GradBomb.armed = rank == 1 and step == 7  # an Inf gradient on rank 1's backward -> both skip
+
+    return _run(rank, ["sanitize.inputs=skip_batch", "recovery.reset_after=1"], poison, steps=9, before=before)
+
+
+def _restore(rank: int, tmp: str) -> Dict[str, Any]:
+    def poison(step: int, x: torch.Tensor) -> None:
+        if step == 8:
+            x[0, 3] = MARK
+
+    def after(guard: Any) -> Dict[str, Any]:
+        guard.snapshot()
+        at, opt = _full(guard.model), guard.optimizer
+        momentum = [s["momentum_buffer"].full_tensor().clone() for s in opt.state.values()]
+        with torch.no_grad():  # spoil every rank's shards in place: parameters and optimizer state
+            for p in guard.model.parameters():
+                p.to_local().mul_(2.0).add_(1.0)
+            for s in opt.state.values():
+                s["momentum_buffer"].to_local().fill_(math.nan)
+        info = guard.store.restore(guard.state)  # the snapshot just taken, back in place
+        back = _full(guard.model)
+        again = [s["momentum_buffer"].full_tensor() for s in opt.state.values()]
+        return {
+            "final_restore": info.step,
+            "same_after_restore": all(torch.equal(at[n], back[n]) for n in at)
+            and len(momentum) == 6
+            and all(torch.equal(a, b) for a, b in zip(momentum, again)),
+        }
+
+    return _run(rank, ["recovery.actions.forward=restore"], poison, after=after)
+
+
+def _refused(rank: int, tmp: str) -> Dict[str, str]:
+    """What the guard says at construction for what it cannot protect."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, distribute_module, distribute_tensor
+
+    from safetrain import SafetrainError
+    from safetrain.guard import Guard
+
+    def message(model: torch.nn.Module, overrides: Any = None) -> str:
+        try:
+            Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), overrides).close()
+        except SafetrainError as exc:
+            return str(exc)
+        return ""
+
+    mesh = init_device_mesh("cpu", (2,))
+    tp = torch.nn.Linear(4, 4)
+    tp = distribute_module(
+        tp,
+        mesh,
+        lambda name, mod, mesh: (
+            [
+                mod.register_parameter(n, torch.nn.Parameter(distribute_tensor(p, mesh, [Replicate()])))
+                for n, p in list(mod.named_parameters())
+            ]
+            and None
+        ),
+    )
+    inner = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    fully_shard(inner[0])  # the root left out
+    sharded = _model()
+    from safetrain import SnapshotError, distributed
+
+    with Guard(sharded, torch.optim.SGD(sharded.parameters(), lr=0.1)) as guard:
+        try:
+            distributed.load_snapshot(tmp, guard.state)
+            resume = ""
+        except SnapshotError as exc:
+            resume = str(exc)
+    return {
+        "resume": resume,
+        "tensor_parallel": message(tp),
+        "root_not_sharded": message(inner),
+        "safetensors": message(sharded, {"snapshot": {"store": "safetensors", "dir": f"{tmp}/snaps{rank}"}}),
+    }
+
+
+SCENARIOS = {"healthy": _healthy, "faults": _faults, "restore": _restore, "refused": _refused}
+
+
+def _worker(rank: int, world: int, tmp: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    results: Dict[str, Any] = {}
+    for name, scenario in SCENARIOS.items():
+        results[name] = scenario(rank, tmp)
+    with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    gc.collect()
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- the test's side
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: Any) -> List[Dict[str, Any]]:
+    from tests.conftest import run_two_ranks
+
+    tmp = tmp_path_factory.mktemp("fsdp")
+    run_two_ranks(__file__, tmp, TIMEOUT, "the 2-rank FSDP2 run")
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _decisions(run: Dict[str, Any]) -> List[Any]:
+    return [s[:3] for s in run["steps"]]
+
+
+def test_a_healthy_fsdp2_run_trains_with_one_host_sync_per_step_and_one_model(ranks):
+    r0, r1 = ranks[0]["healthy"], ranks[1]["healthy"]
+    assert _decisions(r0) == _decisions(r1) and all(s[1] and not s[2] for s in r0["steps"]), r0["steps"]
+    for run in (r0, r1):
+        healthy = [s[3] for s in run["steps"][1:] if not s[4]]  # step 1 takes the first snapshot
+        assert len(healthy) >= 4 and set(healthy) == {1}, run["steps"]
+    assert [s[5] for s in r0["steps"]] == [s[5] for s in r1["steps"]], "the loss is the mean over ranks"
+    assert r0["digest"] == r1["digest"] and r0["finite"]
+    assert r0["replay"] is False and r1["replay"] is False, "replays are off under FSDP2"
+    # Clipped by the global norm (a root of the ranks' summed squares), as one unsharded process.
+    assert r0["max_diff_from_unsharded"] < 1e-5 and r1["max_diff_from_unsharded"] < 1e-5, r0
+
+
+def test_faults_on_one_rank_are_detected_on_both_at_the_same_step_with_the_same_action(ranks):
+    r0, r1 = ranks[0]["faults"], ranks[1]["faults"]
+    assert _decisions(r0) == _decisions(r1), (r0["steps"], r1["steps"])
+    assert [s[2] for s in r0["steps"]] == ["", "", "skip_batch", "", "skip_batch", "", "zero_grads", "", ""]
+    for run in (r0, r1):
+        assert [a[:3] for a in run["anomalies"]] == [[3, "input", "skip_batch"], [5, "forward", "skip_batch"],
+                                                      [7, "gradient", "zero_grads"]], run["anomalies"]  # fmt: skip
+    assert r0["anomalies"][0][3] == {"input": [1]} and r0["anomalies"][1][3] == {"forward": [1]}
+    # The layer is named as in the user's code (no FSDP prefix), on both ranks.
+    assert r0["anomalies"][1][4]["module"] == r1["anomalies"][1][4]["module"] == "0", r0["anomalies"][1][4]
+    names = r1["anomalies"][2][4]["nonfinite"]
+    assert names and all(not n.startswith(("_fsdp", "module.", "_orig_mod")) for n in names), names
+    assert r0["digest"] == r1["digest"] and r0["finite"] and r1["finite"]
+
+
+def test_a_restore_from_memory_snapshots_puts_every_rank_back_in_place(ranks):
+    r0, r1 = ranks[0]["restore"], ranks[1]["restore"]
+    assert _decisions(r0) == _decisions(r1)
+    assert r0["steps"][7][2] == "restore", r0["steps"]
+    assert r0["restored"] == r1["restored"] and len(r0["restored"]) == 1, r0["restored"]
+    assert r0["final_restore"] == r1["final_restore"] and r0["same_after_restore"] and r1["same_after_restore"]
+    assert r0["digest"] == r1["digest"] and r0["finite"]
+
+
+def test_what_safetrain_cannot_protect_is_refused_at_construction(ranks):
+    said = ranks[0]["refused"]
+    assert "tensor parallel" in said["tensor_parallel"] and "FSDP2" in said["tensor_parallel"], said
+    assert "not to the root module" in said["root_not_sharded"], said
+    assert "snapshot.store: memory" in said["safetensors"], said
+    assert "resume of an FSDP2" in said["resume"], said
+
+
+def test_sharded_norms_combine_as_a_root_of_summed_squares():
+    from safetrain.distributed.sync import _combine, _plan
+
+    layout = [("loss", 1, False, False), ("grad_norms", 2, False, True)]
+    rows = [[1.0, 3.0, 0.0], [3.0, 4.0, math.inf]]
+    assert _combine(rows, _plan(layout, sharded=True)) == [2.0, 5.0, math.inf]
+    assert _combine(rows, _plan(layout))[1:] == [3.0, math.inf], "DDP: rank 0's norms, a non-finite one wins"
+
+
+if __name__ == "__main__":
+    torch.multiprocessing.spawn(_worker, args=(2, sys.argv[1]), nprocs=2, join=True)
