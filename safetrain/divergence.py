@@ -35,6 +35,7 @@ divergence lands before the climb began.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
@@ -163,9 +164,12 @@ class DivergenceDetector:
         if start <= 0:
             return None
         seq = values[-self.steps :] + [loss]
-        geometric = rises >= self.steps - 1 and all(b >= self.growth * a for a, b in zip(seq, seq[1:]))
         ref = self.reference
-        low = start if ref is None else min(start, ref)
+        # Growth is measured from a robust level: one tiny early loss of a flat, noisy run is no base
+        # a climb of 100x can be measured from (iid noise would then "diverge" in its first steps).
+        level = max(start, statistics.median(values))
+        low = level if ref is None else min(level, ref)
+        geometric = rises >= self.steps - 1 and all(b >= self.growth * a for a, b in zip(seq, seq[1:]))
         began_before = rises >= 1 and values[-1] >= self.growth * start and loss >= self.growth * values[-1]
         climbed_back = ref is not None and loss >= self.ratio * ref
         climb = (began_before and loss >= self.ratio * low) or climbed_back
@@ -178,7 +182,8 @@ class DivergenceDetector:
         """Record a divergence acted on: drop its climb from the window, keep the level before it."""
         kept = list(self._losses)[: len(self._losses) - finding.rises]
         self._refill(kept)
-        self.reference = finding.start if self.reference is None else min(self.reference, finding.start)
+        level = max(finding.start, statistics.median(kept)) if kept else finding.start  # as in check()
+        self.reference = level if self.reference is None else min(self.reference, level)
         self.episode = finding.episode
         self._since = 0
 

@@ -164,11 +164,15 @@ class RunWriters:
         result.error = f"{detail['error']}: {detail['error_message']}" if ending == "failed" else None
         if self.bar is not None:
             attempt(self.bar.close)
-        attempt(lambda: self._emit(RunEnded, ending, describe(result), {**result.summary(), **detail}))
+        # A run refused before it started (another run's snapshots, a bad resume) says nothing in the
+        # journal: a run_ended there would read as the end of the previous run.
+        began = any(e.name == "run_started" for e in self.bus.events)
+        if began:
+            attempt(lambda: self._emit(RunEnded, ending, describe(result), {**result.summary(), **detail}))
         if self.metrics is not None:
             attempt(self.metrics.close)
         if self.journal is not None:
-            attempt(lambda: self.journal.close(result.summary()))
+            attempt(lambda: self.journal.close(result.summary() if began else None))
         if failed and error is None:
             raise failed[0]
 

@@ -196,8 +196,11 @@ class Recovery:
             TrainingAborted: naming the cause and the fix.
         """
         names = list(self.params)
-        finite = torch.stack([torch.isfinite(p).all() for p in self.params.values()]).tolist() if names else []
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.params.values()]  # FSDP2: own shard
+        finite = torch.stack([torch.isfinite(p).all() for p in local]).tolist() if names else []
         broken = [n for n, ok in zip(names, finite) if not ok]  # host sync: once, at the end of the run
+        if self.sync.total(len(broken)) and not broken:  # another rank's shard is broken: every rank stops
+            broken = ["(on another rank)"]
         if broken:
             known = explain_optimizer(self.train_state.optimizer, [self.params[n] for n in broken])
             kind, reason = (
@@ -215,7 +218,7 @@ class Recovery:
                 (f"run: none of the {seen} steps trained ({c.skipped_batches} skipped, {c.restores} restores)"),
             )
             reason = with_hint(reason, Kind.TARGET, None, self.masked_targets, seen)
-        elif worse := self.state.ended_worse(self.cfg.guard.end_loss_ratio):
+        elif seen > 0 and (worse := self.state.ended_worse(self.cfg.guard.end_loss_ratio)):
             kind, reason = (
                 "run",
                 (

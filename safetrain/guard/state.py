@@ -11,7 +11,7 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, Mapping, Optional, Tuple
+from typing import Any, Deque, Dict, List, Mapping, Optional, Tuple
 
 from ..config import RecoveryConfig
 from ..policy import History, climb_pending, observe_healthy
@@ -41,7 +41,7 @@ class RecoveryState:
     skipped_micro: int = 0
     since_snapshot: int = 0
     epoch_loss: Tuple[float, int] = (0.0, 0)
-    first_loss: Optional[float] = None  # the run's first trained, finite loss
+    first_losses: List[float] = field(default_factory=list)  # the run's first trained, finite losses
     last_losses: Deque[float] = field(default_factory=lambda: deque(maxlen=_LAST))  # its last ones
     _history: History = History()
     _healthy_run: int = 0  # healthy steps not yet applied to the history
@@ -74,20 +74,21 @@ class RecoveryState:
             total, n = self.epoch_loss
             self.epoch_loss = (total + loss, n + 1)
             self.last_losses.append(loss)
-            if self.first_loss is None:
-                self.first_loss = loss
+            if len(self.first_losses) < _LAST:
+                self.first_losses.append(loss)
 
     def ended_worse(self, ratio: Optional[float]) -> Optional[str]:
-        """Whether the run ends worse than it started: the median of its last trained losses above
-        ``ratio`` times its first trained loss; a sentence saying so, else ``None``."""
-        if ratio is None or self.first_loss is None or len(self.last_losses) < self.last_losses.maxlen:
+        """Whether the run ends worse than it started: the median of its last 5 trained losses above
+        ``ratio`` times the largest of its first 5 (a bound, so that one low early batch of a flat,
+        noisy run is no reference); a sentence saying so, else ``None``."""
+        if ratio is None or len(self.first_losses) < _LAST or len(self.last_losses) < _LAST:
             return None
-        end = statistics.median(self.last_losses)
-        if end <= ratio * self.first_loss:
+        end, start = statistics.median(self.last_losses), max(self.first_losses)
+        if end <= ratio * start:
             return None
         return (
             f"the run ends worse than it started: its last trained losses (median {end:.4g}) are "
-            f"{end / self.first_loss:.3g}x its first ({self.first_loss:.4g}), above guard.end_loss_ratio={ratio:g}"
+            f"{end / start:.3g}x its first (at most {start:.4g}), above guard.end_loss_ratio={ratio:g}"
         )
 
     def state_dict(self) -> Dict[str, Any]:
@@ -95,7 +96,7 @@ class RecoveryState:
         return {
             "history": self.history.to_dict(),
             "epoch_loss": list(self.epoch_loss),
-            "losses": {"first": self.first_loss, "last": list(self.last_losses)},
+            "losses": {"first": list(self.first_losses), "last": list(self.last_losses)},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -107,6 +108,6 @@ class RecoveryState:
         self.history = History.from_dict(history)
         total, n = state.get("epoch_loss", (0.0, 0))  # absent from snapshots of earlier versions
         self.epoch_loss = (float(total), int(n))
-        losses = state.get("losses", {"first": None, "last": []})  # absent from earlier snapshots
-        self.first_loss = losses["first"]
+        losses = state.get("losses", {"first": [], "last": []})  # absent from earlier snapshots
+        self.first_losses = [float(x) for x in losses["first"]]
         self.last_losses = deque((float(x) for x in losses["last"]), maxlen=_LAST)
