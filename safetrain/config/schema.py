@@ -162,7 +162,7 @@ class GuardConfig:
     )
     end_loss_ratio: Optional[float] = _f(
         3.0,
-        "a run whose last trained losses (median of 5) end above this many times its first trained loss "
+        "a run whose last trained losses (median of 5) end above this many times the largest of its first 5 "
         "aborts instead of finishing worse than it started (null: off)",
         gt=1,
         finite=True,
