@@ -196,7 +196,8 @@ class Recovery:
             TrainingAborted: naming the cause and the fix.
         """
         names = list(self.params)
-        finite = torch.stack([torch.isfinite(p).all() for p in self.params.values()]).tolist() if names else []
+        shards = [p.to_local() if hasattr(p, "to_local") else p for p in self.params.values()]  # FSDP2: this rank's
+        finite = torch.stack([torch.isfinite(p).all() for p in shards]).tolist() if names else []
         broken = [n for n, ok in zip(names, finite) if not ok]  # host sync: once, at the end of the run
         if broken:
             known = explain_optimizer(self.train_state.optimizer, [self.params[n] for n in broken])
