@@ -61,7 +61,7 @@ def sharded_snapshots(directory: str, complete: bool = True) -> List[str]:
         return []
     found = sorted((int(m.group(1)), n) for n in names if (m := _NAME.match(n)))
     paths = [os.path.join(directory, n) for _, n in found]
-    return [p for p in paths if os.path.isfile(os.path.join(p, MARK)) == complete or not complete]
+    return [p for p in paths if os.path.isfile(os.path.join(p, MARK))] if complete else paths
 
 
 def _flat(state: Any) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:

@@ -82,7 +82,37 @@ def _loaded(rank: int, directory: str) -> Dict[str, Any]:
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     with Guard(model, opt, load_config(None, _cfg(directory + "-scratch"))) as guard:
         info = distributed.load_snapshot(directory, guard.state)
-        return {"step": info.step, "digest": _full(model, opt), "lr": opt.param_groups[0]["lr"]}
+        params = torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
+        return {
+            "step": info.step,
+            "digest": _full(model, opt),
+            "params": hashlib.sha256(params.numpy().tobytes()).hexdigest(),
+        }
+
+
+def _restore_midrun(rank: int, directory: str) -> Dict[str, Any]:
+    """A NaN loss on rank 1 at step 5 -> every rank restores the sharded snapshot of step 3 from disk."""
+    import math
+
+    import torch.nn.functional as F
+
+    from safetrain import load_config
+    from safetrain.guard import Guard
+
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    cfg = load_config(None, [*_cfg(directory), "sanitize.targets=off", "recovery.actions.loss=restore"])
+    restored: List[Any] = []
+    with Guard(model, opt, cfg, loss_fn=F.mse_loss) as guard:
+        guard.bus.subscribe(lambda e: restored.append(e.detail.get("snapshot_step")) if e.name == "restored" else None)
+        guard.begin_epoch(0)
+        actions = []
+        for step, (x, y) in enumerate(_batches(rank)[:6], start=1):
+            if step == 5 and rank == 1:
+                y = y.clone().fill_(math.nan)
+            actions.append(guard.step((x, y)).action)
+    finite = all(bool(torch.isfinite(p.full_tensor()).all()) for p in model.parameters())
+    return {"actions": actions, "restored": restored, "digest": _full(model, opt), "finite": finite}
 
 
 def _phase(rank: int, tmp: str, phase: str) -> Dict[str, Any]:
@@ -98,7 +128,8 @@ def _phase(rank: int, tmp: str, phase: str) -> Dict[str, Any]:
     if phase == "resume":
         loaded = _loaded(rank, f"{tmp}/cut")
         resumed = _fit(rank, f"{tmp}/cut", STEPS, resume=f"{tmp}/cut")
-        return {"loaded": loaded, "resumed": resumed, "listing": sorted(os.listdir(f"{tmp}/cut"))}
+        midrun = _restore_midrun(rank, f"{tmp}/midrun")
+        return {"loaded": loaded, "resumed": resumed, "listing": sorted(os.listdir(f"{tmp}/cut")), "midrun": midrun}
     return {"loaded": _loaded(rank, f"{tmp}/cut/step-{SNAP:010d}")}
 
 
@@ -153,6 +184,13 @@ def test_resume_of_a_sharded_run_on_the_same_ranks_ends_bitwise_equal_to_the_uni
     assert resume[0]["listing"] == ["step-0000000006", "step-0000000009"], resume[0]["listing"]
 
 
+def test_an_anomaly_on_one_rank_restores_the_sharded_snapshot_from_disk_on_every_rank(runs):
+    r0, r1 = runs["resume"][0]["midrun"], runs["resume"][1]["midrun"]
+    assert r0["actions"] == r1["actions"] and r0["actions"][4] == "restore", r0["actions"]
+    assert r0["restored"] == r1["restored"] == [3], (r0["restored"], r1["restored"])
+    assert r0["digest"] == r1["digest"] and r0["finite"] and r1["finite"]
+
+
 def test_a_sharded_snapshot_of_two_ranks_loads_on_one_rank(runs):
     """DCP reshards: the 2-rank snapshot's full model and optimizer state on 1 rank."""
     one, resume = runs["one"][0]["loaded"], runs["resume"][0]["loaded"]
@@ -172,6 +210,24 @@ def test_no_pickle_in_a_sharded_snapshot(runs):
         else:  # safetensors: an 8-byte little-endian header length, a JSON header, raw tensor bytes
             n = int.from_bytes(data[:8], "little")
             assert isinstance(json.loads(data[8 : 8 + n]), dict), p
+
+
+def test_export_writes_one_model_file_that_loads_into_the_unsharded_model(runs, tmp_path, capsys):
+    """`safetrain export SNAPSHOT OUT.safetensors`: the 2-rank snapshot's model as one file."""
+    from safetensors.torch import load_file
+
+    from safetrain.cli import main
+
+    out = tmp_path / "model.safetensors"
+    assert main(["export", f"{runs['dir'][0]['path']}/step-{SNAP:010d}", str(out)]) == 0
+    assert "6 tensors" in capsys.readouterr().out
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 6), torch.nn.Tanh(),
+                              torch.nn.Linear(6, 1))  # fmt: skip
+    net.load_state_dict(load_file(str(out)))  # strict: every name, every shape
+    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    assert hashlib.sha256(flat.numpy().tobytes()).hexdigest() == runs["one"][0]["loaded"]["params"]
+    assert main(["export", str(tmp_path), str(tmp_path / "x.safetensors")]) == 2  # no snapshot there
 
 
 if __name__ == "__main__":
