@@ -90,6 +90,15 @@ def _parser() -> argparse.ArgumentParser:
         "path", metavar="PATH", help="a snapshot-*.safetensors file, or a directory of them (listed newest first)"
     )
     ins.set_defaults(func=_inspect)
+    exp = sub.add_parser(
+        "export",
+        help="write one consolidated model file (safetensors) from a sharded FSDP2 snapshot",
+        description="Gather every rank's model shards of a sharded snapshot into one safetensors file, keyed "
+        "by the model's parameter names, that loads into the unsharded model (no process group needed).",
+    )
+    exp.add_argument("snapshot", metavar="SNAPSHOT", help="a step-* snapshot directory, or the snapshot directory")
+    exp.add_argument("out", metavar="OUT", help="the safetensors file to write")
+    exp.set_defaults(func=_export)
     check = sub.add_parser(
         "check-config",
         help="validate a YAML config (with KEY=VALUE overrides) and print the resolved result",
@@ -101,6 +110,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     check.set_defaults(func=_check_config)
     return parser
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .distributed.export import export_model
+
+    tensors = export_model(args.snapshot, args.out)
+    sys.stdout.write(f"wrote {args.out}: {len(tensors)} tensors, {sum(t.numel() for t in tensors.values())} values\n")
+    return 0
 
 
 def _check_config(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ plus one small collective per slow-path decision. Used by ``guard`` and ``diagno
 ``detect`` (the step's read) and ``snapshot`` (the stores).
 """
 
+from .checkpoint import ShardedStore, make_store
 from .group import active, keep_rng, local, rank
 from .replay import AgreedReplay
 from .resume import load_snapshot
@@ -34,4 +35,6 @@ __all__ = [
     "LOCAL",
     "DDP",
     "FSDP2",
+    "ShardedStore",
+    "make_store",
 ]

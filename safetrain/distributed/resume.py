@@ -10,6 +10,7 @@ import torch
 from ..errors import SnapshotError
 from ..snapshot import SnapshotInfo
 from ..snapshot import load_snapshot as _load_snapshot
+from .checkpoint import resume_sharded
 from .group import active, keep_rng
 from .sharding import ShardedState
 from .store import agree_restored
@@ -23,17 +24,15 @@ def load_snapshot(path: Any, state: Any) -> SnapshotInfo:
 
     Every rank reads the same file (rank 0's); ranks other than 0 keep their own random
     generators; then all check they loaded the same step. Without a process group (or for a
-    model that is not DDP-wrapped) it is exactly :func:`safetrain.snapshot.load_snapshot`.
+    model that is not DDP-wrapped) it is exactly :func:`safetrain.snapshot.load_snapshot`. An
+    FSDP2 model's state is read from a sharded snapshot directory (:mod:`.checkpoint`).
 
     Raises:
         SnapshotError: the file is unusable on some rank (then on every rank), the ranks
-            loaded different steps (directories not shared), or the model is FSDP2 (not yet).
+            loaded different steps (directories not shared).
     """
-    if isinstance(state, ShardedState):
-        raise SnapshotError(
-            f"{os.fspath(path)}: resume of an FSDP2 (fully_shard) run is not supported yet: sharded "
-            "snapshots on disk are not written yet (snapshot.store: memory only)"
-        )
+    if isinstance(state, ShardedState):  # a sharded snapshot directory (DCP), read by every rank
+        return resume_sharded(path, state, DistributedSync(_device_of(state)) if active() else None)
     if not active() or not isinstance(state.model, torch.nn.parallel.DistributedDataParallel):
         return _load_snapshot(path, state)
     sync = DistributedSync(_device_of(state))

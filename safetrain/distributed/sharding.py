@@ -91,18 +91,9 @@ def layout_of(model: torch.nn.Module) -> str:
 
 def for_layout(layout: str, cfg: Any) -> Any:
     """The config the guard runs with under ``layout``: under FSDP2 replays are turned off (logged
-    once) and a ``safetensors`` snapshot store is refused.
-
-    Raises:
-        SafetrainError: ``snapshot.store: safetensors`` under FSDP2.
-    """
+    once); a ``safetensors`` store writes sharded snapshots (:mod:`.checkpoint`)."""
     if layout != FSDP2:
         return cfg
-    if cfg.snapshot.store != "memory":
-        raise SafetrainError(
-            f"snapshot.store: {cfg.snapshot.store} is not yet supported under FSDP2 (sharded snapshots on "
-            "disk are not written yet): use snapshot.store: memory"
-        )
     if cfg.detect.replay.enabled:
         logger.info(
             "FSDP2: replays are off (detect.replay.enabled=false): FSDP's forward all-gathers parameters, "

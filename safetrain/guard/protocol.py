@@ -97,7 +97,7 @@ class Guard:
         # torch.compile wrapper holds, so they read as in the user's code (no "_orig_mod." prefix)
         # and a snapshot loads into the model compiled or not.
         self._named = named = unwrap_compiled(model)
-        # One process, DDP or FSDP2; anything else is refused here (FSDP2: replays off, memory snapshots).
+        # One process, DDP or FSDP2; anything else is refused here (FSDP2: replays off, sharded snapshots).
         self.layout = layout = distributed.layout_of(named)
         self.cfg = c = distributed.for_layout(layout, as_config(cfg))
         self.bus = bus if bus is not None else EventBus()
@@ -130,7 +130,7 @@ class Guard:
         self.forward = fwd = Forward(flags, grads, model, named, monitor, pipes, c.sanitize, k, loss_fn, step_fn)
         bufs = fwd.buffers.checked()  # the weight checks cover floating buffers (BatchNorm statistics)
         self.weights = detect.WeightCheck(params + bufs, c.detect.check_weights_every, enabled=c.detect.mode != "off")
-        self.store = store = sync.wrap_store(snapshot.make_store(c.snapshot, run_dir=run_dir))
+        self.store = store = distributed.make_store(layout, c.snapshot, run_dir, sync)
         self.diagnoser = diag = Diagnoser(named, monitor, c.detect.replay, state=state, params=params,
                                           loss_of=fwd.eager_loss, autocast=pipes.autocast, prepare=fwd.scan,
                                           accumulate=k, clip=c.guard.clip_grad_norm)  # fmt: skip

@@ -202,7 +202,7 @@ class Recovery:
         if self.sync.total(len(broken)) and not broken:  # another rank's shard is broken: every rank stops
             broken = ["(on another rank)"]
         if broken:
-            known = explain_optimizer(self.train_state.optimizer, [self.params[n] for n in broken])
+            known = explain_optimizer(self.train_state.optimizer, [self.params[n] for n in broken if n in self.params])
             kind, reason = (
                 Kind.WEIGHTS,
                 (

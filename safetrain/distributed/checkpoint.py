@@ -1,0 +1,394 @@
+"""Sharded snapshots on disk for FSDP2: one directory per snapshot, written with
+``torch.distributed.checkpoint`` (DCP) by every rank, no pickle anywhere.
+
+A snapshot of step ``s`` is the directory ``step-{s:010d}/``:
+
+* ``shard-*.safetensors``: the tensors, written by DCP's ``HuggingFaceStorageWriter`` with
+  ``save_distributed=True`` (each rank its own file, its local shards with their offsets in the
+  safetensors header). Keys: ``model/{fqn}`` and ``optim/{fqn}/{key}`` from
+  ``get_state_dict(model, optimizer)`` (the user's parameter names), and ``rank{r}/{name}`` for
+  each rank's own small tensors (RNG states, the caller's extra tensors).
+* ``rank-{r}.json``: rank r's JSON part (counters, the guard's state, RNG, scheduler, scaler,
+  the optimizer's param groups), written before the tensors.
+* ``safetrain.json``: written last by rank 0 (atomically) once every rank's tensors are on disk:
+  the snapshot's completion mark. A directory without it is never loaded, and its run removes it
+  at its next save. (DCP's default ``FileSystemWriter`` pickles its ``.metadata`` file and writes
+  tensors with ``torch.save``; neither is used here.)
+
+Loading reads the tensors with DCP's ``HuggingFaceStorageReader`` into the live state (DCP
+reshards: the number of ranks may differ), then ``set_state_dict``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from ..errors import SnapshotError
+from ..rundir import AtomicFile, fsync_dir
+from ..snapshot.codec import decode, encode
+from ..snapshot.rng import restore_rng
+from ..snapshot.store import CorruptSnapshotError, SnapshotInfo, SnapshotStore, make_info, run_of
+from ..snapshot.tensors import nonfinite
+
+__all__ = ["ShardedStore", "load_sharded", "sharded_snapshots", "MARK"]
+
+logger = logging.getLogger("safetrain")
+
+MARK = "safetrain.json"
+_NAME = re.compile(r"^step-(\d{10,})$")
+_MINE = ("model/", "optim/state/")  # captured tensors that DCP writes from get_state_dict instead
+
+
+def _dcp() -> Any:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as sd
+
+    return dcp, sd
+
+
+def sharded_snapshots(directory: str, complete: bool = True) -> List[str]:
+    """Snapshot directories in ``directory``, oldest step first (only complete ones by default)."""
+    try:
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = sorted((int(m.group(1)), n) for n in names if (m := _NAME.match(n)))
+    paths = [os.path.join(directory, n) for _, n in found]
+    return [p for p in paths if os.path.isfile(os.path.join(p, MARK))] if complete else paths
+
+
+def _flat(state: Any) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """``get_state_dict`` of the live model and optimizer: DCP's tensors, and the JSON rest."""
+    _, sd = _dcp()
+    model_sd, optim_sd = sd.get_state_dict(state.model, state.optimizer.optimizer)
+    tensors: Dict[str, torch.Tensor] = {}
+    for fqn, t in model_sd.items():
+        if not isinstance(t, torch.Tensor):
+            raise SnapshotError(f"model.state_dict()[{fqn!r}]: a {type(t).__name__}; sharded snapshots hold tensors")
+        tensors[f"model/{fqn}"] = t
+    plain: Dict[str, Dict[str, Any]] = {}
+    for fqn, s in optim_sd.get("state", {}).items():
+        for key, v in s.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"optim/{fqn}/{key}"] = v
+            else:
+                plain.setdefault(fqn, {})[key] = v
+    return tensors, {"groups": optim_sd.get("param_groups", []), "plain": plain}
+
+
+def _rank_path(snap: str, rank: int) -> str:
+    return os.path.join(snap, f"rank-{rank}.json")
+
+
+def _write_json(path: str, obj: Any) -> None:
+    target = AtomicFile(path)
+    try:
+        with open(target.tmp, "w") as f:
+            json.dump(obj, f, separators=(",", ":"), allow_nan=False)
+            f.flush()
+            os.fsync(f.fileno())
+        target.commit()
+    finally:
+        target.discard()
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CorruptSnapshotError(f"{path}: unreadable ({exc})") from None
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.rsplit(".", 1)[-1], None)
+    if not isinstance(dtype, torch.dtype):
+        raise CorruptSnapshotError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def save_sharded(snap: str, state: Any, captured: Any, rank: int, world: int, run_id: str) -> None:
+    """Every rank: write rank ``rank``'s JSON part and its tensors (a collective); rank 0 then
+    writes the completion mark."""
+    dcp, _ = _dcp()
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    os.makedirs(snap, exist_ok=True)
+    tensors, optim = _flat(state)
+    own = {n: t for n, t in captured.tensors.items() if not n.startswith(_MINE)}
+    optim_json = encode(optim, "optim_json", lambda n, t: own.__setitem__(n, t.detach()))
+    specs = {n: [list(t.shape), str(t.dtype)] for n, t in own.items()}
+    meta = {k: v for k, v in captured.meta.items() if k not in ("model", "optimizer")}
+    _write_json(_rank_path(snap, rank), {**meta, "run_id": run_id, "world": world, "optim": optim_json, "own": specs})
+    tensors.update({f"rank{rank}/{n}": t.contiguous() for n, t in own.items()})
+    dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(snap, save_distributed=True))  # ends with a barrier
+    if rank == 0:
+        mark = {"format": "safetrain.sharded", "version": 1, "run_id": run_id, "world": world,
+                "counters": captured.meta["counters"], "created": captured.meta["created"]}  # fmt: skip
+        _write_json(os.path.join(snap, MARK), mark)
+        fsync_dir(os.path.dirname(snap))
+
+
+def load_sharded(snap: str, state: Any, rank: int) -> SnapshotInfo:
+    """Every rank (a collective): load the complete snapshot directory ``snap`` into ``state``
+    (resharded to this job's ranks); this rank's RNG and extra tensors come from rank ``rank``'s
+    part, or rank 0's when the snapshot had fewer ranks.
+
+    Raises:
+        SnapshotError: not a complete snapshot, or it does not fit the live model and optimizer.
+    """
+    dcp, sd = _dcp()
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    mark = _read_json(os.path.join(snap, MARK)) if os.path.isfile(os.path.join(snap, MARK)) else None
+    if not isinstance(mark, dict) or mark.get("format") != "safetrain.sharded":
+        raise CorruptSnapshotError(f"{snap}: not a complete sharded snapshot (no {MARK})")
+    src = rank if rank < int(mark["world"]) else 0
+    meta = _read_json(_rank_path(snap, src))
+    tensors, _ = _flat(state)
+    own = {n: torch.empty(shape, dtype=_dtype(dt)) for n, (shape, dt) in meta["own"].items()}
+    want = {**tensors, **{f"rank{src}/{n}": t for n, t in own.items()}}
+    try:
+        dcp.load(want, storage_reader=HuggingFaceStorageReader(snap))
+    except Exception as exc:  # DCP raises a CheckpointException carrying every rank's failure
+        raise SnapshotError(f"{snap}: cannot load the sharded snapshot into the live state: {exc}") from None
+    optim = decode(meta["optim"], own, snap)
+    states: Dict[str, Dict[str, Any]] = {}
+    for name, t in tensors.items():
+        if name.startswith("optim/"):
+            fqn, key = name[len("optim/") :].rsplit("/", 1)
+            states.setdefault(fqn, {})[key] = t
+    for fqn, extra in optim["plain"].items():
+        states.setdefault(fqn, {}).update(extra)
+    model_sd = {n[len("model/") :]: t for n, t in tensors.items() if n.startswith("model/")}
+    sd.set_state_dict(
+        state.model,
+        state.optimizer.optimizer,
+        model_state_dict=model_sd,
+        optim_state_dict={"state": states, "param_groups": optim["groups"]},
+    )
+    try:
+        if state.scheduler is not None and meta.get("scheduler") is not None:
+            state.scheduler.load_state_dict(decode(meta["scheduler"]["state"], own, snap))
+        if state.scaler is not None and meta.get("scaler") is not None:
+            state.scaler.load_state_dict(decode(meta["scaler"]["state"], own, snap))
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
+        raise SnapshotError(f"{snap}: cannot restore the scheduler or scaler state: {exc}") from None
+    if state.rng and meta.get("rng") is not None:
+        restore_rng(meta["rng"], own, snap)
+    extra = {f"extra/{n}": own[f"extra/{n}"] for n in meta.get("extra_tensors", [])}
+    return make_info(meta, extra, snap, snap)
+
+
+class ShardedStore(SnapshotStore):
+    """``snapshot.store: safetensors`` under FSDP2: a sharded snapshot directory per save, every
+    rank writing its shards (see the module docstring). Every method is a collective: all ranks call it.
+
+    Args:
+        directory: the snapshot directory, shared by every rank (one node or a shared file system).
+        keep: complete snapshots of this run kept.
+        sync: the guard's sync (``gather_int`` votes; ``None`` in one process).
+        run_id: the run this store belongs to.
+        overwrite: a fresh run deletes another run's snapshots instead of refusing the directory.
+    """
+
+    def __init__(self, directory: str, keep: int, sync: Any, run_id: Optional[str] = None, overwrite: bool = False):
+        super().__init__(keep, run_id)
+        self.directory, self.sync, self.overwrite = os.fspath(directory), sync, overwrite
+        self.rank, self.world = getattr(sync, "rank", 0), getattr(sync, "world", 1)
+        self._ids = {self.run_id}
+        os.makedirs(self.directory, exist_ok=True)
+
+    def _vote(self, value: int) -> List[int]:
+        gather = getattr(self.sync, "gather_int", None)
+        return gather(value) if gather is not None else [value]
+
+    def _run(self, snap: str) -> Optional[str]:
+        try:
+            return run_of(_read_json(os.path.join(snap, MARK)))
+        except SnapshotError:
+            return None
+
+    def paths(self) -> List[str]:
+        """Complete snapshot directories of every run, oldest step first."""
+        return sharded_snapshots(self.directory)
+
+    def own_paths(self) -> List[str]:
+        """This run's complete snapshot directories, oldest step first."""
+        return [p for p in self.paths() if self._run(p) in self._ids]
+
+    def foreign(self) -> List[str]:
+        """Complete snapshots of other runs in the directory."""
+        return [p for p in self.paths() if self._run(p) not in self._ids]
+
+    def check_fresh(self) -> List[str]:
+        """Refuse a directory holding another run's snapshots (``overwrite``: delete them)."""
+        others = self.foreign()
+        if others and not self.overwrite:
+            raise SnapshotError(
+                f"{self.directory}: holds {len(others)} sharded snapshot(s) of another run; continue it with "
+                "fit(..., resume=DIR), use a new directory, or set snapshot.overwrite: true"
+            )
+        self._vote(0)  # every rank has looked before rank 0 deletes
+        if self.rank == 0:
+            for path in others:
+                shutil.rmtree(path, ignore_errors=True)
+        self._vote(0)
+        return others
+
+    def _adopt(self, run_id: Optional[str]) -> None:
+        self._ids.add(run_id)
+
+    def save(self, state: Any, counters: Any, extra: Any = None, extra_tensors: Any = None) -> Optional[SnapshotInfo]:
+        """A snapshot on every rank or on none: each rank's finiteness is voted on first (one
+        collective), then every rank writes its shards; ``None`` when refused."""
+        self._require_open("save")
+        captured = state.capture(counters, extra, extra_tensors)
+        bad = nonfinite((n, captured.tensors[n]) for n in captured.checked)  # host sync: snapshot steps only
+        refused = self._vote(len(bad))
+        step = captured.meta["counters"]["step"]
+        if any(refused):
+            where = [r for r, n in enumerate(refused) if n]
+            logger.warning("snapshot refused at step %d: non-finite state on rank(s) %s; keeping the previous one",
+                           step, where)  # fmt: skip
+            return None
+        self._live = state  # get_state_dict reads the live model and optimizer
+        return self._save(captured)
+
+    def _save(self, captured: Any) -> Optional[SnapshotInfo]:
+        step = captured.meta["counters"]["step"]
+        snap = os.path.join(self.directory, f"step-{step:010d}")
+        if self.rank == 0:
+            self._clean(snap)
+        self._vote(0)  # the directory is empty before any rank writes into it
+        failed = 0
+        try:
+            save_sharded(snap, self._live, captured, self.rank, self.world, self.run_id)
+        except (OSError, SnapshotError) as exc:
+            failed = 1
+            logger.error("%s: cannot write this rank's part of the snapshot: %s", snap, exc)
+        if any(self._vote(failed)):
+            raise SnapshotError(f"{snap}: the sharded snapshot of step {step} was not written (see the ranks' logs)")
+        self._passed.discard(snap)
+        if self.rank == 0:
+            self._rotate(step)
+        self._vote(0)
+        extra = {n: t.clone() for n, t in captured.tensors.items() if n.startswith("extra/")}
+        return make_info({**captured.meta, "run_id": self.run_id}, extra, snap, snap)
+
+    def _clean(self, snap: str) -> None:
+        """Rank 0: clear ``snap`` and this run's incomplete directories (a save that was cut short)."""
+        for path in sharded_snapshots(self.directory, complete=False):
+            if os.path.isfile(os.path.join(path, MARK)) and path != snap:
+                continue
+            try:
+                run = _read_json(_rank_path(path, 0)).get("run_id")
+            except SnapshotError:
+                run = None
+            if path == snap or run in self._ids:
+                logger.info("removing %s: an incomplete snapshot of this run", path)
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _rotate(self, step: int) -> None:
+        own = self.own_paths()
+        doomed = [p for p in own if int(_NAME.match(os.path.basename(p)).group(1)) > step]  # rolled back
+        usable = [p for p in own if p not in doomed and p not in self._passed]
+        doomed += usable[: max(0, len(usable) - self.keep)]
+        for path in doomed:
+            self._passed.discard(path)
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _candidates(self) -> Iterable[str]:
+        return list(reversed(self.own_paths()))
+
+    def _restore(self, snap: str, state: Any) -> SnapshotInfo:
+        return load_sharded(snap, state, self.rank)
+
+    def _info(self, snap: str) -> SnapshotInfo:
+        meta = _read_json(_rank_path(snap, 0))
+        return make_info({**meta, "extra_tensors": []}, {}, snap, snap)
+
+    def restore(self, state: Any, older: int = 0) -> SnapshotInfo:
+        """Restore on every rank (newest usable first), then check that every rank restored the same step."""
+        info, error = None, None
+        try:
+            info = super().restore(state, older)
+        except SnapshotError as exc:
+            error = exc
+        steps = self._vote(info.step if info is not None else -1)
+        if error is not None:
+            raise error
+        if len(set(steps)) != 1:
+            raise SnapshotError(f"{self.directory}: ranks restored different steps {steps}; every rank stops")
+        return info  # type: ignore[return-value]
+
+    def _discard(self, snap: str) -> None:
+        self._vote(0)
+        if self.rank == 0:
+            shutil.rmtree(snap, ignore_errors=True)
+        self._vote(0)
+
+    def _where(self) -> str:
+        return self.directory
+
+
+def make_store(layout: str, cfg: Any, run_dir: Optional[str], sync: Any) -> Any:
+    """The guard's snapshot store: a :class:`ShardedStore` for ``snapshot.store: safetensors``
+    under FSDP2, else the config's store made collective by ``sync``."""
+    from ..snapshot import make_store as plain_store
+    from ..snapshot.make import SnapshotConfigError
+    from ..snapshot.store import new_run_id
+    from .sharding import FSDP2
+
+    if layout != FSDP2 or cfg.store != "safetensors":
+        return sync.wrap_store(plain_store(cfg, run_dir=run_dir))
+    directory = cfg.dir or (os.path.join(os.fspath(run_dir), "snapshots") if run_dir is not None else None)
+    if directory is None:
+        raise SnapshotConfigError("snapshot.dir: store is 'safetensors' but neither snapshot.dir nor log.dir is set")
+    return ShardedStore(directory, cfg.keep, sync, run_id=_agreed_id(sync, new_run_id()), overwrite=cfg.overwrite)
+
+
+def _agreed_id(sync: Any, run_id: str) -> str:
+    """Rank 0's run id on every rank (4 x 32 bits through ``gather_int``)."""
+    gather = getattr(sync, "gather_int", None)
+    if gather is None:
+        return run_id
+    return "".join(f"{gather(int(run_id[i : i + 8], 16))[0]:08x}" for i in range(0, 32, 8))
+
+
+def resume_sharded(path: str, state: Any, sync: Any) -> SnapshotInfo:
+    """Every rank: load the sharded snapshot ``path`` (a ``step-*`` directory, or the newest
+    complete one in a snapshot directory) and agree on its step.
+
+    Raises:
+        SnapshotError: no complete sharded snapshot there, or it does not fit the live state.
+    """
+    path = os.fspath(path)
+    if os.path.isfile(os.path.join(path, MARK)):
+        snap: Optional[str] = path
+    else:
+        found = sharded_snapshots(path)
+        snap = found[-1] if found else None
+    rank = getattr(sync, "rank", 0)
+    info, error = None, None
+    if snap is None:
+        error = SnapshotError(f"{path}: no complete sharded snapshot (step-*/ with {MARK}) here")
+    else:
+        try:
+            info = load_sharded(snap, state, rank)
+        except SnapshotError as exc:
+            error = exc
+    gather = getattr(sync, "gather_int", lambda v: [v])
+    steps = gather(info.step if info is not None else -1)
+    if error is not None:
+        raise error
+    if len(set(steps)) != 1:
+        raise SnapshotError(f"{path}: resume: ranks loaded different steps {steps}")
+    return info  # type: ignore[return-value]

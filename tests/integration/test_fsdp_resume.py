@@ -1,0 +1,236 @@
+"""FSDP2 sharded snapshots on disk (torch.distributed.checkpoint) and resume, on gloo ranks.
+
+Issue #17 (second slice). Three launches, each a fresh set of processes: (1) 2 ranks train an
+uninterrupted run of 10 steps and a run cut after 7 steps, both with ``snapshot.store:
+safetensors`` (sharded snapshot directories); (2) 2 new ranks resume the cut run with
+``fit(resume=DIR)`` and train to step 10; (3) 1 rank loads the same snapshot (DCP reshards).
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 150
+STEPS, CUT, SNAP = 10, 7, 6  # the cut run's newest snapshot is of step 6 (snapshot.every=3)
+
+
+def _model() -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 6), torch.nn.Tanh(),
+                              torch.nn.Linear(6, 1))  # fmt: skip
+    for layer in (net[0], net[2], net[4]):
+        fully_shard(layer)
+    fully_shard(net)
+    return net
+
+
+def _batches(rank: int) -> List[Any]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(STEPS)]
+
+
+def _full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
+    """A digest of every parameter and every momentum buffer as full tensors (a collective)."""
+    flat = [p.full_tensor().detach().reshape(-1) for p in model.parameters()]
+    flat += [s["exp_avg"].full_tensor().reshape(-1) for s in opt.state.values() if "exp_avg" in s]
+    return hashlib.sha256(torch.cat(flat).numpy().tobytes()).hexdigest()
+
+
+def _cfg(directory: str) -> List[str]:
+    return ["log.progress=false", "snapshot.every=3", "snapshot.keep=2", "snapshot.store=safetensors",
+            f"snapshot.dir={directory}"]  # fmt: skip
+
+
+def _fit(rank: int, directory: str, max_steps: int, resume: Any = None) -> Dict[str, Any]:
+    import torch.nn.functional as F
+
+    from safetrain import SafeTrainer, load_config
+
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    calls = []
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.append(1)  # one forward per step (replays are off under FSDP2)
+        return F.mse_loss(out, y)
+
+    trainer = SafeTrainer(model, opt, load_config(None, _cfg(directory)), loss_fn=loss_fn)
+    result = trainer.fit(_batches(rank), epochs=1, max_steps=max_steps, resume=resume)
+    trained = len(calls)
+    return {"digest": _full(model, opt), "steps": result.steps, "events": trained, "run": trainer.guard.store.run_id}
+
+
+def _loaded(rank: int, directory: str) -> Dict[str, Any]:
+    """Load the newest snapshot of ``directory`` into a fresh guard; its step and full-state digest."""
+    from safetrain import distributed, load_config
+    from safetrain.guard import Guard
+
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    with Guard(model, opt, load_config(None, _cfg(directory + "-scratch"))) as guard:
+        info = distributed.load_snapshot(directory, guard.state)
+        params = torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
+        return {
+            "step": info.step,
+            "digest": _full(model, opt),
+            "params": hashlib.sha256(params.numpy().tobytes()).hexdigest(),
+        }
+
+
+def _restore_midrun(rank: int, directory: str) -> Dict[str, Any]:
+    """A NaN loss on rank 1 at step 5 -> every rank restores the sharded snapshot of step 3 from disk."""
+    import math
+
+    import torch.nn.functional as F
+
+    from safetrain import load_config
+    from safetrain.guard import Guard
+
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    cfg = load_config(None, [*_cfg(directory), "sanitize.targets=off", "recovery.actions.loss=restore"])
+    restored: List[Any] = []
+    with Guard(model, opt, cfg, loss_fn=F.mse_loss) as guard:
+        guard.bus.subscribe(lambda e: restored.append(e.detail.get("snapshot_step")) if e.name == "restored" else None)
+        guard.begin_epoch(0)
+        actions = []
+        for step, (x, y) in enumerate(_batches(rank)[:6], start=1):
+            if step == 5 and rank == 1:
+                y = y.clone().fill_(math.nan)
+            actions.append(guard.step((x, y)).action)
+    finite = all(bool(torch.isfinite(p.full_tensor()).all()) for p in model.parameters())
+    return {"actions": actions, "restored": restored, "digest": _full(model, opt), "finite": finite}
+
+
+def _phase(rank: int, tmp: str, phase: str) -> Dict[str, Any]:
+    if phase == "train":
+        full = _fit(rank, f"{tmp}/full", STEPS)
+        cut = _fit(rank, f"{tmp}/cut", CUT)
+        listing = sorted(os.listdir(f"{tmp}/cut"))
+        if rank == 0:  # a save cut short by a SIGKILL: this run's rank-0 part, no completion mark
+            os.makedirs(f"{tmp}/cut/step-0000000008")
+            with open(f"{tmp}/cut/step-0000000008/rank-0.json", "w") as f:
+                json.dump({"run_id": cut["run"]}, f)
+        return {"full": full, "cut": cut, "listing": listing, "incomplete": sorted(os.listdir(f"{tmp}/cut"))}
+    if phase == "resume":
+        loaded = _loaded(rank, f"{tmp}/cut")
+        resumed = _fit(rank, f"{tmp}/cut", STEPS, resume=f"{tmp}/cut")
+        midrun = _restore_midrun(rank, f"{tmp}/midrun")
+        return {"loaded": loaded, "resumed": resumed, "listing": sorted(os.listdir(f"{tmp}/cut")), "midrun": midrun}
+    return {"loaded": _loaded(rank, f"{tmp}/cut/step-{SNAP:010d}")}
+
+
+def _worker(rank: int, world: int, tmp: str, phase: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp}/rendezvous-{phase}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    out = _phase(rank, tmp, phase)
+    with open(os.path.join(tmp, f"{phase}-rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    gc.collect()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: Any) -> Dict[str, List[Dict[str, Any]]]:
+    from tests.conftest import run_two_ranks
+
+    tmp = tmp_path_factory.mktemp("fsdp_resume")
+    out: Dict[str, List[Dict[str, Any]]] = {}
+    for phase, world in (("train", 2), ("resume", 2), ("one", 1)):
+        os.environ["SAFETRAIN_TEST_PHASE"], os.environ["SAFETRAIN_TEST_WORLD"] = phase, str(world)
+        try:
+            run_two_ranks(__file__, tmp, TIMEOUT, f"the FSDP2 {phase} launch")
+        finally:
+            del os.environ["SAFETRAIN_TEST_PHASE"], os.environ["SAFETRAIN_TEST_WORLD"]
+        out[phase] = [json.loads((tmp / f"{phase}-rank{r}.json").read_text()) for r in range(world)]
+    out["dir"] = [{"path": str(tmp / "cut")}]
+    return out
+
+
+def test_sharded_snapshots_are_directories_kept_k_with_a_completion_mark(runs):
+    train = runs["train"][0]
+    assert train["listing"] == ["step-0000000003", "step-0000000006"], train["listing"]
+    assert "step-0000000008" in train["incomplete"]
+    assert runs["resume"][0]["resumed"]["run"] == train["cut"]["run"], "resume continues the cut run"
+
+
+def test_resume_of_a_sharded_run_on_the_same_ranks_ends_bitwise_equal_to_the_uninterrupted_run(runs):
+    train, resume = runs["train"], runs["resume"]
+    for r in range(2):
+        assert resume[r]["loaded"]["step"] == SNAP, resume[r]["loaded"]
+        assert resume[r]["resumed"]["steps"] == STEPS and resume[r]["resumed"]["events"] == STEPS - SNAP
+        assert resume[r]["resumed"]["digest"] == train[r]["full"]["digest"], "bitwise equal to the uninterrupted run"
+    assert train[0]["full"]["digest"] == train[1]["full"]["digest"]
+    # the incomplete directory of the same run is ignored on load and removed by its next save
+    assert "step-0000000008" not in resume[0]["listing"], resume[0]["listing"]
+    assert resume[0]["listing"] == ["step-0000000006", "step-0000000009"], resume[0]["listing"]
+
+
+def test_an_anomaly_on_one_rank_restores_the_sharded_snapshot_from_disk_on_every_rank(runs):
+    r0, r1 = runs["resume"][0]["midrun"], runs["resume"][1]["midrun"]
+    assert r0["actions"] == r1["actions"] and r0["actions"][4] == "restore", r0["actions"]
+    assert r0["restored"] == r1["restored"] == [3], (r0["restored"], r1["restored"])
+    assert r0["digest"] == r1["digest"] and r0["finite"] and r1["finite"]
+
+
+def test_a_sharded_snapshot_of_two_ranks_loads_on_one_rank(runs):
+    """DCP reshards: the 2-rank snapshot's full model and optimizer state on 1 rank."""
+    one, resume = runs["one"][0]["loaded"], runs["resume"][0]["loaded"]
+    assert one["step"] == SNAP and one["digest"] == resume["digest"], (one, resume)
+
+
+def test_no_pickle_in_a_sharded_snapshot(runs):
+    """Every file of a sharded snapshot is JSON or safetensors (DCP's default FileSystemWriter
+    pickles its ``.metadata`` file and torch.saves the tensors; it is not used)."""
+    files = [p for p in Path(runs["dir"][0]["path"]).rglob("*") if p.is_file()]
+    assert {p.suffix for p in files} == {".json", ".safetensors"}, files
+    assert len([p for p in files if p.parent.name == "step-0000000009" and p.suffix == ".safetensors"]) == 2
+    for p in files:
+        data = p.read_bytes()
+        if p.suffix == ".json":
+            json.loads(data)
+        else:  # safetensors: an 8-byte little-endian header length, a JSON header, raw tensor bytes
+            n = int.from_bytes(data[:8], "little")
+            assert isinstance(json.loads(data[8 : 8 + n]), dict), p
+
+
+def test_export_writes_one_model_file_that_loads_into_the_unsharded_model(runs, tmp_path, capsys):
+    """`safetrain export SNAPSHOT OUT.safetensors`: the 2-rank snapshot's model as one file."""
+    from safetensors.torch import load_file
+
+    from safetrain.cli import main
+
+    out = tmp_path / "model.safetensors"
+    assert main(["export", f"{runs['dir'][0]['path']}/step-{SNAP:010d}", str(out)]) == 0
+    assert "6 tensors" in capsys.readouterr().out
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 6), torch.nn.Tanh(),
+                              torch.nn.Linear(6, 1))  # fmt: skip
+    net.load_state_dict(load_file(str(out)))  # strict: every name, every shape
+    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    assert hashlib.sha256(flat.numpy().tobytes()).hexdigest() == runs["one"][0]["loaded"]["params"]
+    assert main(["export", str(tmp_path), str(tmp_path / "x.safetensors")]) == 2  # no snapshot there
+
+
+if __name__ == "__main__":
+    world = int(os.environ.get("SAFETRAIN_TEST_WORLD", "2"))
+    phase = os.environ.get("SAFETRAIN_TEST_PHASE", "train")
+    torch.multiprocessing.spawn(_worker, args=(world, sys.argv[1], phase), nprocs=world, join=True)
