@@ -365,8 +365,8 @@ def _auto_resume(cfg: Any, run_dir: Optional[Path]) -> Optional[str]:
     if directory is None or cfg.snapshot.store != "safetensors":
         logger.warning("resume='auto': no snapshot directory (snapshot.store is not safetensors); starting fresh")
         return None
-    if os.path.isdir(directory) and snapshot.list_snapshots(directory):
-        return directory
+    if os.path.isdir(directory) and (snapshot.list_snapshots(directory) or distributed.sharded_snapshots(directory)):
+        return directory  # safetensors files, or FSDP2's sharded snapshot directories
     logger.info("resume='auto': no snapshot in %s; starting fresh", directory)
     return None
 

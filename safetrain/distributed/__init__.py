@@ -9,7 +9,7 @@ plus one small collective per slow-path decision. Used by ``guard`` and ``diagno
 ``detect`` (the step's read) and ``snapshot`` (the stores).
 """
 
-from .checkpoint import ShardedStore, make_store
+from .checkpoint import ShardedStore, make_store, sharded_snapshots
 from .group import active, keep_rng, local, rank
 from .replay import AgreedReplay
 from .resume import load_snapshot
@@ -22,6 +22,7 @@ __all__ = [
     "DistributedSync",
     "make_sync",
     "DistributedStore",
+    "sharded_snapshots",
     "AgreedReplay",
     "active",
     "rank",

@@ -179,3 +179,16 @@ def test_signal_handlers_are_left_alone_off_the_main_thread(tmp_path):
     t.start()
     t.join(60)
     assert out["r"].ended == "done" and signal.getsignal(signal.SIGTERM) is before
+
+
+def test_resume_auto_finds_a_sharded_snapshot_directory(tmp_path):
+    """resume='auto' looked for snapshot files only: an FSDP2 run's sharded snapshot directories
+    (complete ones, with their mark) were not found and the run started fresh."""
+    from safetrain.distributed.checkpoint import MARK
+    from safetrain.trainer import _auto_resume
+
+    cfg = load_config(None, ["snapshot.store=safetensors", f"snapshot.dir={tmp_path}"])
+    (tmp_path / "step-0000000005").mkdir()
+    assert _auto_resume(cfg, None) is None, "an incomplete snapshot directory is no snapshot"
+    (tmp_path / "step-0000000005" / MARK).write_text("{}")
+    assert _auto_resume(cfg, None) == str(tmp_path)
