@@ -8,6 +8,7 @@ so), scale the LR, abort. Applying an update and re-running a step are the proto
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
@@ -28,6 +29,8 @@ from .judge import micro_rows
 from .state import RecoveryState
 
 __all__ = ["Recovery", "Outcome", "Rerun", "Emit", "with_hint"]
+
+logger = logging.getLogger("safetrain")
 
 #: How the executor journals: ``emit(event_class, kind, action, message, detail) -> event``.
 Emit = Callable[[type, str, str, str, Mapping[str, Any]], Event]
@@ -227,11 +230,25 @@ class Recovery:
                 ),
             )
         else:
+            self._settle_last_step(seen)
             return
         if len(self.store):
             self.store.restore(self.train_state)
             self.counters.restores += 1
         self.abort(kind, reason)
+
+    def _settle_last_step(self, seen: int) -> None:
+        """A run whose last step was an anomaly on the ladder (no healthy step read clean after it)
+        ends on weights nothing vouched for (a skipped spike after an LR blow-up leaves them ruined):
+        the last good snapshot is put back, passing over an unverified newest one, and journaled."""
+        h = self.state.history
+        if seen == 0 or h.consecutive == 0 or h.healthy_streak > 0 or not len(self.store):
+            return
+        kind = Kind(h.fault.kind) if h.fault is not None else Kind.LOSS  # the last fault on the ladder
+        decision = Decision(kind, Action.RESTORE, 0, True, h.lr_scale, False, "the run ended on an anomalous step",
+                            pass_over_newest=h.unverified)  # fmt: skip
+        self.restore(decision, why=f"{kind}: the run ended on an anomalous step, on weights nothing vouched for")
+        self.state.skip_after_restore = 0  # nothing is left to skip
 
     def reject_rows(self, anomaly: Anomaly) -> None:
         """``sanitize.*: raise``: the step is not applied, the rows are journaled, then BatchError."""
@@ -303,8 +320,9 @@ class Recovery:
         changed = self.put_back()
         return {**detail, "buffers_put_back": list(changed)} if changed else dict(detail)
 
-    def restore(self, decision: Decision) -> Event:
-        """Put the last good snapshot back, keeping the LR scale and policy history in force now."""
+    def restore(self, decision: Decision, why: str = "") -> Event:
+        """Put the last good snapshot back, keeping the LR scale and policy history in force now
+        (``why``: the journal's reason, by default the decision's kind)."""
         passed = None
         if decision.pass_over_newest:
             # No healthy step has run since the newest snapshot and the fault implicates the weights:
@@ -321,7 +339,7 @@ class Recovery:
             Restored,
             decision.kind,
             decision.action,
-            f"restored the snapshot of step {info.step} after {decision.kind}"
+            f"restored the snapshot of step {info.step} after {why or decision.kind}"
             + (f", passing over the newest ({passed}): no healthy step vouched for it" if passed else ""),
             {"snapshot_step": info.step, "path": str(info.path) if info.path else None, "passed_over": passed},
         )
