@@ -37,8 +37,9 @@ def test_every_example_is_tested():
         "resume.py",
         "huggingface_style.py",
         "ddp.py",
+        "fsdp.py",
         "requeue.py",  # tests/integration/test_preempt.py runs it under a real SIGTERM
-    }  # ddp.py: tests/integration/test_ddp.py (under torchrun)
+    }  # ddp.py: tests/integration/test_ddp.py (under torchrun); fsdp.py: below, under torchrun
     assert {p.name for p in (ROOT / "examples").glob("*.py")} <= tested
 
 
@@ -86,3 +87,36 @@ def test_huggingface_style_catches_the_fully_masked_row_and_the_fix_removes_it()
 def test_examples_have_a_run_line_and_main_guard(name):
     text = (ROOT / "examples" / name).read_text()
     assert f"Run: python examples/{name}" in text and 'if __name__ == "__main__":' in text
+
+
+def run_torchrun(name: str, *args: str, timeout: float = 120) -> str:
+    """Run an example on 2 ranks under torchrun (offline, gloo), killed with its ranks on the timeout."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "examples" / name), *args]  # fmt: skip
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)  # keep the caller's
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        pytest.fail(f"torchrun examples/{name} {' '.join(args)} hung:\n{out[-4000:]}")
+    assert proc.returncode == 0, f"torchrun examples/{name} exited {proc.returncode}\n{out[-4000:]}"
+    return out
+
+
+def test_fsdp_example_under_torchrun_and_resume_of_its_sharded_snapshots(tmp_path):
+    """Issue #17: examples/fsdp.py runs under torchrun on 2 gloo ranks; cut, then resumed, it ends bitwise equal."""
+    full = run_torchrun("fsdp.py", "--run-dir", str(tmp_path / "full"), "--epochs", "2")
+    assert "full parameters finite: True" in full, full
+    assert "tripped: {'input': [1]}" in full and "restored forward -> restore" in full, full
+    assert list((tmp_path / "full" / "snapshots").glob("step-*/safetrain.json")), "sharded snapshot directories"
+    part = run_torchrun("fsdp.py", "--run-dir", str(tmp_path / "cut"), "--epochs", "2", "--max-steps", "12")
+    assert part.startswith("12 steps") or "\n12 steps" in part, part
+    resumed = run_torchrun("fsdp.py", "--run-dir", str(tmp_path / "cut"), "--epochs", "2", "--resume")
+    digest = re.compile(r"resumed: (\d+) steps.*model and optimizer state (\w+)\)", re.S)
+    want = re.search(r"^(\d+) steps.*model and optimizer state (\w+)\)", full, re.S | re.M)
+    assert digest.search(resumed) and want and digest.search(resumed).groups() == want.groups(), (full, resumed)
