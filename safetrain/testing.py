@@ -21,7 +21,7 @@ import math
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, List, Literal, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Collection, Iterable, Iterator, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils.data import Dataset
@@ -154,8 +154,12 @@ def count_host_syncs() -> Iterator[SyncCounter]:
 # ---------------------------------------------------------------------------- fault injectors
 
 
-def _calls(calls: Optional[Iterable[int]]) -> Optional[Set[int]]:
-    return set(calls) if calls is not None else None
+def _calls(calls: Optional[Iterable[int]]) -> Optional[Collection[int]]:
+    """The calls or steps to act on, for membership tests: a ``range`` is kept as it is (``range(k,
+    10**9)`` is "from the k-th on", not a set of a billion numbers), anything else becomes a set."""
+    if calls is None or isinstance(calls, range):
+        return calls
+    return set(calls)
 
 
 def _spoil(t: torch.Tensor, value: float) -> torch.Tensor:
@@ -330,7 +334,7 @@ class WeightFault(_Fault):
         steps: Iterable[int],
         value: float = math.nan,
     ) -> None:
-        self.param, self.index, self.steps, self.value, self.count = param, index, set(steps), value, 0
+        self.param, self.index, self.steps, self.value, self.count = param, index, _calls(steps), value, 0
         self._handles = (optimizer.register_step_post_hook(self._after_step),)
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -364,7 +368,7 @@ class LRFault(_Fault):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, steps: Iterable[int], factor: float) -> None:
-        self.steps, self.factor, self.count = set(steps), factor, 0
+        self.steps, self.factor, self.count = _calls(steps), factor, 0
         self._handles = (
             optimizer.register_step_pre_hook(self._before),
             optimizer.register_step_post_hook(self._after),

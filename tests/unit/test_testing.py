@@ -130,3 +130,18 @@ def test_lr_fault_multiplies_the_rate_during_the_chosen_updates_only():
     before = w.item()
     opt.step()
     assert before - w.item() == pytest.approx(0.1, rel=1e-4)
+
+
+def test_a_range_of_calls_is_kept_as_a_range():
+    """``range(k, 10**9)`` ("from the k-th call on", as the docstrings say) used to be turned into a
+    set of a billion numbers; it is kept as a range, whose membership test is O(1)."""
+    from safetrain.testing import LRFault, OutputFault
+
+    layer = torch.nn.Linear(2, 2)
+    fault = OutputFault(layer, calls=range(3, 10**9))
+    assert isinstance(fault.calls, range)
+    fault.remove()
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    lr_fault = LRFault(opt, steps=range(2, 10**12), factor=1000.0)
+    assert isinstance(lr_fault.steps, range)
+    lr_fault.remove()
