@@ -16,6 +16,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+_ROOT = Path(__file__).resolve().parents[1]
+
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
@@ -69,3 +71,22 @@ def finite_params(model: torch.nn.Module) -> bool:
 @pytest.fixture
 def data() -> TensorDataset:
     return regression_data()
+
+
+def run_torchrun(name: str, *args: str, timeout: float = 120) -> str:
+    """Run an example on 2 ranks under torchrun (offline, gloo), killed with its ranks on the timeout."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(_ROOT / "examples" / name), *args]  # fmt: skip
+    path = os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)  # keep the caller's
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        cmd, cwd=_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        pytest.fail(f"torchrun examples/{name} {' '.join(args)} hung:\n{out[-4000:]}")
+    assert proc.returncode == 0, f"torchrun examples/{name} exited {proc.returncode}\n{out[-4000:]}"
+    return out

@@ -15,7 +15,6 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Sequence
@@ -233,29 +232,9 @@ def ranks(tmp_path_factory: Any) -> List[Dict[str, Any]]:
 
 def _torchrun(*args: str) -> str:
     """Run examples/ddp.py on 2 ranks under torchrun, killed (with its ranks) on the timeout."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(ROOT / "examples" / "ddp.py"),
-        *args,
-    ]
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)  # keep the caller's
-    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun examples/ddp.py {' '.join(args)} hung:\n{out[-4000:]}")
-    assert proc.returncode == 0, out[-4000:]
-    return out
+    from tests.conftest import run_torchrun  # here, not in the ranks' processes
+
+    return run_torchrun("ddp.py", *args, timeout=TIMEOUT)
 
 
 def _decisions(run: Dict[str, Any]) -> List[Any]:

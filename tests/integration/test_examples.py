@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_torchrun
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -87,25 +89,6 @@ def test_huggingface_style_catches_the_fully_masked_row_and_the_fix_removes_it()
 def test_examples_have_a_run_line_and_main_guard(name):
     text = (ROOT / "examples" / name).read_text()
     assert f"Run: python examples/{name}" in text and 'if __name__ == "__main__":' in text
-
-
-def run_torchrun(name: str, *args: str, timeout: float = 120) -> str:
-    """Run an example on 2 ranks under torchrun (offline, gloo), killed with its ranks on the timeout."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "examples" / name), *args]  # fmt: skip
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)  # keep the caller's
-    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun examples/{name} {' '.join(args)} hung:\n{out[-4000:]}")
-    assert proc.returncode == 0, f"torchrun examples/{name} exited {proc.returncode}\n{out[-4000:]}"
-    return out
 
 
 def test_fsdp_example_under_torchrun_and_resume_of_its_sharded_snapshots(tmp_path):
