@@ -21,7 +21,7 @@ from ..detect import batch_error
 from ..diagnose.optim_numerics import explain_optimizer
 from ..errors import TrainingAborted
 from ..events import Aborted, AnomalyFound, Event, LRChanged, Restored
-from ..kinds import Action, Kind
+from ..kinds import DATA_KINDS, RESTORING, Action, Kind
 from ..lr import LRBackoff
 from ..policy import Anomaly, Decision, mark_last_skipped, record_step
 from ..steps import Counters, Pending
@@ -142,15 +142,15 @@ class Recovery:
             detail = {"scale": detail["new_scale"], "overflows_in_a_row": self.state.history.overflows}
         if kind is Kind.TARGET and read.loss is not None and math.isfinite(read.loss):
             self.masked_targets += 1  # NaN targets, yet a finite loss: the loss masks them
-        if kind in (Kind.INPUT, Kind.TARGET) and action is not Action.ABORT:
+        if kind in DATA_KINDS and action is not Action.ABORT:
             return self.fix_rows(kind, decision, detail["rows"], pending)
         replayed = f"; replay: {diagnosis.describe()}" if diagnosis is not None else ""
         message = f"{kind} anomaly: {summary(kind, detail)}{replayed} -> {action} ({decision.reason})"
         payload = {**_payload(detail, diagnosis), "rung": decision.rung}
-        if action not in (Action.WARN, Action.ZERO_GRADS):  # not applied: the step's buffer updates go too
+        if not decision.trains:  # not applied: the step's buffer updates go too
             payload = self._put_back(payload)
         events: List[Event] = [self.emit(AnomalyFound, kind, action, message, payload)]
-        if action in (Action.WARN, Action.ZERO_GRADS):
+        if decision.trains:  # warn, zero_grads (the data kinds' trained actions were handled above)
             self.counters.warnings += action is Action.WARN
             total = read.total_norm
             if action is Action.ZERO_GRADS:
@@ -162,7 +162,7 @@ class Recovery:
                 total_norm=total if total is not None and math.isfinite(total) else None,
             )
         self.not_applied()
-        if action in (Action.RESTORE, Action.SCALE_LR, Action.ABORT):
+        if action in RESTORING:
             events.append(self.restore(decision))
         if action is Action.SCALE_LR:
             self.counters.lr_backoffs += 1
