@@ -13,7 +13,7 @@ backoff takes an LR below ``recovery.min_lr``. Nothing of the user's objects is 
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -60,9 +60,13 @@ class LRBackoff:
 
     def step(self, scheduler: Any, metric: Optional[float] = None) -> None:
         """Step ``scheduler`` on the unscaled LRs, then put the scale back on."""
+        self.step_with(lambda: step_scheduler(scheduler, metric))
+
+    def step_with(self, step: Callable[[], Any]) -> None:
+        """Run ``step`` (a scheduler's step) on the unscaled LRs, then put the scale back on."""
         for group, lr in zip(self.optimizer.param_groups, self.unscaled):
             group["lr"] = lr
-        step_scheduler(scheduler, metric)
+        step()
         self.unscaled = [float(g["lr"]) for g in self.optimizer.param_groups]
         self._apply()
 

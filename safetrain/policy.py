@@ -114,6 +114,8 @@ class Rules:
         targets: ``sanitize.targets``: the first action for bad target rows.
         min_scale: ``amp.min_scale``: an fp16 loss scale below this is a ``scaler`` anomaly.
         max_overflows: ``amp.max_overflows``: this many overflows in a row are a ``scaler`` anomaly.
+        reruns: whether a step can be run again (``drop_rows``, ``retry``); not in a loop the caller
+            owns without a ``loss_fn`` or ``step_fn``, where those become ``skip_batch``.
     """
 
     recovery: "RecoveryConfig"
@@ -121,6 +123,7 @@ class Rules:
     targets: str = "skip_batch"
     min_scale: float = 0.0
     max_overflows: int = 10
+    reruns: bool = True
 
     @classmethod
     def of(cls, cfg: "TrainConfig") -> "Rules":
@@ -131,7 +134,9 @@ class Rules:
         """The kind's first action (``sanitize`` for data kinds, where ``raise`` decides ``abort``)."""
         if kind in DATA_KINDS:
             first = self.inputs if kind is Kind.INPUT else self.targets
-            return Action.ABORT if first == "raise" else first
+            if first == "raise":
+                return Action.ABORT
+            return Action.SKIP_BATCH if first == Action.DROP_ROWS and not self.reruns else first
         return self.recovery.actions[kind]
 
 
@@ -205,7 +210,8 @@ def decide(
         history = replace(history, overflows=0)
     if anomaly.again:  # this step's entry is already in the window: the decision below replaces it
         history = replace(history, recent=history.recent[:-1])
-    if kind in REPLAYED_KINDS and diagnosis is not None and not diagnosis.reproducible and not anomaly.retried:
+    transient = diagnosis is not None and not diagnosis.reproducible
+    if kind in REPLAYED_KINDS and transient and not anomaly.retried and rules.reruns:
         decision = _off_ladder(
             kind, Action.RETRY, history, "transient (the replay from the same state was finite): retrying the step once"
         )

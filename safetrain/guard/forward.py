@@ -73,12 +73,16 @@ class Forward:
         s = self.sanitize
         return (s.nan, s.posinf, s.neginf) if action == "replace" else None
 
-    def run(self, batch: Any, pending: Pending) -> None:
-        """Scan, forward and backward one micro-batch; its loss and scan values go to ``pending``
-        (the step's first also keeps the buffers as they were before it)."""
+    def begin(self, batch: Any, pending: Pending) -> Any:
+        """A micro-batch arrives (already in ``pending.micro``): the step's first keeps the buffers
+        as they were before it; returns the batch scanned (and cleaned) for the forward."""
         if len(pending.micro) == 1:
             self.buffers.keep()
-        clean = self.scan(batch, pending)
+        return self.scan(batch, pending)
+
+    def run(self, batch: Any, pending: Pending) -> None:
+        """Scan, forward and backward one micro-batch; its loss and scan values go to ``pending``."""
+        clean = self.begin(batch, pending)
         # Every forward starts with empty record lists (a compiled graph depends on their length).
         held = self.monitor.set_aside() if len(pending.micro) > 1 and self.monitor.enabled else None
         try:
@@ -92,6 +96,11 @@ class Forward:
                 self.monitor.put_back(held)
         k = self.accumulate
         self.plumbing.scale(loss / k if k > 1 else loss).backward()
+        self.add_loss(loss, pending)
+
+    @staticmethod
+    def add_loss(loss: Tensor, pending: Pending) -> None:
+        """Add one micro-batch's loss (as computed, not divided by the accumulation) to the step's."""
         loss = loss.detach()
         if loss.dtype is not torch.float32:  # an fp16/bf16 loss under autocast
             loss = loss.float()

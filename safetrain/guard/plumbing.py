@@ -12,6 +12,7 @@ import logging
 from typing import Any, Callable, ContextManager, List, Optional, Tuple
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 from ..batches import pageable_tensors, to_device
 from ..config import AmpConfig
@@ -38,6 +39,8 @@ class Plumbing:
         amp: the ``amp`` section: autocast dtype, and the GradScaler made for float16.
         scaler: the user's ``GradScaler``, if any (a disabled one counts as none).
         to_device: copy a CPU loader's batches to the model's accelerator (``guard.to_device``).
+        caller_steps: the caller's loop (a framework) owns the scaler's ``scale``, ``step`` and
+            ``update``: the guard only unscales (once) and reads it, and a re-run's backward is not scaled.
     """
 
     def __init__(
@@ -47,8 +50,9 @@ class Plumbing:
         amp: AmpConfig,
         scaler: Optional[torch.amp.GradScaler] = None,
         to_device: bool = True,
+        caller_steps: bool = False,
     ) -> None:
-        self.optimizer = optimizer
+        self.optimizer, self.caller_steps = optimizer, caller_steps
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.amp_dtype = _DTYPES[amp.dtype]
         if scaler is None and self.amp_dtype is torch.float16:
@@ -94,13 +98,24 @@ class Plumbing:
 
     # ------------------------------------------------------------------ the scaler
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss to call ``backward`` on (scaled in fp16)."""
-        return self.scaler.scale(loss) if self.scaler is not None else loss
+        """The loss to call ``backward`` on (scaled in fp16; a caller-owned step's re-run is not:
+        its gradients were unscaled already)."""
+        return self.scaler.scale(loss) if self.scaler is not None and not self.caller_steps else loss
 
     def unscale_(self) -> None:
-        """Unscale the gradients in place before they are checked and clipped (fp16 only)."""
+        """Unscale the gradients in place before they are checked and clipped (fp16 only; once per
+        step: a framework may have unscaled them already, for its own clipping)."""
         if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
+            state = self.scaler._per_optimizer_states[id(self.optimizer)]
+            if state["stage"] is not OptState.UNSCALED:
+                self.scaler.unscale_(self.optimizer)
+
+    def before_rerun(self) -> None:
+        """A caller-owned step runs again: the scaler's overflow flags of the first run are cleared
+        (the re-run's gradients are checked by the guard; the framework's ``scaler.step`` reads them)."""
+        if self.scaler is not None and self.caller_steps:
+            for found in self.scaler._per_optimizer_states[id(self.optimizer)]["found_inf_per_device"].values():
+                found.zero_()
 
     def scaler_values(self) -> tuple:
         """``(found_inf, scale)`` as device tensors for the step's one read, or ``(None, None)``.
@@ -135,8 +150,9 @@ class Plumbing:
             self.optimizer.zero_grad(set_to_none=True)
 
     def drop_grads(self) -> None:
-        """Drop the step's gradients; the scaler is told so it starts clean (its scale is kept)."""
-        if self.scaler is not None:
+        """Drop the step's gradients; the scaler is told so it starts clean (its scale is kept; in
+        a caller-owned step the framework's ``scaler.step`` and ``update`` follow)."""
+        if self.scaler is not None and not self.caller_steps:
             self.scaler.update()
         self.free_grads()
         self.grads_dropped = True

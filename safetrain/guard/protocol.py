@@ -10,12 +10,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 
 from .. import detect, distributed, snapshot
-from ..batches import batch_rows
 from ..config import ConfigLike, TrainConfig, as_config
 from ..diagnose import Diagnoser, Diagnosis
 from ..divergence import DivergenceDetector
@@ -26,10 +25,12 @@ from ..policy import Anomaly, History, Rules, decide, newest_taken, raises, read
 from ..spike import SpikeDetector
 from ..steps import Counters, Pending, Phase, StepResult
 from ..wrappers import plain_namer, unwrap_compiled
+from .caller import CallerSteps, without_reruns
 from .forward import Forward
 from .judge import Judge
+from .own import OwnSteps
 from .plumbing import Plumbing
-from .recovery import Outcome, Recovery, Rerun
+from .recovery import Recovery, Rerun, Verdict
 from .state import RecoveryState
 from .update import Updates
 
@@ -38,7 +39,7 @@ __all__ = ["Guard"]
 logger = logging.getLogger("safetrain")
 
 
-class Guard:
+class Guard(OwnSteps, CallerSteps):
     """The per-step protocol: detect, decide and recover, around a user's model and optimizer.
 
     Args:
@@ -51,6 +52,9 @@ class Guard:
         scaler: a ``torch.amp.GradScaler``; made from ``amp.*`` when ``amp.dtype`` is float16 and none is given.
         bus: where events go; a new :class:`EventBus` (logging only) when omitted.
         run_dir: directory for safetensors snapshots when ``snapshot.dir`` is not set.
+        caller_steps: the caller's loop (a framework's) runs forward, backward, ``optimizer.step()``
+            and the scheduler, and tells the guard at each point (:class:`~safetrain.guard.caller.CallerSteps`);
+            ``step_fn`` lets the guard re-run and replay a step itself.
 
     Example::
 
@@ -91,6 +95,7 @@ class Guard:
         scaler: Optional[torch.amp.GradScaler] = None,
         bus: Optional[EventBus] = None,
         run_dir: Optional[str] = None,
+        caller_steps: bool = False,
     ) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         # The forward runs through the user's model; names, hooks and snapshots use what a
@@ -100,11 +105,15 @@ class Guard:
         # One process, DDP or FSDP2; anything else is refused here (FSDP2: replays off, sharded snapshots).
         self.layout = layout = distributed.layout_of(named)
         self.cfg = c = distributed.for_layout(layout, as_config(cfg))
+        self.caller_steps = caller_steps
+        reruns = not caller_steps or loss_fn is not None or step_fn is not None
+        if not reruns:
+            self.cfg = c = without_reruns(c)
         self.bus = bus if bus is not None else EventBus()
         self.counters = counters = Counters()
-        self.rules = Rules.of(c)
+        self.rules = dataclasses.replace(Rules.of(c), reruns=reruns)
         self.recovery_state = RecoveryState(c.recovery)
-        self.plumbing = pipes = Plumbing(model, optimizer, c.amp, scaler, c.guard.to_device)
+        self.plumbing = pipes = Plumbing(model, optimizer, c.amp, scaler, c.guard.to_device, caller_steps)
         self.device, self.scaler = pipes.device, pipes.scaler
         self.backoff = backoff = LRBackoff(optimizer, c.recovery.min_lr)
         sp = c.guard.spike
@@ -138,7 +147,9 @@ class Guard:
         all_weights = detect.WeightCheck(all_params + fwd.buffers.checked(kept=True), 0)  # as before the step
         self.judge = Judge(c, counters, monitor, grads, all_weights, self.spike, pipes, sync, fwd.confirm,
                            divergence=self.divergence, lrs=lambda: backoff.unscaled)  # fmt: skip
-        self.updates = Updates(c.guard, pipes, grads, counters, scheduler, backoff, diag.record_update)
+        self.updates = Updates(c.guard, pipes, grads, counters, scheduler, backoff, diag.record_update, caller_steps)
+        if caller_steps and scheduler is not None:
+            self.updates.follow(scheduler)
         self.recovery = Recovery(c, counters, self.recovery_state, store, state, backoff, grads, dict(params),
                                  self._emit, self._not_applied, self._after_restore, sync,
                                  put_back=fwd.buffers.put_back)  # fmt: skip
@@ -211,56 +222,6 @@ class Guard:
         return total / n if n else None
 
     # ----------------------------------------------------------------- the step
-    def step(self, batch: Any, indices: Optional[Sequence[int]] = None) -> Optional[StepResult]:
-        """Feed one (micro-)batch; returns the :class:`StepResult` when an optimizer step was decided.
-
-        With ``guard.accumulate_steps`` = k, the first k - 1 calls only accumulate gradients and
-        return ``None``; the k-th makes the single host sync and decides.
-
-        Args:
-            batch: the (micro-)batch. Its CPU tensors are copied to the model's accelerator
-                (``guard.to_device``), asynchronously when the loader pins memory.
-            indices: the dataset index of each row, when known: a replay then names bad samples
-                by dataset index (``SafeTrainer.fit`` passes them from a :class:`QuarantineSampler`).
-
-        Raises:
-            TrainingAborted: the policy aborted; the model and optimizer are at the last good snapshot.
-            BatchError: the batch fits no convention, or ``sanitize.*: raise`` met a bad row.
-        """
-        if self.phase is Phase.CLOSED:
-            raise RuntimeError("Guard.step() after close(); make a new Guard")
-        if self.counters.steps == 0 and self.phase is Phase.READY and len(self.store) == 0:
-            self.snapshot(force=True)
-        self.counters.batch += 1
-        if self.recovery_state.skip_after_restore > 0 and self.phase is Phase.READY:
-            return self._skip_data()
-        if batch_rows(batch) == 0 and self.sync.steps_alone:  # (under DDP every rank must step)
-            whole = self.phase is Phase.READY and self.cfg.guard.accumulate_steps == 1  # else one micro-batch less
-            event = self.recovery.empty_batch(whole, lambda: self.updates.skipped_data(self.last_loss))
-            return StepResult(self.counters.steps, False, math.nan, math.nan, "skip_batch", (event,)) if whole else None
-        if self.plumbing.moves:  # a CPU loader's batch to the model's accelerator
-            batch = self.plumbing.move(batch)
-        if self.phase is Phase.READY:
-            self._start_step()
-        p = self._pending
-        p.micro.append(batch)
-        p.indices.append(list(indices) if indices is not None else [])
-        self.forward.run(batch, p)
-        if len(p.micro) < self.cfg.guard.accumulate_steps:
-            self.phase = Phase.ACCUMULATING
-            return None
-        return self._finish()
-
-    def flush(self) -> Optional[StepResult]:
-        """Take the step of a partial accumulation now (at the end of an epoch or of the data).
-
-        With ``guard.accumulate_steps`` = k and fewer than k micro-batches pending, their summed
-        gradients (each scaled by 1/k) make one step; returns ``None`` when nothing is pending.
-        """
-        if self.phase is not Phase.ACCUMULATING:
-            return None
-        return self._finish()
-
     def _start_step(self) -> None:
         probe = self._probe
         if not self.plumbing.grads_dropped or (probe and (probe[0].grad is not None or probe[1].grad is not None)):
@@ -281,16 +242,9 @@ class Guard:
         self.last_grad_norm = read.total_norm if read.total_norm is not None else math.nan
         return read
 
-    def _finish(self) -> StepResult:
-        """The step's one read, then the decision loop: each turn judges, diagnoses, decides and
-        carries out; a re-run (drop_rows, replace, retry) is the next turn, never a call back.
-        However it ends (an abort or a BatchError included), the guard is ready for a new step."""
-        try:
-            return self._decide(self._read())
-        finally:
-            self.phase = Phase.READY
-
-    def _decide(self, read: detect.StepRead) -> StepResult:
+    def _decide(self, read: detect.StepRead) -> Verdict:
+        """The decision loop: each turn judges, diagnoses, decides and carries out; a re-run
+        (drop_rows, replace, retry) is the next turn, never a call back into the step."""
         events: List[Event] = []
         rerun_action, retried = "", False
         while (anomaly := self.judge(read, self._pending, self.last_loss)) is not None:
@@ -302,10 +256,21 @@ class Guard:
             outcome = self.recovery.carry_out(anomaly, decision, read, self._pending, diagnosis)
             events += outcome.events
             if outcome.rerun is None:
-                return self._settle(outcome, events, rerun_action)
+                return Verdict(read, events, rerun_action, outcome)
             rerun_action, retried = str(outcome.action), retried or decision.action is Action.RETRY
             read = self._run_again(outcome.rerun, read)
-        return self._healthy(read, events, rerun_action)
+        return Verdict(read, events, rerun_action)
+
+    def _close_step(self, verdict: Verdict) -> StepResult:
+        """After the update (applied or not): what a trained step's loss joins, and the snapshot."""
+        if verdict.outcome is None:
+            return self._healthy(verdict.read, verdict.events, verdict.rerun_action)
+        if verdict.trains:
+            self.recovery_state.count_loss(self.last_loss)
+            self.judge.observe(self.last_loss)  # a trained step's loss joins the spike and divergence windows
+        action = str(verdict.outcome.action) or verdict.rerun_action
+        steps, events = self.counters.steps, tuple(verdict.events)
+        return StepResult(steps, verdict.trains, self.last_loss, self.last_grad_norm, action, events)
 
     def _explain(self, anomaly: Anomaly) -> Diagnosis:
         """The slow path's replay: the step's (its parameters were finite: the judge checked), or
@@ -319,6 +284,7 @@ class Guard:
         if rerun.batches is None:
             return dataclasses.replace(read, input=False, target=False)
         self.plumbing.drop_grads()
+        self.plumbing.before_rerun()
         self.counters.steps -= 1
         self._start_step()
         p = self._pending
@@ -327,16 +293,6 @@ class Guard:
             p.indices.append(rerun.indices[i] if rerun.indices else [])
             self.forward.run(batch, p)
         return self._read()
-
-    def _settle(self, outcome: Outcome, events: List[Event], rerun_action: str) -> StepResult:
-        """The end of an anomalous step: apply its update when the outcome says so."""
-        trained = outcome.apply
-        if trained:
-            self.updates.apply(outcome.total_norm, self._pending.micro, self.last_loss)
-            self.recovery_state.count_loss(self.last_loss)
-            self.judge.observe(self.last_loss)  # a trained step's loss joins the spike and divergence windows
-        action = str(outcome.action) or rerun_action
-        return StepResult(self.counters.steps, trained, self.last_loss, self.last_grad_norm, action, tuple(events))
 
     def diagnose(self) -> Diagnosis:
         """Replay the pending step from its pre-step state and say where it goes non-finite.
@@ -351,7 +307,6 @@ class Guard:
     def _healthy(self, read: detect.StepRead, events: List[Event], rerun_action: str) -> StepResult:
         """Apply a step that read clean; a re-run of an anomalous step trains but is not healthy."""
         rs = self.recovery_state
-        self.updates.apply(read.total_norm, self._pending.micro, self.last_loss)
         rs.count_loss(self.last_loss)  # before the snapshot below, which keeps the epoch's losses
         self.judge.observe(self.last_loss)
         # Mid-climb (divergence.climbing) a read vouches for no snapshot and none is taken: a restore lands before it.
@@ -369,13 +324,6 @@ class Guard:
         if rs.since_snapshot >= self.cfg.snapshot.every and not climbing:
             events.append(self.snapshot())
         return StepResult(self.counters.steps, True, self.last_loss, self.last_grad_norm, rerun_action, tuple(events))
-
-    def _skip_data(self) -> Optional[StepResult]:
-        """Skip the data that led into a restore, a whole step at a time."""
-        event = self.recovery.skip_data(lambda: self.updates.skipped_data(self.last_loss))
-        if event is None:
-            return None
-        return StepResult(self.counters.steps, False, math.nan, math.nan, str(Action.SKIP_BATCH), (event,))
 
     def _not_applied(self) -> None:
         self.updates.not_applied(self.last_loss)

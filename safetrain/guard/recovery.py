@@ -26,47 +26,15 @@ from ..lr import LRBackoff
 from ..policy import Anomaly, Decision, mark_last_skipped, record_step
 from ..steps import Counters, Pending
 from .judge import micro_rows
+from .outcomes import Outcome, Rerun, Verdict
 from .state import RecoveryState
 
-__all__ = ["Recovery", "Outcome", "Rerun", "Emit", "with_hint"]
+__all__ = ["Recovery", "Outcome", "Rerun", "Verdict", "Emit", "with_hint"]
 
 logger = logging.getLogger("safetrain")
 
 #: How the executor journals: ``emit(event_class, kind, action, message, detail) -> event``.
 Emit = Callable[[type, str, str, str, Mapping[str, Any]], Event]
-
-
-@dataclass(frozen=True)
-class Rerun:
-    """Run the same step again, as the next turn of the decision loop.
-
-    Attributes:
-        batches: the micro-batches to run forward and backward again; ``None``: judge the step's
-            read again without running anything (bad values were replaced before the forward).
-        indices: each micro-batch's dataset indices (empty lists when unknown).
-    """
-
-    batches: Optional[List[Any]] = None
-    indices: Optional[List[List[int]]] = None
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What carrying out a decision came to.
-
-    Attributes:
-        action: what was done (a downgrade is possible: ``drop_rows`` with every row bad skips).
-        events: the events it emitted, in order.
-        apply: the protocol applies the step's update (``warn``, ``zero_grads``).
-        total_norm: the gradient norm to clip with when ``apply`` (``None``: not finite).
-        rerun: run the step again (``drop_rows``, ``replace``, ``retry``), else ``None``.
-    """
-
-    action: str
-    events: Tuple[Event, ...] = ()
-    apply: bool = False
-    total_norm: Optional[float] = None
-    rerun: Optional[Rerun] = None
 
 
 @dataclass

@@ -29,6 +29,8 @@ class Updates:
         scheduler: the user's LR scheduler, if any.
         backoff: the LR scale kept on top of the schedule.
         record: ``record(step, micro, total)`` just before an update (the weight replay keeps references).
+        caller_steps: the caller's loop steps the optimizer and the scheduler; the scheduler is
+            followed (:meth:`follow`) instead of stepped.
     """
 
     def __init__(
@@ -40,35 +42,61 @@ class Updates:
         scheduler: Any,
         backoff: LRBackoff,
         record: Any,
+        caller_steps: bool = False,
     ) -> None:
         self.plumbing, self.grads, self.counters = plumbing, grads, counters
         self.scheduler, self.backoff, self.record = scheduler, backoff, record
         self.clip = cfg.clip_grad_norm
-        self.per_step = scheduler is not None and cfg.scheduler_interval == "step"
+        self.per_step = scheduler is not None and cfg.scheduler_interval == "step" and not caller_steps
         self.on_skips = cfg.scheduler_follows == "batch"
+        self.applied_last = True  # whether the last step's update was applied (a followed scheduler may step)
 
     def apply(self, total: Optional[float], micro: List[Any], loss: float) -> None:
         """Clip with the norm already read, step the optimizer (and scaler), then the scheduler."""
+        self.prepare(total, micro)
+        self.plumbing.step_optimizer()
+        self.applied(loss)
+
+    def prepare(self, total: Optional[float], micro: List[Any]) -> None:
+        """Before the optimizer steps: clip with the norm already read, keep the step's references."""
+        self.applied_last = True  # (a followed scheduler steps between this and applied())
         if self.clip is not None and total is not None:
             self.grads.clip_(self.clip, total)
         self.record(self.counters.steps, micro, total)  # references only
-        self.plumbing.step_optimizer()
+
+    def applied(self, loss: float) -> None:
+        """After the optimizer stepped: count it, step the scheduler, free the gradients."""
         self.counters.optimizer_steps += 1
         if self.per_step:
             self.backoff.step(self.scheduler, loss)
         self.plumbing.free_grads()
         self.plumbing.grads_dropped = True  # the next step need not zero them again
 
+    def follow(self, scheduler: Any) -> None:
+        """Make a scheduler that the caller's loop steps follow the guard: its ``step`` does nothing
+        after a step whose update was not applied (unless ``guard.scheduler_follows: batch``), and
+        the LR backoff holds on top of it. The instance's class becomes a subclass whose ``step``
+        asks first; its ``state_dict`` and everything else are the scheduler's own."""
+        cls, updates = type(scheduler), self
+
+        def step(sched: Any, *args: Any, **kwargs: Any) -> None:
+            if updates.applied_last or updates.on_skips:
+                updates.backoff.step_with(lambda: cls.step(sched, *args, **kwargs))
+
+        scheduler.__class__ = type(cls.__name__, (cls,), {"step": step, "__module__": cls.__module__})
+
     def not_applied(self, loss: float) -> None:
         """The step's update is not applied: drop the gradients, count it, and step the scheduler
         only when it follows batches (``guard.scheduler_follows: batch``)."""
         self.plumbing.drop_grads()
         self.counters.skipped_batches += 1
+        self.applied_last = False
         if self.on_skips:
             self.step_scheduler(loss)
 
     def skipped_data(self, loss: float) -> None:
         """A step's data was skipped after a restore: the scheduler moves when it follows batches."""
+        self.applied_last = False
         if self.on_skips:
             self.step_scheduler(loss)
 

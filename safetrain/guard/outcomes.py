@@ -1,0 +1,64 @@
+"""What a step's decision loop comes to: a re-run, the outcome of one action, the step's verdict."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
+
+from ..events import Event
+
+__all__ = ["Rerun", "Outcome", "Verdict"]
+
+
+@dataclass(frozen=True)
+class Rerun:
+    """Run the same step again, as the next turn of the decision loop.
+
+    Attributes:
+        batches: the micro-batches to run forward and backward again; ``None``: judge the step's
+            read again without running anything (bad values were replaced before the forward).
+        indices: each micro-batch's dataset indices (empty lists when unknown).
+    """
+
+    batches: Optional[List[Any]] = None
+    indices: Optional[List[List[int]]] = None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What carrying out a decision came to.
+
+    Attributes:
+        action: what was done (a downgrade is possible: ``drop_rows`` with every row bad skips).
+        events: the events it emitted, in order.
+        apply: the protocol applies the step's update (``warn``, ``zero_grads``).
+        total_norm: the gradient norm to clip with when ``apply`` (``None``: not finite).
+        rerun: run the step again (``drop_rows``, ``replace``, ``retry``), else ``None``.
+    """
+
+    action: str
+    events: Tuple[Event, ...] = ()
+    apply: bool = False
+    total_norm: Optional[float] = None
+    rerun: Optional[Rerun] = None
+
+
+@dataclass
+class Verdict:
+    """A step's decision loop, done: its last read, events, the re-run's action if one ran, and the
+    outcome of the anomaly it ended on (``None``: the last read was clean)."""
+
+    read: Any
+    events: List[Event]
+    rerun_action: str = ""
+    outcome: Optional[Outcome] = None
+
+    @property
+    def trains(self) -> bool:
+        """Whether the step's update is applied."""
+        return self.outcome is None or self.outcome.apply
+
+    @property
+    def total_norm(self) -> Optional[float]:
+        """The gradient norm to clip with."""
+        return self.read.total_norm if self.outcome is None else self.outcome.total_norm

@@ -1,0 +1,168 @@
+"""A loop the caller owns (issue #19): forward, backward and ``optimizer.step()`` are the caller's;
+the guard is told at ``begin_batch``, ``record_loss``, ``before_optimizer_step`` and
+``after_optimizer_step``. The same decision loop as ``Guard.step``: the same steps, the same
+actions, the same model bitwise; one host sync per healthy step; a skipped step does not move the
+parameters even though the caller calls ``optimizer.step()``; the scheduler follows the guard."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, List, Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from safetrain import Guard, TrainingAborted
+from safetrain.testing import OutputFault, PoisonRows, count_host_syncs
+from tests.conftest import loader, mlp, regression_data
+
+CFG = {"snapshot": {"every": 5}, "detect": {"check_weights_every": 0}}
+
+
+def loss_of(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+def caller_loop(guard: Guard, model: torch.nn.Module, opt: torch.optim.Optimizer, batches: List[Any],
+                sched: Any = None, accumulate: int = 1) -> List[Any]:  # fmt: skip
+    """The caller's loop, as a framework runs it: the guard is only told."""
+    results = []
+    for i, batch in enumerate(batches):
+        batch = guard.begin_batch(batch)
+        loss = loss_of(model, batch)
+        (loss / accumulate).backward()
+        guard.record_loss(loss)
+        if (i + 1) % accumulate:
+            continue
+        decided = guard.before_optimizer_step()
+        opt.step()  # called whatever the guard decided: dropped gradients leave the parameters alone
+        if sched is not None:
+            sched.step()
+        final = guard.after_optimizer_step()
+        opt.zero_grad()
+        results.append((decided, final))
+    return results
+
+
+def make(cfg: Optional[dict] = None, caller: bool = True, sched: Callable[[Any], Any] = None, **kw: Any):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scheduler = sched(opt) if sched is not None else None
+    guard = Guard(model, opt, {**CFG, **(cfg or {})}, caller_steps=caller, scheduler=scheduler, **kw)
+    return model, opt, scheduler, guard
+
+
+def batches(data: Any = None, n: int = 16) -> List[Any]:
+    return list(loader(data if data is not None else regression_data(), shuffle=False))[:n]
+
+
+def flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_a_caller_owned_run_is_bitwise_the_guard_owned_run_with_the_same_actions():
+    """One implementation: a NaN loss at the 4th forward is skipped in both, and both models end equal."""
+    own_model, _, _, own = make(caller=False, loss_fn=F.mse_loss)
+    fault_own = OutputFault(own_model[2], calls=[4])
+    own_actions = [own.step(b).action for b in batches()]
+    model, opt, _, guard = make(step_fn=loss_of)
+    fault = OutputFault(model[2], calls=[4])
+    results = caller_loop(guard, model, opt, batches())
+    fault.remove(), fault_own.remove()
+    assert [final.action for _, final in results] == own_actions
+    assert own_actions[3] == "retry" and own_actions.count("") == 15  # the replay found it transient
+    assert torch.equal(flat(model), flat(own_model)), "the same updates, bitwise"
+    assert vars(guard.counters) == vars(own.counters)
+
+
+def test_a_skipped_step_leaves_the_parameters_although_the_caller_steps_the_optimizer():
+    model, opt, _, guard = make()
+    before: List[torch.Tensor] = []
+    OutputFault(model[2], calls=[3])
+    for i, batch in enumerate(batches(n=4)):
+        batch = guard.begin_batch(batch)
+        loss = loss_of(model, batch)
+        loss.backward()
+        guard.record_loss(loss)
+        before.append(flat(model).clone())
+        decided = guard.before_optimizer_step()
+        opt.step()
+        guard.after_optimizer_step()
+        opt.zero_grad()
+        if i == 2:
+            assert not decided.trained and decided.action == "skip_batch"
+            assert torch.equal(flat(model), before[-1]), "a skipped step must not move a parameter"
+        else:
+            assert decided.trained and not torch.equal(flat(model), before[-1])
+    assert guard.counters.optimizer_steps == 3 and guard.counters.skipped_batches == 1
+
+
+def test_one_host_sync_per_healthy_caller_owned_step():
+    model, opt, _, guard = make({"snapshot": {"every": 1000}})  # (a snapshot's copies are not a step's cost)
+    caller_loop(guard, model, opt, batches(n=2))  # the first step's forced snapshot is not a healthy step's cost
+    data = batches(n=12)[2:]
+    with count_host_syncs() as syncs:
+        results = caller_loop(guard, model, opt, data)
+    assert all(final.action == "" for _, final in results)
+    assert syncs.count == len(data), syncs.count
+
+
+def test_the_scheduler_the_caller_steps_follows_the_guard_and_keeps_the_backoff():
+    """A skipped step does not advance the schedule; an LR backoff stays a scale on top of it."""
+    model, opt, sched, guard = make(sched=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.9))
+    OutputFault(model[2], calls=[2])
+    caller_loop(guard, model, opt, batches(n=4), sched=sched)
+    assert sched.last_epoch == 3, "4 steps, one skipped: the schedule moved 3 times"
+    guard.recovery.lr_changed(0.5, "test: a backoff")
+    caller_loop(guard, model, opt, batches(n=2), sched=sched)
+    assert sched.last_epoch == 5
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05 * 0.9**5 * 0.5)
+
+
+def test_a_bad_input_row_is_dropped_by_a_rerun_through_step_fn():
+    data = PoisonRows(regression_data(), indices=[3])
+    model, opt, _, guard = make(step_fn=loss_of)
+    results = caller_loop(guard, model, opt, batches(data, n=3))
+    assert results[0][1].action == "drop_rows" and results[0][1].trained
+    assert guard.counters.dropped_rows == 1 and all(math.isfinite(v) for v in flat(model).tolist())
+
+
+def test_without_a_step_fn_a_rerun_action_skips_the_batch_instead():
+    data = PoisonRows(regression_data(), indices=[3])
+    model, opt, _, guard = make()
+    assert not guard.cfg.detect.replay.enabled, "no forward the guard can run: no replays"
+    results = caller_loop(guard, model, opt, batches(data, n=3))
+    assert results[0][1].action == "skip_batch" and not results[0][1].trained
+    assert guard.counters.dropped_rows == 0 and guard.counters.skipped_batches == 1
+
+
+def test_gradient_accumulation_decides_once_per_optimizer_step():
+    own_model, _, _, own = make({"guard": {"accumulate_steps": 2}}, caller=False, loss_fn=F.mse_loss)
+    for b in batches(n=8):
+        own.step(b)
+    model, opt, _, guard = make({"guard": {"accumulate_steps": 2}})
+    results = caller_loop(guard, model, opt, batches(n=8), accumulate=2)
+    assert len(results) == 4 and guard.counters.steps == own.counters.steps == 4
+    assert torch.allclose(flat(model), flat(own_model), atol=1e-6)
+    assert guard.last_loss == pytest.approx(own.last_loss)
+
+
+def test_an_unfixable_fault_aborts_from_before_optimizer_step_at_the_last_good_state():
+    model, opt, _, guard = make({"recovery": {"max_retries": 2}})
+    OutputFault(model[2], calls=range(4, 10**9))
+    with pytest.raises(TrainingAborted):
+        caller_loop(guard, model, opt, batches(n=12))
+    assert all(math.isfinite(v) for v in flat(model).tolist())
+
+
+def test_the_caller_api_refuses_a_guard_that_owns_its_steps_and_the_other_way_round():
+    model, opt, _, guard = make(caller=False, loss_fn=F.mse_loss)
+    with pytest.raises(RuntimeError, match="caller_steps=True"):
+        guard.begin_batch(batches(n=1)[0])
+    model, opt, _, guard = make()
+    with pytest.raises(RuntimeError, match="begin_batch"):
+        guard.step(batches(n=1)[0])
+    with pytest.raises(RuntimeError, match="begin_batch first"):
+        guard.before_optimizer_step()
