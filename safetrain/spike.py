@@ -12,7 +12,10 @@ before ``min_history`` healthy losses. The defaults (128, 20, 6) follow OLMo-cor
 Early in a run the z-score has no history, yet one batch in the wrong unit (targets x10^4, a loss
 x10^8) can ruin the model. So a loss at least ``hard_ratio`` times the largest healthy loss of the
 whole run is a spike as soon as ``HARD_MIN_HISTORY`` (3) healthy losses are known: from the 4th
-healthy step on. The run's largest loss is usually its first, so a healthy run never comes near.
+healthy step on; from the 2nd, a loss ``hard_ratio`` squared times (x10^4) the first is one already
+(a batch in the wrong unit at step 2 or 3; a loss growing 100x a step, an LR far too high, is
+left to the divergence detector). The run's largest loss is usually its first, so a healthy run
+never comes near.
 """
 
 from __future__ import annotations
@@ -70,14 +73,10 @@ class SpikeDetector:
         """Return the evidence (median, sigma, z; ``rule``: ``zscore`` or ``hard_ratio``) when
         ``loss`` is a spike, else ``None``."""
         n = len(self._losses)
-        if not self.enabled or n < min(HARD_MIN_HISTORY, self.min_history) or not math.isfinite(loss):
+        if not self.enabled or n == 0 or not math.isfinite(loss):
             return None
-        hard = (
-            self.hard_ratio is not None
-            and n >= HARD_MIN_HISTORY
-            and 0 < self.run_max
-            and loss >= self.hard_ratio * self.run_max
-        )
+        ratio = self.hard_ratio if n >= HARD_MIN_HISTORY or self.hard_ratio is None else self.hard_ratio**2
+        hard = ratio is not None and 0 < self.run_max and loss >= ratio * self.run_max
         if not hard and (n < self.min_history or loss < self.min_ratio * self._peaks[0][1]):
             return None  # the cheap tests first (the window max): most steps end here
         median = statistics.median(self._losses)

@@ -130,7 +130,7 @@ class SpikeConfig:
     hard_ratio: Optional[float] = _f(
         100.0,
         "a loss at least this many times the largest healthy loss of the run is a spike from the 4th healthy "
-        "step on, before min_history (null: off)",
+        "step on, before min_history, and its square from the 2nd (null: off)",
         gt=1,
         finite=True,
     )

@@ -87,12 +87,16 @@ def test_min_ratio_gate_uses_the_window_maximum(window, losses, split):
         assert det.check(top - 1e-3 - abs(top) * 1e-3) is None, f"a loss below the window max {top} passed the gate"
 
 
-def test_hard_ratio_catches_an_early_blow_up_from_the_4th_step():
-    """Issue 18, class 3: targets in the wrong unit make one early loss x10^8; min_history is far off."""
+def test_hard_ratio_catches_an_early_blow_up_from_the_4th_step_and_its_square_from_the_2nd():
+    """Issue 18, class 3: targets in the wrong unit make one early loss x10^8; min_history is far off.
+    Before the 4th step only hard_ratio squared counts: a loss growing 100x a step is divergence's."""
     d = SpikeDetector(min_history=20, hard_ratio=100.0)
-    for x in (2.0, 1.5):
-        d.add(x)
-    assert d.check(1e8) is None, "two healthy losses: too early even for the hard ratio"
+    assert d.check(1e8) is None, "no healthy loss yet: nothing to compare with"
+    d.add(2.0)
+    assert d.check(1.9e4) is None, "9500x the first loss: under hard_ratio squared"
+    assert d.check(2e4)["rule"] == "hard_ratio", "10^4 x the first loss at the 2nd step is a spike"
+    d.add(1.5)
+    assert d.check(1e3) is None, "two healthy losses: 500x is left to the divergence detector"
     d.add(1.2)
     evidence = d.check(1e8)
     assert evidence is not None and evidence["rule"] == "hard_ratio" and evidence["ratio"] == 1e8 / 2.0
