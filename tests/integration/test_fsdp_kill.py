@@ -22,6 +22,7 @@ import gc
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -151,12 +152,14 @@ def job(tmp_path_factory: Any) -> Dict[str, Any]:
         os.killpg(proc.pid, signal.SIGKILL)  # the whole job: launcher and both ranks, nothing flushed
     proc.communicate()
     killed = proc.returncode
+    shutil.copytree(tmp / "snaps", tmp / "at-kill")  # as the kill left it, for safetrain inspect
     os.environ["SAFETRAIN_TEST_PHASE"] = "resume"
     try:
         run_two_ranks(__file__, tmp, TIMEOUT, "the relaunch after SIGKILL")
     finally:
         del os.environ["SAFETRAIN_TEST_PHASE"]
-    return {"killed": killed, "ranks": [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]}
+    ranks = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+    return {"killed": killed, "ranks": ranks, "at_kill": tmp / "at-kill"}
 
 
 def test_the_job_died_of_sigkill_with_step_6_on_disk_but_not_marked_complete(job):
@@ -177,6 +180,49 @@ def test_resume_after_sigkill_runs_fewer_steps_and_ends_bitwise_equal_to_the_uni
     assert job["ranks"][0]["resumed"]["digest"] == job["ranks"][1]["resumed"]["digest"]
     # the incomplete directory was ignored, then removed by the resumed run's next save
     assert job["ranks"][0]["after"] == ["step-0000000006", "step-0000000009"], job["ranks"][0]["after"]
+
+
+def _poison_a_model_shard(snap: Path) -> str:
+    """Write NaN over the first value of a float32 model tensor in one rank's shard file."""
+    for file in sorted(snap.glob("*.safetensors")):
+        data = bytearray(file.read_bytes())
+        n = int.from_bytes(data[:8], "little")
+        for name, entry in json.loads(data[8 : 8 + n]).items():
+            begin, end = entry["data_offsets"] if name.startswith("model/") else (0, 0)
+            if entry.get("dtype") == "F32" and end > begin:
+                data[8 + n + begin : 8 + n + begin + 4] = bytes.fromhex("0000c07f")  # a float32 NaN
+                file.write_bytes(bytes(data))
+                return name
+    raise AssertionError(f"no float32 model tensor in {snap}")
+
+
+def test_safetrain_inspect_reads_the_sharded_snapshots_the_kill_left(job, tmp_path, capsys):
+    """`safetrain inspect` of a sharded snapshot directory: each step-* snapshot, newest first,
+    the incomplete one (cut by the SIGKILL) failing; of one snapshot: what it says of a file."""
+    from safetrain.cli import main
+
+    at_kill = job["at_kill"]
+    assert main(["inspect", str(at_kill)]) == 1  # one snapshot does not verify: the incomplete one
+    rows = capsys.readouterr().out.splitlines()
+    assert "(3, newest first)" in rows[0], rows
+    assert rows[2].split()[:3] == ["6", "step-0000000006", "FAILED"] and "incomplete" in rows[2], rows
+    assert rows[3].split() == ["3", "step-0000000003", "ok"] and rows[4].split() == ["0", "step-0000000000", "ok"]
+
+    assert main(["inspect", str(at_kill / "step-0000000003")]) == 0
+    out = capsys.readouterr().out
+    needles = ["step       3  (epoch 0, batch 3)", "sharded    2 rank(s)", "(32 tensors, 6 in the model)",
+               "finite     ok", "optimizer  torch.optim.adam.Adam", "checksum   - (sharded",
+               "'healthy_steps': 3"]  # fmt: skip
+    for needle in needles:
+        assert needle in out, (needle, out)
+
+    poisoned = tmp_path / "step-0000000003"
+    shutil.copytree(at_kill / "step-0000000003", poisoned)
+    name = _poison_a_model_shard(poisoned)
+    assert main(["inspect", str(poisoned)]) == 1
+    assert f"finite     FAILED  ({name}" in capsys.readouterr().out
+    assert main(["inspect", str(at_kill / "step-0000000006")]) == 2  # incomplete: not a snapshot
+    assert "incomplete (no safetrain.json)" in capsys.readouterr().err
 
 
 if __name__ == "__main__":
