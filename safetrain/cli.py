@@ -87,7 +87,10 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ins.add_argument(
-        "path", metavar="PATH", help="a snapshot-*.safetensors file, or a directory of them (listed newest first)"
+        "path",
+        metavar="PATH",
+        help="a snapshot-*.safetensors file, a sharded (FSDP2) step-* snapshot directory, or a directory of "
+        "either (listed newest first)",
     )
     ins.set_defaults(func=_inspect)
     exp = sub.add_parser(
@@ -165,7 +168,15 @@ def _inspect(args: argparse.Namespace) -> int:
     from .snapshot import format_directory, format_inspection, inspect_directory, inspect_snapshot
 
     if os.path.isdir(args.path):
-        rows = inspect_directory(args.path)
+        from .distributed.inspection import inspect_sharded, inspect_sharded_directory, is_sharded
+
+        if os.path.isfile(os.path.join(args.path, "rank-0.json")) or os.path.isfile(
+            os.path.join(args.path, "safetrain.json")
+        ):  # one sharded (FSDP2) snapshot directory
+            info = inspect_sharded(args.path)
+            sys.stdout.write(format_inspection(info) + "\n")
+            return 0 if info["all_finite"] else 1
+        rows = inspect_sharded_directory(args.path) if is_sharded(args.path) else inspect_directory(args.path)
         sys.stdout.write(format_directory(args.path, rows) + "\n")
         return 0 if all(row["ok"] for row in rows) else 1
     try:

@@ -126,6 +126,8 @@ def save_sharded(snap: str, state: Any, captured: Any, rank: int, world: int, ru
     optim_json = encode(optim, "optim_json", lambda n, t: own.__setitem__(n, t.detach()))
     specs = {n: [list(t.shape), str(t.dtype)] for n, t in own.items()}
     meta = {k: v for k, v in captured.meta.items() if k not in ("model", "optimizer")}
+    inner = state.optimizer.optimizer  # the user's optimizer (the state holds a LocalOptimizer around it)
+    meta["optimizer_type"] = f"{type(inner).__module__}.{type(inner).__qualname__}"  # for safetrain inspect
     _write_json(_rank_path(snap, rank), {**meta, "run_id": run_id, "world": world, "optim": optim_json, "own": specs})
     tensors.update({f"rank{rank}/{n}": t.contiguous() for n, t in own.items()})
     dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(snap, save_distributed=True))  # ends with a barrier

@@ -119,10 +119,14 @@ class DistributedSync:
     #: Every rank must run every step (the step's read is a collective).
     steps_alone = False
 
-    def __init__(self, device: torch.device, group: Any = None, *, sharded: bool = False) -> None:
+    def __init__(
+        self, device: torch.device, group: Any = None, *, sharded: bool = False, names: Sequence[str] = ()
+    ) -> None:
         self.group = group
         #: FSDP2: the gradient norms are of each rank's shard, combined as a root of summed squares.
         self.sharded = sharded
+        #: FSDP2: the model's parameter and buffer names (the same on every rank), for weight findings.
+        self.names: Tuple[str, ...] = tuple(names)
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         backend = str(dist.get_backend(group))
@@ -152,7 +156,10 @@ class DistributedSync:
                 dist.get_world_size(group),
             )
             return None
-        return cls(device, group, sharded=layout == FSDP2)
+        if layout == FSDP2 and model is not None:
+            names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+            return cls(device, group, sharded=True, names=names)
+        return cls(device, group)
 
     # ------------------------------------------------------------------ the step's one read
     def reduce(self, packed: Tensor, layout: Layout) -> List[float]:
@@ -214,7 +221,25 @@ class DistributedSync:
         ranks = tuple(r for r, v in enumerate(self.gather_int(finding is not None)) if v)
         if not ranks:
             return None
-        return empty(ranks) if finding is None else dataclasses.replace(finding, ranks=ranks)
+        agreed = empty(ranks) if finding is None else dataclasses.replace(finding, ranks=ranks)
+        return self._all_counts(agreed, finding) if self.sharded and self.names else agreed
+
+    def _all_counts(self, agreed: Any, finding: Any) -> Any:
+        """FSDP2: every rank's NaN/Inf counts of its shards, summed per parameter (one small
+        collective, slow path only), so that every rank's finding names the same parameters."""
+        index = {n: i for i, n in enumerate(self.names)}
+        mine = torch.zeros(2 * len(self.names), dtype=torch.float64, device=self.device)
+        strays = []
+        for name, nan, inf in getattr(finding, "counts", ()) or ():
+            if name in index:
+                mine[2 * index[name]], mine[2 * index[name] + 1] = float(nan), float(inf)
+            else:
+                strays.append((name, nan, inf))
+        out = torch.empty(self.world * mine.numel(), dtype=torch.float64, device=self.device)
+        self._gather(out, mine, group=self.group)
+        total = out.view(self.world, len(self.names), 2).sum(0).tolist()  # host sync: slow path only
+        counts = [(n, int(c[0]), int(c[1])) for n, c in zip(self.names, total) if c[0] or c[1]] + strays
+        return dataclasses.replace(agreed, nonfinite=tuple(n for n, _, _ in counts), counts=tuple(counts))
 
     def agree_gradient(self, finding: Any) -> Any:
         """Under FSDP2, a ``gradient`` finding on every rank when some rank's shard holds NaN/Inf

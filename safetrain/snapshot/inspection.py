@@ -103,13 +103,17 @@ def format_inspection(info: Dict[str, Any]) -> str:
         f"size       {_size(info['size_bytes'])}  "
         f"({info['n_tensors']} tensors, {info['n_model_tensors']} in the model)",
         f"checksum   {ok(info['checksum_ok'])}"
-        + ("" if info["checksum_ok"] else f"  ({', '.join(info['bad_checksums'][:5])})"),
+        + ("" if info["checksum_ok"] else f"  ({', '.join(info['bad_checksums'][:5])})")
+        if info["checksum_ok"] is not None
+        else "checksum   - (sharded: no checksums; every shard read, sizes and offsets checked)",
         f"finite     {ok(info['all_finite'])}"
         + ("" if info["all_finite"] else f"  ({', '.join(info['nonfinite'][:5])})"),
-        f"optimizer  {info['optimizer']}",
+        f"optimizer  {info['optimizer'] or '-'}",
         f"scheduler  {info['scheduler'] or '-'}",
         f"scaler     {'-' if info['scaler'] is None else info['scaler']}",
     ]
+    if info.get("world") is not None:
+        lines.insert(1, f"sharded    {info['world']} rank(s), run {info.get('run_id')}")
     if info["extra"]:
         lines.append(f"extra      {', '.join(sorted(info['extra']))}")
     if info["extra_tensors"]:

@@ -97,6 +97,7 @@ def _run(
     steps: int = 10,
     after: Callable[[Any], Dict[str, Any]] = lambda guard: {},
     before: Callable[[int, Any], None] = lambda step, guard: None,
+    batches: Any = None,
 ) -> Dict[str, Any]:
     import torch.nn.functional as F
 
@@ -122,7 +123,7 @@ def _run(
         )
         guard.begin_epoch(0)
         try:
-            for i, batch in enumerate(_batches(rank, steps, poison)):
+            for i, batch in enumerate(batches if batches is not None else _batches(rank, steps, poison)):
                 before(i + 1, guard)
                 with count_host_syncs() as syncs:
                     result = guard.step(batch)
@@ -204,6 +205,41 @@ def _restore(rank: int, tmp: str) -> Dict[str, Any]:
     return _run(rank, ["recovery.actions.forward=restore"], poison, after=after)
 
 
+def _poisoned(rank: int, tmp: str) -> Dict[str, Any]:
+    """NaN written into rank 1's shard of a parameter between steps 5 and 6 (rank 0's is finite):
+    found by the forward it poisons (FSDP2 all-gathers it into every rank's forward), and by the
+    periodic weight check of each rank's own shard (``detect.check_weights_every=1``)."""
+
+    def before(step: int, guard: Any) -> None:
+        if step == 6 and rank == 1:
+            with torch.no_grad():
+                guard.model[1].weight.to_local()[0, 0] = math.nan  # rank 1 holds rows 4-7 of the 8x4 weight
+
+    def after(guard: Any) -> Dict[str, Any]:
+        return {"local_finite": all(bool(torch.isfinite(p.to_local()).all()) for p in guard.model.parameters())}
+
+    return {
+        "forward": _run(rank, [], before=before, steps=9, after=after),
+        "periodic": _run(rank, ["detect.check_weights_every=1"], before=before, steps=9, after=after),
+    }
+
+
+def _spike(rank: int, tmp: str) -> Dict[str, Any]:
+    """Targets x1e4 on rank 1 only at step 7 (after 6 healthy steps): the mean loss jumps ~1e8-fold."""
+
+    def poison(step: int, x: torch.Tensor) -> None:
+        pass
+
+    batches = _batches(rank, 9, poison)
+
+    def before(step: int, guard: Any) -> None:
+        if step == 7 and rank == 1:
+            batches[6][1].mul_(1e4)
+
+    return _run(rank, ["guard.spike.hard_ratio=100"], before=before, steps=9,
+                batches=batches)  # fmt: skip
+
+
 def _refused(rank: int, tmp: str) -> Dict[str, str]:
     """What the guard says at construction for what it cannot protect."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -252,7 +288,8 @@ def _refused(rank: int, tmp: str) -> Dict[str, str]:
     }
 
 
-SCENARIOS = {"healthy": _healthy, "faults": _faults, "restore": _restore, "refused": _refused}
+SCENARIOS = {"healthy": _healthy, "faults": _faults, "restore": _restore, "poisoned": _poisoned, "spike": _spike,
+             "refused": _refused}  # fmt: skip
 
 
 def _worker(rank: int, world: int, tmp: str) -> None:
@@ -323,6 +360,37 @@ def test_a_restore_from_memory_snapshots_puts_every_rank_back_in_place(ranks):
     assert r0["restored"] == r1["restored"] and len(r0["restored"]) == 1, r0["restored"]
     assert r0["final_restore"] == r1["final_restore"] and r0["same_after_restore"] and r1["same_after_restore"]
     assert r0["digest"] == r1["digest"] and r0["finite"]
+
+
+def test_weights_poisoned_in_one_ranks_shard_restore_every_rank_at_that_step(ranks):
+    """Issue #17 acceptance: NaN in rank 1's shard of ``1.weight`` only, written between steps 5
+    and 6; both ranks call it ``weights`` at step 6, name the parameter and rank 1, and restore
+    the snapshot of step 3 (``recovery.actions.weights: restore``)."""
+    for how in ("forward", "periodic"):
+        r0, r1 = ranks[0]["poisoned"][how], ranks[1]["poisoned"][how]
+        assert _decisions(r0) == _decisions(r1), (how, r0["steps"], r1["steps"])
+        assert [s[2] for s in r0["steps"]] == ["", "", "", "", "", "restore", "", "", ""], (how, r0["steps"])
+        for run in (r0, r1):
+            assert [a[:3] for a in run["anomalies"]] == [[6, "weights", "restore"]], (how, run["anomalies"])
+            finding = run["anomalies"][0][4]
+            assert finding["ranks"] == [1] and finding["nonfinite"] == ["1.weight"], (how, finding)
+            assert finding["counts"] == [["1.weight", 1, 0]], (how, finding)
+            assert run["restored"] == [[6, 3]] and run["local_finite"] and run["finite"], (how, run)
+        assert r0["digest"] == r1["digest"], how
+    assert ranks[0]["poisoned"]["forward"]["digest"] == ranks[0]["poisoned"]["periodic"]["digest"]
+
+
+def test_a_loss_spike_on_one_rank_is_skipped_by_every_rank_at_that_step(ranks):
+    """Issue #17 acceptance: rank 1's targets x1e4 at step 7; the loss is the mean over ranks, so
+    both see the same ~1e7 loss against 6 healthy ones (``guard.spike.hard_ratio``) and skip it."""
+    r0, r1 = ranks[0]["spike"], ranks[1]["spike"]
+    assert _decisions(r0) == _decisions(r1), (r0["steps"], r1["steps"])
+    assert [s[2] for s in r0["steps"]] == ["", "", "", "", "", "", "skip_batch", "", ""], r0["steps"]
+    assert r0["steps"][6][5] == r1["steps"][6][5] > 1e5, r0["steps"][6]
+    for run in (r0, r1):
+        assert [a[:3] for a in run["anomalies"]] == [[7, "spike", "skip_batch"]], run["anomalies"]
+        assert run["restored"] == [] and run["finite"]
+    assert r0["digest"] == r1["digest"]
 
 
 def test_what_safetrain_cannot_protect_is_refused_at_construction(ranks):

@@ -70,7 +70,9 @@ def _fit(rank: int, directory: str, max_steps: int, resume: Any = None) -> Dict[
     trainer = SafeTrainer(model, opt, load_config(None, _cfg(directory)), loss_fn=loss_fn)
     result = trainer.fit(_batches(rank), epochs=1, max_steps=max_steps, resume=resume)
     trained = len(calls)
-    return {"digest": _full(model, opt), "steps": result.steps, "events": trained, "run": trainer.guard.store.run_id}
+    finite = all(bool(torch.isfinite(p.full_tensor()).all()) for p in model.parameters())
+    return {"digest": _full(model, opt), "steps": result.steps, "events": trained, "run": trainer.guard.store.run_id,
+            "finite": finite}  # fmt: skip
 
 
 def _loaded(rank: int, directory: str) -> Dict[str, Any]:
@@ -130,7 +132,10 @@ def _phase(rank: int, tmp: str, phase: str) -> Dict[str, Any]:
         resumed = _fit(rank, f"{tmp}/cut", STEPS, resume=f"{tmp}/cut")
         midrun = _restore_midrun(rank, f"{tmp}/midrun")
         return {"loaded": loaded, "resumed": resumed, "listing": sorted(os.listdir(f"{tmp}/cut")), "midrun": midrun}
-    return {"loaded": _loaded(rank, f"{tmp}/cut/step-{SNAP:010d}")}
+    loaded = _loaded(rank, f"{tmp}/cut/step-{SNAP:010d}")
+    resumed = _fit(rank, f"{tmp}/one", STEPS, resume=f"{tmp}/cut/step-{SNAP:010d}")  # the full fit path
+    marks = [json.loads(Path(p, "safetrain.json").read_text()) for p in sorted(Path(tmp, "one").glob("step-*"))]
+    return {"loaded": loaded, "resumed": resumed, "written": [(m["counters"]["step"], m["world"]) for m in marks]}
 
 
 def _worker(rank: int, world: int, tmp: str, phase: str) -> None:
@@ -195,6 +200,12 @@ def test_a_sharded_snapshot_of_two_ranks_loads_on_one_rank(runs):
     """DCP reshards: the 2-rank snapshot's full model and optimizer state on 1 rank."""
     one, resume = runs["one"][0]["loaded"], runs["resume"][0]["loaded"]
     assert one["step"] == SNAP and one["digest"] == resume["digest"], (one, resume)
+
+    # fit(resume=...) of the 2-rank snapshot on 1 rank: 4 steps more, its own 1-rank snapshots, same run
+    fit = runs["one"][0]["resumed"]
+    assert fit["steps"] == STEPS and fit["events"] == STEPS - SNAP and fit["finite"], fit
+    assert fit["run"] == runs["train"][0]["cut"]["run"], "the run goes on"
+    assert runs["one"][0]["written"] == [[9, 1]], runs["one"][0]["written"]
 
 
 def test_no_pickle_in_a_sharded_snapshot(runs):

@@ -1,0 +1,130 @@
+"""``safetrain inspect`` of sharded (FSDP2) snapshots: a ``step-*`` directory, or a snapshot
+directory of them, described as :func:`safetrain.snapshot.inspect_snapshot` describes a file.
+
+Every rank's shards are read in one process (no process group), through DCP's
+``HuggingFaceStorageReader`` (it checks every shard's size and offsets; DCP's shards carry no
+checksums), and the model and optimizer tensors are checked for NaN/Inf. Nothing is written.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import warnings
+from typing import Any, Dict, List, Union
+
+import torch
+
+from ..errors import SnapshotError
+from ..snapshot.codec import decode
+from ..snapshot.store import CorruptSnapshotError
+from ..snapshot.tensors import nonfinite
+from .checkpoint import _NAME, MARK, _rank_path, _read_json, sharded_snapshots
+
+__all__ = ["is_sharded", "inspect_sharded", "inspect_sharded_directory"]
+
+INCOMPLETE = f"incomplete (no {MARK}): a save cut short, never loaded"
+
+
+def is_sharded(path: Union[str, os.PathLike]) -> bool:
+    """Whether ``path`` is a sharded snapshot (``step-*`` directory) or a directory holding some."""
+    path = os.fspath(path)
+    if _NAME.match(os.path.basename(os.path.normpath(path))) and os.path.isdir(path):
+        return True
+    return bool(sharded_snapshots(path, complete=False))
+
+
+def inspect_sharded(path: Union[str, os.PathLike]) -> Dict[str, Any]:
+    """Read a sharded snapshot fully (every rank's shards) and describe it.
+
+    Args:
+        path: a complete ``step-*`` snapshot directory.
+
+    Returns:
+        :func:`safetrain.snapshot.inspect_snapshot`'s dict (``checksum_ok`` is ``None``: DCP's
+        shards carry no checksums, their sizes and offsets are checked) with ``world`` (the
+        number of ranks that wrote it) and ``run_id``.
+
+    Raises:
+        SnapshotError: incomplete (no completion mark), or its shards cannot be read.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    snap = os.fspath(path)
+    if not os.path.isfile(os.path.join(snap, MARK)):
+        raise CorruptSnapshotError(f"{snap}: {INCOMPLETE}")
+    mark, meta = _read_json(os.path.join(snap, MARK)), _read_json(_rank_path(snap, 0))
+    try:
+        layout = HuggingFaceStorageReader(snap).read_metadata().state_dict_metadata
+        full = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in layout.items()}
+        with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process, on purpose
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(full, storage_reader=HuggingFaceStorageReader(snap), no_dist=True)
+    except Exception as exc:  # DCP and safetensors raise their own types
+        raise CorruptSnapshotError(f"{snap}: cannot read the shards: {exc}") from None
+    try:
+        return _describe(snap, mark, meta, full)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise CorruptSnapshotError(f"{snap}: malformed snapshot metadata ({type(exc).__name__}: {exc})") from None
+
+
+def _describe(snap: str, mark: Dict[str, Any], meta: Dict[str, Any], full: Dict[str, torch.Tensor]) -> Dict[str, Any]:
+    counters = mark["counters"]
+    checked = [(n, t) for n, t in full.items() if n.startswith(("model/", "optim/")) and t.is_floating_point()]
+    bad = nonfinite(checked)
+    scaler = meta.get("scaler")
+    scaler_state = decode(scaler["state"], {}, snap) if scaler else None
+    created = mark.get("created")
+    files = [os.path.join(snap, f) for f in os.listdir(snap)]
+    return {
+        "path": snap,
+        "step": counters.get("step"),
+        "epoch": counters.get("epoch"),
+        "batch": counters.get("batch"),
+        "counters": counters,
+        "created": datetime.datetime.fromtimestamp(created).isoformat(timespec="seconds") if created else None,
+        "size_bytes": sum(os.path.getsize(f) for f in files if os.path.isfile(f)),
+        "data_bytes": sum(t.numel() * t.element_size() for t in full.values()),
+        "n_tensors": len(full),
+        "n_model_tensors": sum(1 for n in full if n.startswith("model/")),
+        "checksum_ok": None,
+        "bad_checksums": [],
+        "all_finite": not bad,
+        "nonfinite": bad,
+        "optimizer": meta.get("optimizer_type"),
+        "scheduler": (meta.get("scheduler") or {}).get("type"),
+        "scaler": None
+        if scaler is None
+        else {"enabled": scaler["enabled"], "scale": (scaler_state or {}).get("scale")},
+        "rng": meta.get("rng") is not None,
+        "extra": decode(meta.get("extra", {}), {}, snap),
+        "extra_tensors": list(meta.get("extra_tensors", [])),
+        "world": mark.get("world"),
+        "run_id": mark.get("run_id"),
+    }
+
+
+def inspect_sharded_directory(path: Union[str, os.PathLike]) -> List[Dict[str, Any]]:
+    """Every ``step-*`` snapshot of a directory, newest first, read fully: the rows of
+    :func:`safetrain.snapshot.inspect_directory` (an incomplete one is a row that does not verify).
+
+    Raises:
+        SnapshotError: the directory holds no ``step-*`` snapshot directory.
+    """
+    path = os.fspath(path)
+    rows = []
+    for snap in reversed(sharded_snapshots(path, complete=False)):
+        step = int(_NAME.match(os.path.basename(snap)).group(1))
+        try:
+            info = inspect_sharded(snap)
+        except SnapshotError as exc:
+            why = str(exc)
+            why = why[len(snap) + 2 :] if why.startswith(f"{snap}: ") else why
+            rows.append({"path": snap, "step": step, "ok": False, "problem": why, "info": None})
+            continue
+        problem = None if info["all_finite"] else f"non-finite ({', '.join(info['nonfinite'][:3])})"
+        rows.append({"path": snap, "step": info["step"], "ok": problem is None, "problem": problem, "info": info})
+    if not rows:
+        raise SnapshotError(f"{path}: no sharded snapshot (step-*/) in this directory")
+    return rows
