@@ -20,6 +20,8 @@ __all__ = ["RecoveryState"]
 
 #: How many of the run's last trained losses the end-of-run check takes the median of.
 _LAST = 5
+#: An early loss this many times the run's first is a blow-up, not the level the run started from.
+_JUMP = 100.0
 
 
 @dataclass
@@ -80,10 +82,13 @@ class RecoveryState:
     def ended_worse(self, ratio: Optional[float]) -> Optional[str]:
         """Whether the run ends worse than it started: the median of its last 5 trained losses above
         ``ratio`` times the largest of its first 5 (a bound, so that one low early batch of a flat,
-        noisy run is no reference); a sentence saying so, else ``None``."""
+        noisy run is no reference) that are below ``_JUMP`` times the first (a blow-up in the first
+        steps is no reference either); a sentence saying so, else ``None``."""
         if ratio is None or len(self.first_losses) < _LAST or len(self.last_losses) < _LAST:
             return None
-        end, start = statistics.median(self.last_losses), max(self.first_losses)
+        first = self.first_losses[0]
+        start = max(x for x in self.first_losses if x < _JUMP * first or x == first)
+        end = statistics.median(self.last_losses)
         if end <= ratio * start:
             return None
         return (

@@ -512,3 +512,24 @@ def test_a_row_bad_in_two_input_tensors_counts_once(name, style, action, counter
     assert outcome.action == action, msg
     assert getattr(rig.counters, counter) == 1, f"{msg}: {counter}={getattr(rig.counters, counter)}"
     assert rig.events[0].detail["count"] == 1, f"{msg}: event count {rig.events[0].detail['count']}"
+
+
+@pytest.mark.parametrize(
+    "first, last, worse",
+    [
+        ([1.0, 0.9, 0.8, 0.7, 0.6], [2.0] * 5, False),  # within 3x of the start
+        ([1.0, 0.9, 0.8, 0.7, 0.6], [4.0] * 5, True),
+        ([0.2, 1.0, 0.9, 0.8, 0.7], [2.9] * 5, False),  # the largest of the first 5 is the bound
+        ([1.0, 580.0, 500.0, 510.0, 505.0], [500.0] * 5, True),  # an early blow-up is no reference
+        ([1.0, 99.0, 1.0, 1.0, 1.0], [200.0] * 5, False),  # 99x the first still counts: 200 < 3 x 99
+        ([1e8, 1e6, 1e6, 1e6, 1e6], [1e6] * 5, False),  # the first loss itself always counts
+    ],
+)
+def test_the_end_of_run_reference_leaves_out_an_early_blow_up(first, last, worse):
+    """Issue #18: Adam with the LR x1000 for its first update: step 2's loss is ~580x step 1's and
+    stays there; the largest of the first 5 was that blown-up loss, so the run 'finished' 575x
+    worse than it started. Losses 100x the first are left out of the reference now."""
+    state = RecoveryState(load_config().recovery)
+    for x in first + last:
+        state.count_loss(x)
+    assert (state.ended_worse(3.0) is not None) is worse
