@@ -68,17 +68,10 @@ class CallerSteps:
         self._check_caller("begin_batch")
         if self._verdict is not None:  # the last step's optimizer step was not reported
             self.after_optimizer_step()
-        if self.counters.steps == 0 and self.phase is Phase.READY and len(self.store) == 0:
-            self.snapshot(force=True)
-        self.counters.batch += 1
-        if self.plumbing.moves:
-            batch = self.plumbing.move(batch)
-        if self.phase is Phase.READY:
+        self._arrive()
+        if self.phase is Phase.READY:  # the data that led into a restore is skipped after its backward
             self._skipping = self.recovery_state.skip_after_restore > 0
-            self._start_step()
-        p = self._pending
-        p.micro.append(batch)
-        p.indices.append(list(indices) if indices is not None else [])
+        batch, p = self._add_micro(batch, indices)
         self.phase = Phase.ACCUMULATING
         return self.forward.begin(batch, p)
 

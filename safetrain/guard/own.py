@@ -41,22 +41,14 @@ class OwnSteps:
         if self.caller_steps:
             raise RuntimeError("Guard(caller_steps=True): the caller steps; tell the guard with begin_batch, "
                                "record_loss, before_optimizer_step and after_optimizer_step")  # fmt: skip
-        if self.counters.steps == 0 and self.phase is Phase.READY and len(self.store) == 0:
-            self.snapshot(force=True)
-        self.counters.batch += 1
+        self._arrive()
         if self.recovery_state.skip_after_restore > 0 and self.phase is Phase.READY:
             return self._skip_data()
         if batch_rows(batch) == 0 and self.sync.steps_alone:  # (under DDP every rank must step)
             whole = self.phase is Phase.READY and self.cfg.guard.accumulate_steps == 1  # else one micro-batch less
             event = self.recovery.empty_batch(whole, lambda: self.updates.skipped_data(self.last_loss))
             return StepResult(self.counters.steps, False, math.nan, math.nan, "skip_batch", (event,)) if whole else None
-        if self.plumbing.moves:  # a CPU loader's batch to the model's accelerator
-            batch = self.plumbing.move(batch)
-        if self.phase is Phase.READY:
-            self._start_step()
-        p = self._pending
-        p.micro.append(batch)
-        p.indices.append(list(indices) if indices is not None else [])
+        batch, p = self._add_micro(batch, indices)
         self.forward.run(batch, p)
         if len(p.micro) < self.cfg.guard.accumulate_steps:
             self.phase = Phase.ACCUMULATING

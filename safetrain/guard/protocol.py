@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -222,6 +222,23 @@ class Guard(OwnSteps, CallerSteps):
         return total / n if n else None
 
     # ----------------------------------------------------------------- the step
+    def _arrive(self) -> None:
+        """A (micro-)batch arrives: the run's first takes the forced snapshot (sound by definition)."""
+        if self.counters.steps == 0 and self.phase is Phase.READY and len(self.store) == 0:
+            self.snapshot(force=True)
+        self.counters.batch += 1
+
+    def _add_micro(self, batch: Any, indices: Optional[Sequence[int]]) -> Tuple[Any, Pending]:
+        """The batch on the model's device, added to the pending step (a new one when none is)."""
+        if self.plumbing.moves:  # a CPU loader's batch to the model's accelerator
+            batch = self.plumbing.move(batch)
+        if self.phase is Phase.READY:
+            self._start_step()
+        p = self._pending
+        p.micro.append(batch)
+        p.indices.append(list(indices) if indices is not None else [])
+        return batch, p
+
     def _start_step(self) -> None:
         probe = self._probe
         if not self.plumbing.grads_dropped or (probe and (probe[0].grad is not None or probe[1].grad is not None)):
