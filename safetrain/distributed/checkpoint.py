@@ -11,9 +11,10 @@ A snapshot of step ``s`` is the directory ``step-{s:010d}/``:
 * ``rank-{r}.json``: rank r's JSON part (counters, the guard's state, RNG, scheduler, scaler,
   the optimizer's param groups), written before the tensors.
 * ``safetrain.json``: written last by rank 0 (atomically) once every rank's tensors are on disk:
-  the snapshot's completion mark. A directory without it is never loaded, and its run removes it
-  at its next save. (DCP's default ``FileSystemWriter`` pickles its ``.metadata`` file and writes
-  tensors with ``torch.save``; neither is used here.)
+  the snapshot's completion mark, with a checksum of every other file (:mod:`.verify`), checked
+  before any load: a damaged snapshot is refused and an older one used. A directory without it
+  is never loaded, and its run removes it at its next save. (DCP's default ``FileSystemWriter``
+  pickles its ``.metadata`` file and writes tensors with ``torch.save``; neither is used here.)
 
 Loading reads the tensors with DCP's ``HuggingFaceStorageReader`` into the live state (DCP
 reshards: the number of ranks may differ), then ``set_state_dict``.
@@ -36,8 +37,9 @@ from ..snapshot.codec import decode, encode
 from ..snapshot.rng import restore_rng
 from ..snapshot.store import CorruptSnapshotError, SnapshotInfo, SnapshotStore, make_info, run_of
 from ..snapshot.tensors import nonfinite
+from .verify import ALGORITHM, checksum_files, verify_files
 
-__all__ = ["ShardedStore", "load_sharded", "sharded_snapshots", "MARK"]
+__all__ = ["ShardedStore", "load_sharded", "sharded_snapshots", "write_mark", "MARK"]
 
 logger = logging.getLogger("safetrain")
 
@@ -114,12 +116,13 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def save_sharded(snap: str, state: Any, captured: Any, rank: int, world: int, run_id: str) -> None:
-    """Every rank: write rank ``rank``'s JSON part and its tensors (a collective); rank 0 then
-    writes the completion mark."""
+def save_sharded(snap: str, state: Any, captured: Any, sync: Any, run_id: str) -> None:
+    """Every rank: write this rank's JSON part and its tensors (a collective), checksum a share
+    of the files (:mod:`.verify`); rank 0 then writes the completion mark with every checksum."""
     dcp, _ = _dcp()
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
+    rank, world = getattr(sync, "rank", 0), getattr(sync, "world", 1)
     os.makedirs(snap, exist_ok=True)
     tensors, optim = _flat(state)
     own = {n: t for n, t in captured.tensors.items() if not n.startswith(_MINE)}
@@ -131,27 +134,40 @@ def save_sharded(snap: str, state: Any, captured: Any, rank: int, world: int, ru
     _write_json(_rank_path(snap, rank), {**meta, "run_id": run_id, "world": world, "optim": optim_json, "own": specs})
     tensors.update({f"rank{rank}/{n}": t.contiguous() for n, t in own.items()})
     dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(snap, save_distributed=True))  # ends with a barrier
-    if rank == 0:
-        mark = {"format": "safetrain.sharded", "version": 1, "run_id": run_id, "world": world,
-                "counters": captured.meta["counters"], "created": captured.meta["created"]}  # fmt: skip
+    write_mark(snap, captured.meta, sync, run_id)
+
+
+def write_mark(snap: str, meta: Any, sync: Any, run_id: str) -> None:
+    """Every rank, once every rank's files of ``snap`` are on disk: checksum them (a share each,
+    gathered), then rank 0 writes the completion mark."""
+    files = checksum_files(snap, sync)
+    if getattr(sync, "rank", 0) == 0:
+        mark = {"format": "safetrain.sharded", "version": 2, "run_id": run_id, "world": getattr(sync, "world", 1),
+                "counters": meta["counters"], "created": meta["created"]}  # fmt: skip
+        mark.update(checksum=ALGORITHM, files=files)
         _write_json(os.path.join(snap, MARK), mark)
         fsync_dir(os.path.dirname(snap))
 
 
-def load_sharded(snap: str, state: Any, rank: int) -> SnapshotInfo:
-    """Every rank (a collective): load the complete snapshot directory ``snap`` into ``state``
-    (resharded to this job's ranks); this rank's RNG and extra tensors come from rank ``rank``'s
-    part, or rank 0's when the snapshot had fewer ranks.
+def load_sharded(snap: str, state: Any, sync: Any = None) -> SnapshotInfo:
+    """Every rank (a collective): verify the complete snapshot directory ``snap`` (its files'
+    checksums, :mod:`.verify`), then load it into ``state`` (resharded to this job's ranks); this
+    rank's RNG and extra tensors come from its own part, or rank 0's when the snapshot had fewer ranks.
 
     Raises:
-        SnapshotError: not a complete snapshot, or it does not fit the live model and optimizer.
+        CorruptSnapshotError: incomplete, or a file fails its checksum (on every rank; the live
+            state is untouched).
+        SnapshotError: it does not fit the live model and optimizer.
     """
+    rank = getattr(sync, "rank", 0)
     dcp, sd = _dcp()
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     mark = _read_json(os.path.join(snap, MARK)) if os.path.isfile(os.path.join(snap, MARK)) else None
     if not isinstance(mark, dict) or mark.get("format") != "safetrain.sharded":
         raise CorruptSnapshotError(f"{snap}: not a complete sharded snapshot (no {MARK})")
+    if not verify_files(snap, mark, sync):
+        logger.info("%s: written without checksums (an older safetrain): sizes and offsets checked only", snap)
     src = rank if rank < int(mark["world"]) else 0
     meta = _read_json(_rank_path(snap, src))
     tensors, _ = _flat(state)
@@ -272,7 +288,7 @@ class ShardedStore(SnapshotStore):
         self._vote(0)  # the directory is empty before any rank writes into it
         failed = 0
         try:
-            save_sharded(snap, self._live, captured, self.rank, self.world, self.run_id)
+            save_sharded(snap, self._live, captured, self.sync, self.run_id)
         except (OSError, SnapshotError) as exc:
             failed = 1
             logger.error("%s: cannot write this rank's part of the snapshot: %s", snap, exc)
@@ -311,7 +327,7 @@ class ShardedStore(SnapshotStore):
         return list(reversed(self.own_paths()))
 
     def _restore(self, snap: str, state: Any) -> SnapshotInfo:
-        return load_sharded(snap, state, self.rank)
+        return load_sharded(snap, state, self.sync)
 
     def _info(self, snap: str) -> SnapshotInfo:
         meta = _read_json(_rank_path(snap, 0))
@@ -330,6 +346,17 @@ class ShardedStore(SnapshotStore):
         if len(set(steps)) != 1:
             raise SnapshotError(f"{self.directory}: ranks restored different steps {steps}; every rank stops")
         return info  # type: ignore[return-value]
+
+    def _set_aside(self, snap: str) -> None:
+        """A damaged snapshot (every rank agreed): rank 0 renames it ``step-*.corrupt``, never tried again."""
+        self._vote(0)
+        if self.rank == 0:
+            try:
+                os.replace(snap, snap + ".corrupt")
+                logger.warning("set aside damaged snapshot as %s.corrupt", snap)
+            except OSError:
+                pass
+        self._vote(0)
 
     def _discard(self, snap: str) -> None:
         self._vote(0)
@@ -363,34 +390,3 @@ def _agreed_id(sync: Any, run_id: str) -> str:
     if gather is None:
         return run_id
     return "".join(f"{gather(int(run_id[i : i + 8], 16))[0]:08x}" for i in range(0, 32, 8))
-
-
-def resume_sharded(path: str, state: Any, sync: Any) -> SnapshotInfo:
-    """Every rank: load the sharded snapshot ``path`` (a ``step-*`` directory, or the newest
-    complete one in a snapshot directory) and agree on its step.
-
-    Raises:
-        SnapshotError: no complete sharded snapshot there, or it does not fit the live state.
-    """
-    path = os.fspath(path)
-    if os.path.isfile(os.path.join(path, MARK)):
-        snap: Optional[str] = path
-    else:
-        found = sharded_snapshots(path)
-        snap = found[-1] if found else None
-    rank = getattr(sync, "rank", 0)
-    info, error = None, None
-    if snap is None:
-        error = SnapshotError(f"{path}: no complete sharded snapshot (step-*/ with {MARK}) here")
-    else:
-        try:
-            info = load_sharded(snap, state, rank)
-        except SnapshotError as exc:
-            error = exc
-    gather = getattr(sync, "gather_int", lambda v: [v])
-    steps = gather(info.step if info is not None else -1)
-    if error is not None:
-        raise error
-    if len(set(steps)) != 1:
-        raise SnapshotError(f"{path}: resume: ranks loaded different steps {steps}")
-    return info  # type: ignore[return-value]
