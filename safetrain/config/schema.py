@@ -242,6 +242,11 @@ class SnapshotConfig:
         False,
         "let a fresh run (no resume=) start in a snapshot dir holding another run's snapshots, deleting them first",
     )
+    async_save: bool = _f(
+        False,
+        "FSDP2 sharded snapshots: save in the background once the state is staged (DCP async_save); "
+        "awaited before the next save, any restore and close",
+    )
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,10 @@ A snapshot of step ``s`` is the directory ``step-{s:010d}/``:
 * ``rank-{r}.json``: rank r's JSON part (counters, the guard's state, RNG, scheduler, scaler,
   the optimizer's param groups), written before the tensors.
 * ``safetrain.json``: written last by rank 0 (atomically) once every rank's tensors are on disk:
-  the snapshot's completion mark. A directory without it is never loaded, and its run removes it
-  at its next save. (DCP's default ``FileSystemWriter`` pickles its ``.metadata`` file and writes
-  tensors with ``torch.save``; neither is used here.)
+  the snapshot's completion mark, with a checksum of every other file (:mod:`.verify`), checked
+  before any load: a damaged snapshot is refused and an older one used. A directory without it
+  is never loaded, and its run removes it at its next save. (DCP's default ``FileSystemWriter``
+  pickles its ``.metadata`` file and writes tensors with ``torch.save``; neither is used here.)
 
 Loading reads the tensors with DCP's ``HuggingFaceStorageReader`` into the live state (DCP
 reshards: the number of ranks may differ), then ``set_state_dict``.
@@ -32,12 +33,13 @@ import torch
 
 from ..errors import SnapshotError
 from ..rundir import AtomicFile, fsync_dir
-from ..snapshot.codec import decode, encode
-from ..snapshot.rng import restore_rng
+from ..snapshot.codec import encode
 from ..snapshot.store import CorruptSnapshotError, SnapshotInfo, SnapshotStore, make_info, run_of
 from ..snapshot.tensors import nonfinite
+from .background import BackgroundSaves
+from .verify import ALGORITHM, checksum_files
 
-__all__ = ["ShardedStore", "load_sharded", "sharded_snapshots", "MARK"]
+__all__ = ["ShardedStore", "save_sharded", "sharded_snapshots", "write_mark", "MARK"]
 
 logger = logging.getLogger("safetrain")
 
@@ -107,19 +109,15 @@ def _read_json(path: str) -> Any:
         raise CorruptSnapshotError(f"{path}: unreadable ({exc})") from None
 
 
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.rsplit(".", 1)[-1], None)
-    if not isinstance(dtype, torch.dtype):
-        raise CorruptSnapshotError(f"unknown dtype {name!r}")
-    return dtype
-
-
-def save_sharded(snap: str, state: Any, captured: Any, rank: int, world: int, run_id: str) -> None:
-    """Every rank: write rank ``rank``'s JSON part and its tensors (a collective); rank 0 then
-    writes the completion mark."""
+def save_sharded(snap: str, state: Any, captured: Any, sync: Any, run_id: str, background: Any = None) -> None:
+    """Every rank: write this rank's JSON part and its tensors (a collective), checksum a share
+    of the files (:mod:`.verify`); rank 0 then writes the completion mark with every checksum.
+    With ``background`` (:class:`.background.BackgroundSaves`), the tensors are staged and the
+    rest happens in the background."""
     dcp, _ = _dcp()
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
+    rank, world = getattr(sync, "rank", 0), getattr(sync, "world", 1)
     os.makedirs(snap, exist_ok=True)
     tensors, optim = _flat(state)
     own = {n: t for n, t in captured.tensors.items() if not n.startswith(_MINE)}
@@ -130,63 +128,22 @@ def save_sharded(snap: str, state: Any, captured: Any, rank: int, world: int, ru
     meta["optimizer_type"] = f"{type(inner).__module__}.{type(inner).__qualname__}"  # for safetrain inspect
     _write_json(_rank_path(snap, rank), {**meta, "run_id": run_id, "world": world, "optim": optim_json, "own": specs})
     tensors.update({f"rank{rank}/{n}": t.contiguous() for n, t in own.items()})
+    if background is not None:
+        return background.start(snap, tensors, captured.meta, run_id)
     dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(snap, save_distributed=True))  # ends with a barrier
-    if rank == 0:
-        mark = {"format": "safetrain.sharded", "version": 1, "run_id": run_id, "world": world,
-                "counters": captured.meta["counters"], "created": captured.meta["created"]}  # fmt: skip
+    write_mark(snap, captured.meta, sync, run_id)
+
+
+def write_mark(snap: str, meta: Any, sync: Any, run_id: str) -> None:
+    """Every rank, once every rank's files of ``snap`` are on disk: checksum them (a share each,
+    gathered), then rank 0 writes the completion mark."""
+    files = checksum_files(snap, sync)
+    if getattr(sync, "rank", 0) == 0:
+        mark = {"format": "safetrain.sharded", "version": 2, "run_id": run_id, "world": getattr(sync, "world", 1),
+                "counters": meta["counters"], "created": meta["created"]}  # fmt: skip
+        mark.update(checksum=ALGORITHM, files=files)
         _write_json(os.path.join(snap, MARK), mark)
         fsync_dir(os.path.dirname(snap))
-
-
-def load_sharded(snap: str, state: Any, rank: int) -> SnapshotInfo:
-    """Every rank (a collective): load the complete snapshot directory ``snap`` into ``state``
-    (resharded to this job's ranks); this rank's RNG and extra tensors come from rank ``rank``'s
-    part, or rank 0's when the snapshot had fewer ranks.
-
-    Raises:
-        SnapshotError: not a complete snapshot, or it does not fit the live model and optimizer.
-    """
-    dcp, sd = _dcp()
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-
-    mark = _read_json(os.path.join(snap, MARK)) if os.path.isfile(os.path.join(snap, MARK)) else None
-    if not isinstance(mark, dict) or mark.get("format") != "safetrain.sharded":
-        raise CorruptSnapshotError(f"{snap}: not a complete sharded snapshot (no {MARK})")
-    src = rank if rank < int(mark["world"]) else 0
-    meta = _read_json(_rank_path(snap, src))
-    tensors, _ = _flat(state)
-    own = {n: torch.empty(shape, dtype=_dtype(dt)) for n, (shape, dt) in meta["own"].items()}
-    want = {**tensors, **{f"rank{src}/{n}": t for n, t in own.items()}}
-    try:
-        dcp.load(want, storage_reader=HuggingFaceStorageReader(snap))
-    except Exception as exc:  # DCP raises a CheckpointException carrying every rank's failure
-        raise SnapshotError(f"{snap}: cannot load the sharded snapshot into the live state: {exc}") from None
-    optim = decode(meta["optim"], own, snap)
-    states: Dict[str, Dict[str, Any]] = {}
-    for name, t in tensors.items():
-        if name.startswith("optim/"):
-            fqn, key = name[len("optim/") :].rsplit("/", 1)
-            states.setdefault(fqn, {})[key] = t
-    for fqn, extra in optim["plain"].items():
-        states.setdefault(fqn, {}).update(extra)
-    model_sd = {n[len("model/") :]: t for n, t in tensors.items() if n.startswith("model/")}
-    sd.set_state_dict(
-        state.model,
-        state.optimizer.optimizer,
-        model_state_dict=model_sd,
-        optim_state_dict={"state": states, "param_groups": optim["groups"]},
-    )
-    try:
-        if state.scheduler is not None and meta.get("scheduler") is not None:
-            state.scheduler.load_state_dict(decode(meta["scheduler"]["state"], own, snap))
-        if state.scaler is not None and meta.get("scaler") is not None:
-            state.scaler.load_state_dict(decode(meta["scaler"]["state"], own, snap))
-    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
-        raise SnapshotError(f"{snap}: cannot restore the scheduler or scaler state: {exc}") from None
-    if state.rng and meta.get("rng") is not None:
-        restore_rng(meta["rng"], own, snap)
-    extra = {f"extra/{n}": own[f"extra/{n}"] for n in meta.get("extra_tensors", [])}
-    return make_info(meta, extra, snap, snap)
 
 
 class ShardedStore(SnapshotStore):
@@ -199,14 +156,25 @@ class ShardedStore(SnapshotStore):
         sync: the guard's sync (``gather_int`` votes; ``None`` in one process).
         run_id: the run this store belongs to.
         overwrite: a fresh run deletes another run's snapshots instead of refusing the directory.
+        async_save: save in the background (:mod:`.background`), awaited before the next save,
+            any restore or look at the snapshots, and at close.
     """
 
-    def __init__(self, directory: str, keep: int, sync: Any, run_id: Optional[str] = None, overwrite: bool = False):
+    def __init__(
+        self,
+        directory: str,
+        keep: int,
+        sync: Any,
+        run_id: Optional[str] = None,
+        overwrite: bool = False,
+        async_save: bool = False,
+    ):
         super().__init__(keep, run_id)
         self.directory, self.sync, self.overwrite = os.fspath(directory), sync, overwrite
         self.rank, self.world = getattr(sync, "rank", 0), getattr(sync, "world", 1)
         self._ids = {self.run_id}
         os.makedirs(self.directory, exist_ok=True)
+        self.background = BackgroundSaves() if async_save else None
 
     def _vote(self, value: int) -> List[int]:
         gather = getattr(self.sync, "gather_int", None)
@@ -252,6 +220,7 @@ class ShardedStore(SnapshotStore):
         """A snapshot on every rank or on none: each rank's finiteness is voted on first (one
         collective), then every rank writes its shards; ``None`` when refused."""
         self._require_open("save")
+        self.drain()
         captured = state.capture(counters, extra, extra_tensors)
         bad = nonfinite((n, captured.tensors[n]) for n in captured.checked)  # host sync: snapshot steps only
         refused = self._vote(len(bad))
@@ -272,18 +241,51 @@ class ShardedStore(SnapshotStore):
         self._vote(0)  # the directory is empty before any rank writes into it
         failed = 0
         try:
-            save_sharded(snap, self._live, captured, self.rank, self.world, self.run_id)
-        except (OSError, SnapshotError) as exc:
+            save_sharded(snap, self._live, captured, self.sync, self.run_id, self.background)
+        except (OSError, SnapshotError, RuntimeError) as exc:
             failed = 1
             logger.error("%s: cannot write this rank's part of the snapshot: %s", snap, exc)
         if any(self._vote(failed)):
             raise SnapshotError(f"{snap}: the sharded snapshot of step {step} was not written (see the ranks' logs)")
         self._passed.discard(snap)
+        if self.background is None:
+            self._finished(step)
+        extra = {n: t.clone() for n, t in captured.tensors.items() if n.startswith("extra/")}
+        return make_info({**captured.meta, "run_id": self.run_id}, extra, snap, snap)
+
+    def _finished(self, step: int) -> None:
+        """The snapshot of ``step`` is complete on disk: rank 0 rotates."""
         if self.rank == 0:
             self._rotate(step)
         self._vote(0)
-        extra = {n: t.clone() for n, t in captured.tensors.items() if n.startswith("extra/")}
-        return make_info({**captured.meta, "run_id": self.run_id}, extra, snap, snap)
+
+    def drain(self) -> None:
+        """``async_save``: wait for the save in flight (every rank), then rotate.
+
+        Raises:
+            SnapshotError: the background save failed on some rank (its directory stays
+                incomplete: never loaded, removed at the next save).
+        """
+        if self.background is None or not self.background.pending:
+            return
+        error = self.background.wait()
+        if error is not None:
+            logger.error("the background save of step %s failed on this rank: %s", self.background.step, error)
+        if any(self._vote(int(error is not None))):
+            raise SnapshotError(f"{self.directory}: the background save of step {self.background.step} failed")
+        self._finished(self.background.step)  # type: ignore[arg-type]
+
+    def _usable(self) -> List[Any]:
+        self.drain()  # a restore, a look at the snapshots: the save in flight is complete first
+        return super()._usable()
+
+    def _close(self) -> None:
+        if self.background is not None:
+            try:
+                self.drain()
+            except SnapshotError as exc:
+                logger.error("%s", exc)
+            self.background.close()
 
     def _clean(self, snap: str) -> None:
         """Rank 0: clear ``snap`` and this run's incomplete directories (a save that was cut short)."""
@@ -311,7 +313,9 @@ class ShardedStore(SnapshotStore):
         return list(reversed(self.own_paths()))
 
     def _restore(self, snap: str, state: Any) -> SnapshotInfo:
-        return load_sharded(snap, state, self.rank)
+        from .loading import load_sharded  # (loading builds on this module)
+
+        return load_sharded(snap, state, self.sync)
 
     def _info(self, snap: str) -> SnapshotInfo:
         meta = _read_json(_rank_path(snap, 0))
@@ -331,6 +335,17 @@ class ShardedStore(SnapshotStore):
             raise SnapshotError(f"{self.directory}: ranks restored different steps {steps}; every rank stops")
         return info  # type: ignore[return-value]
 
+    def _set_aside(self, snap: str) -> None:
+        """A damaged snapshot (every rank agreed): rank 0 renames it ``step-*.corrupt``, never tried again."""
+        self._vote(0)
+        if self.rank == 0:
+            try:
+                os.replace(snap, snap + ".corrupt")
+                logger.warning("set aside damaged snapshot as %s.corrupt", snap)
+            except OSError:
+                pass
+        self._vote(0)
+
     def _discard(self, snap: str) -> None:
         self._vote(0)
         if self.rank == 0:
@@ -339,58 +354,3 @@ class ShardedStore(SnapshotStore):
 
     def _where(self) -> str:
         return self.directory
-
-
-def make_store(layout: str, cfg: Any, run_dir: Optional[str], sync: Any) -> Any:
-    """The guard's snapshot store: a :class:`ShardedStore` for ``snapshot.store: safetensors``
-    under FSDP2, else the config's store made collective by ``sync``."""
-    from ..snapshot import make_store as plain_store
-    from ..snapshot.make import SnapshotConfigError
-    from ..snapshot.store import new_run_id
-    from .sharding import FSDP2
-
-    if layout != FSDP2 or cfg.store != "safetensors":
-        return sync.wrap_store(plain_store(cfg, run_dir=run_dir))
-    directory = cfg.dir or (os.path.join(os.fspath(run_dir), "snapshots") if run_dir is not None else None)
-    if directory is None:
-        raise SnapshotConfigError("snapshot.dir: store is 'safetensors' but neither snapshot.dir nor log.dir is set")
-    return ShardedStore(directory, cfg.keep, sync, run_id=_agreed_id(sync, new_run_id()), overwrite=cfg.overwrite)
-
-
-def _agreed_id(sync: Any, run_id: str) -> str:
-    """Rank 0's run id on every rank (4 x 32 bits through ``gather_int``)."""
-    gather = getattr(sync, "gather_int", None)
-    if gather is None:
-        return run_id
-    return "".join(f"{gather(int(run_id[i : i + 8], 16))[0]:08x}" for i in range(0, 32, 8))
-
-
-def resume_sharded(path: str, state: Any, sync: Any) -> SnapshotInfo:
-    """Every rank: load the sharded snapshot ``path`` (a ``step-*`` directory, or the newest
-    complete one in a snapshot directory) and agree on its step.
-
-    Raises:
-        SnapshotError: no complete sharded snapshot there, or it does not fit the live state.
-    """
-    path = os.fspath(path)
-    if os.path.isfile(os.path.join(path, MARK)):
-        snap: Optional[str] = path
-    else:
-        found = sharded_snapshots(path)
-        snap = found[-1] if found else None
-    rank = getattr(sync, "rank", 0)
-    info, error = None, None
-    if snap is None:
-        error = SnapshotError(f"{path}: no complete sharded snapshot (step-*/ with {MARK}) here")
-    else:
-        try:
-            info = load_sharded(snap, state, rank)
-        except SnapshotError as exc:
-            error = exc
-    gather = getattr(sync, "gather_int", lambda v: [v])
-    steps = gather(info.step if info is not None else -1)
-    if error is not None:
-        raise error
-    if len(set(steps)) != 1:
-        raise SnapshotError(f"{path}: resume: ranks loaded different steps {steps}")
-    return info  # type: ignore[return-value]

@@ -2,8 +2,9 @@
 directory of them, described as :func:`safetrain.snapshot.inspect_snapshot` describes a file.
 
 Every rank's shards are read in one process (no process group), through DCP's
-``HuggingFaceStorageReader`` (it checks every shard's size and offsets; DCP's shards carry no
-checksums), and the model and optimizer tensors are checked for NaN/Inf. Nothing is written.
+``HuggingFaceStorageReader`` (it checks every shard's size and offsets), every file is checked
+against the checksums in the completion mark (:mod:`.verify`; a snapshot written before they
+were recorded says so), and the model and optimizer tensors are checked for NaN/Inf. Nothing is written.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..snapshot.codec import decode
 from ..snapshot.store import CorruptSnapshotError
 from ..snapshot.tensors import nonfinite
 from .checkpoint import _NAME, MARK, _rank_path, _read_json, sharded_snapshots
+from .verify import bad_files
 
 __all__ = ["is_sharded", "inspect_sharded", "inspect_sharded_directory"]
 
@@ -41,9 +43,10 @@ def inspect_sharded(path: Union[str, os.PathLike]) -> Dict[str, Any]:
         path: a complete ``step-*`` snapshot directory.
 
     Returns:
-        :func:`safetrain.snapshot.inspect_snapshot`'s dict (``checksum_ok`` is ``None``: DCP's
-        shards carry no checksums, their sizes and offsets are checked) with ``world`` (the
-        number of ranks that wrote it) and ``run_id``.
+        :func:`safetrain.snapshot.inspect_snapshot`'s dict (``checksum_ok``: every file matches
+        the checksum in the completion mark; ``bad_checksums`` names the files that do not;
+        ``None``: a snapshot written without checksums) with ``world`` (the number of ranks that
+        wrote it) and ``run_id``.
 
     Raises:
         SnapshotError: incomplete (no completion mark), or its shards cannot be read.
@@ -55,6 +58,10 @@ def inspect_sharded(path: Union[str, os.PathLike]) -> Dict[str, Any]:
     if not os.path.isfile(os.path.join(snap, MARK)):
         raise CorruptSnapshotError(f"{snap}: {INCOMPLETE}")
     mark, meta = _read_json(os.path.join(snap, MARK)), _read_json(_rank_path(snap, 0))
+    recorded = mark.get("files") if isinstance(mark, dict) else None
+    if recorded is not None and not isinstance(recorded, dict):
+        raise CorruptSnapshotError(f"{snap}: the completion mark's checksum table is malformed")
+    bad = None if recorded is None else bad_files(snap, recorded)
     try:
         layout = HuggingFaceStorageReader(snap).read_metadata().state_dict_metadata
         full = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in layout.items()}
@@ -62,9 +69,11 @@ def inspect_sharded(path: Union[str, os.PathLike]) -> Dict[str, Any]:
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(full, storage_reader=HuggingFaceStorageReader(snap), no_dist=True)
     except Exception as exc:  # DCP and safetensors raise their own types
-        raise CorruptSnapshotError(f"{snap}: cannot read the shards: {exc}") from None
+        damaged = f" ({', '.join(bad)} fail(s) its checksum)" if bad else ""
+        raise CorruptSnapshotError(f"{snap}: cannot read the shards{damaged}: {exc}") from None
     try:
-        return _describe(snap, mark, meta, full)
+        return {**_describe(snap, mark, meta, full), "checksum_ok": None if bad is None else not bad,
+                "bad_checksums": bad or []}  # fmt: skip
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
         raise CorruptSnapshotError(f"{snap}: malformed snapshot metadata ({type(exc).__name__}: {exc})") from None
 
@@ -123,7 +132,12 @@ def inspect_sharded_directory(path: Union[str, os.PathLike]) -> List[Dict[str, A
             why = why[len(snap) + 2 :] if why.startswith(f"{snap}: ") else why
             rows.append({"path": snap, "step": step, "ok": False, "problem": why, "info": None})
             continue
-        problem = None if info["all_finite"] else f"non-finite ({', '.join(info['nonfinite'][:3])})"
+        problems = (
+            [f"fails its checksum ({', '.join(info['bad_checksums'][:3])})"] if info["checksum_ok"] is False else []
+        )
+        if not info["all_finite"]:
+            problems.append(f"non-finite ({', '.join(info['nonfinite'][:3])})")
+        problem = "; ".join(problems) or None
         rows.append({"path": snap, "step": info["step"], "ok": problem is None, "problem": problem, "info": info})
     if not rows:
         raise SnapshotError(f"{path}: no sharded snapshot (step-*/) in this directory")

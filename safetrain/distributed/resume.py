@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 from typing import Any
 
@@ -10,13 +12,17 @@ import torch
 from ..errors import SnapshotError
 from ..snapshot import SnapshotInfo
 from ..snapshot import load_snapshot as _load_snapshot
-from .checkpoint import resume_sharded
+from ..snapshot.store import CorruptSnapshotError
+from .checkpoint import MARK, sharded_snapshots
 from .group import active, keep_rng
+from .loading import load_sharded
 from .sharding import ShardedState
 from .store import agree_restored
 from .sync import DistributedSync
 
-__all__ = ["load_snapshot"]
+__all__ = ["load_snapshot", "resume_sharded"]
+
+logger = logging.getLogger("safetrain")
 
 
 def load_snapshot(path: Any, state: Any) -> SnapshotInfo:
@@ -47,3 +53,44 @@ def load_snapshot(path: Any, state: Any) -> SnapshotInfo:
 
 def _device_of(state: Any) -> torch.device:
     return next((p.device for p in state.model.parameters()), torch.device("cpu"))
+
+
+def resume_sharded(path: Any, state: Any, sync: Any) -> SnapshotInfo:
+    """Every rank: load the sharded snapshot ``path`` (a ``step-*`` directory), or the newest
+    complete one of a snapshot directory that verifies, and agree on its step.
+
+    In a directory, a snapshot that is damaged (a file fails its checksum: every rank agrees) is
+    passed over with a warning, left in place, and listed in the result's ``passed_over``; the
+    next older one is tried, as :func:`safetrain.snapshot.load_snapshot` does for files.
+
+    Raises:
+        SnapshotError: no usable complete sharded snapshot there, or it does not fit the live state.
+    """
+    path = os.fspath(path)
+    single = os.path.isfile(os.path.join(path, MARK))
+    candidates = [path] if single else list(reversed(sharded_snapshots(path)))
+    gather = getattr(sync, "gather_int", lambda v: [v])
+    if not candidates:
+        raise SnapshotError(f"{path}: no complete sharded snapshot (step-*/ with {MARK}) here")
+    failures = []
+    for snap in candidates:
+        info, error = None, None
+        try:
+            info = load_sharded(snap, state, sync)
+        except SnapshotError as exc:
+            error = exc
+        corrupt = isinstance(error, CorruptSnapshotError)
+        steps = gather(info.step if info is not None else (-1 if corrupt else -2))
+        if -2 not in steps and -1 in steps and not single:  # damaged (every rank agrees): the next older one
+            why = str(error) if error is not None else f"{snap}: damaged on rank {steps.index(-1)}"
+            logger.warning("snapshot unusable, trying an older one: %s", why)
+            failures.append((snap, why[len(snap) + 2 :] if why.startswith(f"{snap}: ") else why))
+            continue
+        if error is not None:
+            raise error
+        if len(set(steps)) != 1:
+            raise SnapshotError(f"{path}: resume: ranks loaded different steps {steps}")
+        if failures:
+            logger.warning("resumed from %s, passing over %d newer snapshot(s)", snap, len(failures))
+        return dataclasses.replace(info, passed_over=tuple(failures))  # type: ignore[arg-type]
+    raise SnapshotError(f"{path}: no usable sharded snapshot; " + "; ".join(f"{p}: {w}" for p, w in failures))

@@ -105,7 +105,7 @@ def format_inspection(info: Dict[str, Any]) -> str:
         f"checksum   {ok(info['checksum_ok'])}"
         + ("" if info["checksum_ok"] else f"  ({', '.join(info['bad_checksums'][:5])})")
         if info["checksum_ok"] is not None
-        else "checksum   - (sharded: no checksums; every shard read, sizes and offsets checked)",
+        else "checksum   - (sharded, written without checksums by an older safetrain; sizes and offsets checked)",
         f"finite     {ok(info['all_finite'])}"
         + ("" if info["all_finite"] else f"  ({', '.join(info['nonfinite'][:5])})"),
         f"optimizer  {info['optimizer'] or '-'}",

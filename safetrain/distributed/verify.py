@@ -1,0 +1,121 @@
+"""Checksums of a sharded snapshot's files: recorded in its completion mark, checked before a load.
+
+When a sharded snapshot is saved, its files (the ``shard-*.safetensors`` tensors and the
+``rank-*.json`` parts) are checksummed once every rank's are on disk: the files are shared out
+among the ranks (file ``i`` of the sorted list to rank ``i % world``), each rank reads its share
+back and checksums it with the single-file store's ``blocksum64`` (:func:`safetrain.snapshot.
+fileformat.checksum`, at memory speed), and rank 0 gathers the ``{file: checksum}`` tables (one
+small all-gather of their JSON bytes) into the mark (``"files"``, ``"checksum": "blocksum64"``).
+
+Before a load, the files are shared out again among the loading ranks (any number) and checked;
+the verdict is agreed (one ``gather_int``), so every rank refuses a damaged snapshot together, and
+every rank's message names the first file that fails. A file listed but missing, a shard file not
+listed, or a different checksum is damage (:class:`CorruptSnapshotError`). A mark without
+``"files"`` (a snapshot written before checksums were recorded) is not checked: it still loads.
+Cost: each rank reads back ``1/world`` of the snapshot's bytes once per save and once per load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List, Mapping, Optional
+
+import torch
+
+from ..snapshot.fileformat import checksum
+from ..snapshot.store import CorruptSnapshotError
+
+__all__ = ["ALGORITHM", "snapshot_files", "file_checksum", "checksum_files", "verify_files", "bad_files"]
+
+ALGORITHM = "blocksum64"
+_CHUNK = 64 * 2**20  # bytes read and checksummed at a time
+
+
+def snapshot_files(snap: str) -> List[str]:
+    """The file names in ``snap`` that the mark covers (every file but the mark), sorted."""
+    from .checkpoint import MARK
+
+    covered = (".safetensors", ".json")
+    return sorted(n for n in os.listdir(snap) if n != MARK and not n.startswith(".") and n.endswith(covered))
+
+
+def file_checksum(path: str) -> str:
+    """A file's checksum: ``blocksum64`` of each 64 MiB piece, joined by ``:`` (one piece for most files)."""
+    parts = []
+    with open(path, "rb") as f:
+        while True:
+            data = f.read(_CHUNK)
+            parts.append(checksum(torch.frombuffer(bytearray(data), dtype=torch.uint8)) if data else "")
+            if len(data) < _CHUNK:
+                break
+    return ":".join(p for p in parts if p) or checksum(torch.empty(0, dtype=torch.uint8))
+
+
+def _share(names: List[str], rank: int, world: int) -> List[str]:
+    return [n for i, n in enumerate(names) if i % world == rank]
+
+
+def checksum_files(snap: str, sync: Any) -> Dict[str, str]:
+    """Every rank (a collective when ``sync`` is distributed): checksum this rank's share of
+    ``snap``'s files (all written) and return every rank's table merged (on every rank)."""
+    rank, world = getattr(sync, "rank", 0), getattr(sync, "world", 1)
+    mine = {n: file_checksum(os.path.join(snap, n)) for n in _share(snapshot_files(snap), rank, world)}
+    merged: Dict[str, str] = {}
+    for table in _gather_text(sync, json.dumps(mine)):
+        merged.update(json.loads(table))
+    return merged
+
+
+def bad_files(snap: str, recorded: Mapping[str, str], names: Optional[List[str]] = None) -> List[str]:
+    """The files of ``snap`` (of ``names``, default every file listed or present) that are missing,
+    not listed in ``recorded``, or fail their checksum."""
+    names = sorted(set(recorded) | set(snapshot_files(snap))) if names is None else names
+    bad = []
+    for name in names:
+        path = os.path.join(snap, name)
+        if name not in recorded or not os.path.isfile(path) or file_checksum(path) != recorded[name]:
+            bad.append(name)
+    return bad
+
+
+def verify_files(snap: str, mark: Mapping[str, Any], sync: Any = None) -> bool:
+    """Check ``snap``'s files against the checksums in its completion mark ``mark`` (every rank a
+    share; the verdict agreed). Returns ``False`` when the mark records none (an older snapshot).
+
+    Raises:
+        CorruptSnapshotError: a file is missing, unlisted, or fails its checksum, on any rank;
+            the message names the first such file.
+    """
+    recorded = mark.get("files")
+    if recorded is None:
+        return False
+    if not isinstance(recorded, dict) or not all(isinstance(v, str) for v in recorded.values()):
+        raise CorruptSnapshotError(f"{snap}: the completion mark's checksum table is malformed")
+    rank, world = getattr(sync, "rank", 0), getattr(sync, "world", 1)
+    names = sorted(set(recorded) | set(snapshot_files(snap)))
+    bad = bad_files(snap, recorded, _share(names, rank, world))
+    gather = getattr(sync, "gather_int", None)
+    firsts = gather(names.index(bad[0]) if bad else -1) if gather is not None else [names.index(bad[0]) if bad else -1]
+    failed = sorted(i for i in firsts if i >= 0)
+    if failed:
+        raise CorruptSnapshotError(f"{snap}: {names[failed[0]]} fails its checksum (or is missing): corrupted")
+    return True
+
+
+def _gather_text(sync: Any, text: str) -> List[str]:
+    """Every rank's ``text`` in rank order (two small collectives; ``[text]`` in one process)."""
+    gather = getattr(sync, "gather_int", None)
+    if gather is None or getattr(sync, "world", 1) == 1:
+        return [text]
+    import torch.distributed as dist
+
+    data = text.encode("utf-8")
+    lengths = gather(len(data))
+    device = getattr(sync, "device", torch.device("cpu"))
+    mine = torch.zeros(max(lengths), dtype=torch.uint8)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = torch.empty(len(lengths) * max(lengths), dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(out, mine.to(device), group=getattr(sync, "group", None))
+    rows = out.cpu().view(len(lengths), max(lengths))
+    return [bytes(rows[r, :n].tolist()).decode("utf-8") for r, n in enumerate(lengths)]

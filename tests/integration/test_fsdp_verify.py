@@ -1,0 +1,178 @@
+"""Sharded (FSDP2) snapshots are verified on load: a checksum of every file in the completion mark.
+
+Issue #17 ("verified on load"). One byte flipped inside a shard's tensor data of the newest
+snapshot: ``fit(resume="auto")`` refuses it, names it, resumes from the one before and ends
+bitwise equal to the uninterrupted run; a restore from disk in the middle of a run sets it aside
+and restores the one before; ``safetrain inspect`` says which file fails. A snapshot whose mark
+records no checksums (written before they were) still loads, and inspect says so. Two launches of
+2 gloo ranks; the helpers are :mod:`tests.integration.test_fsdp_resume`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import io
+import json
+import math
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+from tests.integration.test_fsdp_resume import _batches, _cfg, _fit, _full, _loaded, _model
+
+TIMEOUT = 150
+STEPS, CUT = 10, 7  # the cut run's snapshots: steps 3 and 6
+
+
+def flip_tensor_byte(snap: Path, rank_file: int = 1) -> str:
+    """Flip one bit of a float32 model tensor's bytes in one shard file of ``snap``; its name."""
+    file = sorted(snap.glob("*.safetensors"))[rank_file]
+    data = bytearray(file.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    for name, entry in json.loads(data[8 : 8 + n]).items():
+        if name.startswith("model/") and entry.get("dtype") == "F32":
+            begin, end = entry["data_offsets"]
+            if end > begin:
+                data[8 + n + begin + 1] ^= 0x01  # a low mantissa bit: still finite, so only a checksum sees it
+                file.write_bytes(bytes(data))
+                return file.name
+    raise AssertionError(f"no float32 model tensor in {file}")
+
+
+def _midrun(rank: int, directory: str) -> Dict[str, Any]:
+    """Snapshots of steps 0 and 3; rank 0 damages step 3's shard; a NaN loss on rank 1 at step 5:
+    every rank refuses step 3 (set aside) and restores step 0."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from safetrain import load_config
+    from safetrain.guard import Guard
+
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    cfg = load_config(None, [*_cfg(directory), "sanitize.targets=off", "recovery.actions.loss=restore"])
+    restored: List[Any] = []
+    with Guard(model, opt, cfg, loss_fn=F.mse_loss) as guard:
+        guard.bus.subscribe(lambda e: restored.append(e.detail.get("snapshot_step")) if e.name == "restored" else None)
+        guard.begin_epoch(0)
+        actions = []
+        for step, (x, y) in enumerate(_batches(rank)[:6], start=1):
+            if step == 5:
+                if rank == 0:
+                    flip_tensor_byte(Path(directory, "step-0000000003"))
+                dist.barrier()
+                if rank == 1:
+                    y = y.clone().fill_(math.nan)
+            actions.append(guard.step((x, y)).action)
+    return {"actions": actions, "restored": restored, "digest": _full(model, opt), "listing": os.listdir(directory)}
+
+
+def _phase(rank: int, tmp: str, phase: str) -> Dict[str, Any]:
+    if phase == "train":
+        return {"full": _fit(rank, f"{tmp}/full", STEPS), "cut": _fit(rank, f"{tmp}/cut", CUT)}
+    import logging
+
+    warnings: List[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("safetrain").addHandler(handler)
+    return {
+        "resumed": _fit(rank, f"{tmp}/cut", STEPS, resume="auto"),
+        "warnings": warnings,
+        "old": _loaded(rank, f"{tmp}/old"),
+        "midrun": _midrun(rank, f"{tmp}/midrun"),
+    }
+
+
+def _worker(rank: int, world: int, tmp: str, phase: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp}/rendezvous-{phase}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    out = _phase(rank, tmp, phase)
+    with open(os.path.join(tmp, f"{phase}-rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def _launch(tmp: Path, phase: str) -> List[Dict[str, Any]]:
+    from tests.conftest import run_two_ranks
+
+    os.environ["SAFETRAIN_TEST_PHASE"] = phase
+    try:
+        run_two_ranks(__file__, tmp, TIMEOUT, f"the {phase} launch")
+    finally:
+        del os.environ["SAFETRAIN_TEST_PHASE"]
+    return [json.loads((tmp / f"{phase}-rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: Any) -> Dict[str, Any]:
+    from safetrain.cli import main
+
+    tmp = tmp_path_factory.mktemp("fsdp_verify")
+    train = _launch(tmp, "train")
+    old = tmp / "old" / "step-0000000003"  # a snapshot as written before checksums: none in its mark
+    shutil.copytree(tmp / "cut" / "step-0000000003", old)
+    mark = json.loads((old / "safetrain.json").read_text())
+    assert mark["checksum"] == "blocksum64" and len(mark["files"]) == 4, mark  # 2 shards, 2 rank parts
+    (old / "safetrain.json").write_text(json.dumps({k: v for k, v in mark.items() if k not in ("files", "checksum")}))
+    damaged = flip_tensor_byte(tmp / "cut" / "step-0000000006")
+    inspected = {}  # before the resume: it rotates step 3 out
+    for key, path in (("dir", tmp / "cut"), ("one", tmp / "cut" / "step-0000000003"), ("old", old)):
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            inspected[key] = (main(["inspect", str(path)]), out.getvalue())
+    return {"train": train, "resume": _launch(tmp, "resume"), "damaged": damaged, "inspected": inspected,
+            "tmp": tmp}  # fmt: skip
+
+
+def test_resume_auto_refuses_the_damaged_newest_snapshot_and_resumes_the_one_before(runs):
+    """Fails before: the flipped bit loads silently (step 6 resumed, 4 steps, a different digest)."""
+    for r in range(2):
+        resumed, full = runs["resume"][r]["resumed"], runs["train"][r]["full"]
+        assert resumed["steps"] == STEPS and resumed["events"] == STEPS - 3, resumed  # from step 3, not 6
+        assert resumed["digest"] == full["digest"], "bitwise equal to the uninterrupted run"
+        warned = [w for w in runs["resume"][r]["warnings"] if "step-0000000006" in w and "checksum" in w]
+        assert warned and runs["damaged"] in warned[0], runs["resume"][r]["warnings"]  # named, on every rank
+
+
+def test_a_restore_from_disk_sets_the_damaged_snapshot_aside_and_restores_the_one_before(runs):
+    r0, r1 = runs["resume"][0]["midrun"], runs["resume"][1]["midrun"]
+    assert r0["actions"] == r1["actions"] and r0["actions"][4] == "restore", r0["actions"]
+    assert r0["restored"] == r1["restored"] == [0], (r0["restored"], r1["restored"])
+    assert r0["digest"] == r1["digest"]
+    assert "step-0000000003.corrupt" in r0["listing"], r0["listing"]
+
+
+def test_inspect_names_the_file_that_fails_its_checksum(runs):
+    """Fails before: no checksums, the directory verifies (exit 0) with a flipped bit in it."""
+    code, out = runs["inspected"]["one"]
+    assert code == 0 and "checksum   ok" in out, out
+    code, out = runs["inspected"]["dir"]
+    assert code == 1, out  # step 6 does not verify
+    row = next(line for line in out.splitlines() if "step-0000000006" in line)
+    assert "FAILED" in row and "fails its checksum" in row and runs["damaged"] in row, out
+
+
+def test_a_snapshot_written_without_checksums_still_loads_and_inspect_says_so(runs):
+    code, out = runs["inspected"]["old"]
+    assert code == 0 and "written without checksums" in out, out
+    for r in range(2):
+        assert runs["resume"][r]["old"]["step"] == 3, runs["resume"][r]["old"]
+
+
+if __name__ == "__main__":
+    torch.multiprocessing.spawn(
+        _worker, args=(2, sys.argv[1], os.environ.get("SAFETRAIN_TEST_PHASE", "train")), nprocs=2, join=True
+    )
