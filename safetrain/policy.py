@@ -86,16 +86,22 @@ class Anomaly:
     Attributes:
         kind: what went wrong (:class:`~safetrain.kinds.Kind`).
         detail: the evidence for the journal (a finding, rows, a scale...); the policy reads
-            ``new_scale`` of an ``overflow`` only.
+            ``new_scale`` of an ``overflow``, and the finding's place for a fault's signature.
         retried: found in the retry of a transient fault (it is not retried again).
         again: found in a re-run of the same step (a retry, ``drop_rows`` or ``replace``): the
             step already has its entry in the recent window, which this decision replaces.
+        episode: a ``divergence``: 1 for a first one, n for the n-th of an episode not yet
+            recovered from (the ladder goes on from there).
+        lrs: a ``divergence``: the schedule's own LRs, one per group (an abort names them; a
+            backoff that would take them below ``recovery.min_lr`` aborts).
     """
 
     kind: Kind
     detail: Mapping[str, Any] = field(default_factory=dict)
     retried: bool = False
     again: bool = False
+    episode: int = 1
+    lrs: Tuple[float, ...] = ()
 
 
 class Diagnosed(Protocol):
@@ -216,7 +222,7 @@ def decide(
             kind, Action.RETRY, history, "transient (the replay from the same state was finite): retrying the step once"
         )
         return decision, record_step(history, rules.recovery, skipped=False)
-    return _climb(kind, history, rules, anomaly.detail, diagnosis)
+    return _climb(kind, history, rules, anomaly, diagnosis)
 
 
 #: Kinds whose fault may lie in the weights the last update made (see the module's table).
@@ -249,9 +255,9 @@ def _take_back(history: History, steps: int, reset_after: int) -> History:
 
 
 def _climb(
-    kind: Kind, history: History, rules: Rules, detail: Mapping[str, Any], diagnosis: Any = None
+    kind: Kind, history: History, rules: Rules, anomaly: Anomaly, diagnosis: Any = None
 ) -> Tuple[Decision, History]:
-    recovery = rules.recovery
+    recovery, detail = rules.recovery, anomaly.detail
     first = Action(rules.first_action(kind))
     climbs = kind not in DATA_KINDS and first not in NON_CLIMBING
     if climbs and kind is Kind.WEIGHTS:
@@ -262,7 +268,7 @@ def _climb(
     n = history.consecutive + 1 if climbs else 1
     diverging = kind is Kind.DIVERGENCE and climbs
     if diverging:  # the same episode climbing back: the ladder goes on
-        n = max(n, int(detail.get("episode", 1)))
+        n = max(n, anomaly.episode)
     if not climbs:
         action, reason = first, f"{kind}: {first}"
     elif n > recovery.max_retries + 1:
@@ -277,7 +283,7 @@ def _climb(
     if diverging and n >= 2 and action in (Action.SKIP_BATCH, Action.ZERO_GRADS, Action.RESTORE):
         action, reason = Action.SCALE_LR, f"{kind}: still growing at step {n} of the episode, backing the LR off again"
     if diverging:
-        action, reason = _divergence_limit(action, reason, n, history, recovery, detail)
+        action, reason = _divergence_limit(action, reason, n, history, recovery, anomaly.lrs)
     persistent = persistent_reason(signature, recurrences, diagnosis) if signature is not None else ""
     if persistent and action is not Action.ABORT:
         action, reason = Action.ABORT, persistent
@@ -326,11 +332,10 @@ def _climb(
 
 
 def _divergence_limit(
-    action: Action, reason: str, n: int, history: History, recovery: "RecoveryConfig", detail: Mapping[str, Any]
+    action: Action, reason: str, n: int, history: History, recovery: "RecoveryConfig", lrs: Tuple[float, ...]
 ) -> Tuple[Action, str]:
     """Abort a divergence when one more backoff would take every LR below ``recovery.min_lr``; an
     abort says which LR the loss still grew at and what to change."""
-    lrs = [float(x) for x in detail.get("lr", ())]  # the schedule's own LRs, one per group
     now = max(lrs) * history.lr_scale if lrs else None
     if action is Action.SCALE_LR and now is not None and recovery.min_lr > 0:
         if now * recovery.lr_factor < recovery.min_lr:

@@ -133,8 +133,9 @@ class Judge:
         diverged = self.divergence.check(loss)  # a climb over steps; a single jump is a spike, below
         if diverged is not None:
             self.divergence.fault(diverged)  # its climb leaves the window; the level before it is kept
-            detail = {"finding": diverged, "episode": diverged.episode, "lr": list(self.lrs())}
-            return Anomaly(Kind.DIVERGENCE, detail)
+            lrs = tuple(float(x) for x in self.lrs())
+            detail = {"finding": diverged, "episode": diverged.episode, "lr": list(lrs)}  # (the journal's)
+            return Anomaly(Kind.DIVERGENCE, detail, episode=diverged.episode, lrs=lrs)
         evidence = self.spike.check(loss)
         if evidence is not None:
             return Anomaly(Kind.SPIKE, evidence)

@@ -217,7 +217,7 @@ def diverge(episodes, overrides=(), lr=(0.1,), ok_between=0):
     for episode in episodes:
         for _ in range(ok_between):
             history, _ = observe_healthy(history, cfg.recovery)
-        decision, history = decide(Anomaly("divergence", {"episode": episode, "lr": list(lr)}), history, Rules.of(cfg))
+        decision, history = decide(Anomaly("divergence", episode=episode, lrs=tuple(lr)), history, Rules.of(cfg))
         out.append((decision.action, decision.lr_scale, decision.reason))
     return out
 
@@ -487,7 +487,7 @@ def test_pass_over_newest_only_when_the_weights_may_be_at_fault(name, kind, diag
     cfg = load_config(None, ["recovery.actions.loss=restore", "recovery.actions.forward=restore",
                              "recovery.actions.gradient=restore", "recovery.actions.spike=restore",
                              "recovery.actions.grad_norm=restore", "recovery.actions.divergence=scale_lr"])  # fmt: skip
-    anomaly = Anomaly(kind, {"episode": 1, "lr": [1.0]}, retried=diagnosis is not None)
+    anomaly = Anomaly(kind, lrs=(1.0,), retried=diagnosis is not None)
     decision, _ = decide(anomaly, History(unverified=unverified), Rules.of(cfg), diagnosis)
     assert decision.restore, name
     assert decision.pass_over_newest is expected, name
