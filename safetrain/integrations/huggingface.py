@@ -110,9 +110,33 @@ def _with_accumulation(cfg: TrainConfig, model: torch.nn.Module, k: int) -> Trai
 
 
 def _raw_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer  # accelerate's AcceleratedOptimizer
+    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (itself an ``Optimizer``
+    subclass): the one the fp16 GradScaler keys its state by."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    while isinstance(optimizer, AcceleratedOptimizer):
+        optimizer = optimizer.optimizer
     return optimizer
+
+
+def _unscale_once(scaler: torch.amp.GradScaler) -> Callable[[], None]:
+    """Make ``scaler.unscale_`` do nothing for an optimizer already unscaled since the last
+    ``update()``: the guard unscales before it reads (at the end of the backward), and the Trainer's
+    clip (``accelerator.unscale_gradients``) unscales again, which GradScaler refuses. Returns the undo."""
+    original = scaler.unscale_
+    from torch.amp.grad_scaler import OptState
+
+    def unscale_(optimizer: torch.optim.Optimizer) -> None:
+        if scaler._per_optimizer_states[id(optimizer)]["stage"] is not OptState.UNSCALED:
+            original(optimizer)
+
+    scaler.unscale_ = unscale_  # on this instance only
+
+    def undo() -> None:
+        if scaler.__dict__.get("unscale_") is unscale_:
+            del scaler.unscale_
+
+    return undo
 
 
 class SafeTrainingCallback(TrainerCallback, ExportableState):
@@ -152,6 +176,7 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
         self.last: Optional[StepResult] = None  # the last decided step
         self._writers: Optional[RunWriters] = None
         self._handles: List[Any] = []
+        self._undo: List[Callable[[], None]] = []  # what on_train_begin changed on the Trainer's objects
         self._gradient_state: Any = None
         self._busy = False  # the guard runs forwards of its own: the hooks pass through
         self._open = False  # a micro-batch begun, its loss not yet seen
@@ -178,6 +203,9 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
         self._writers = writers = RunWriters()
         writers.open(run_dir, 0, cfg.snapshot.every)
         self._gradient_state = getattr(optimizer, "gradient_state", None)
+        scaler = getattr(optimizer, "scaler", None)  # fp16: accelerate's GradScaler
+        if scaler is not None and scaler.is_enabled():
+            self._undo.append(_unscale_once(scaler))
         guard = self.guard = writers.guard = Guard(
             model,
             _raw_optimizer(optimizer),
@@ -185,7 +213,7 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
             caller_steps=True,
             step_fn=self._step_fn,
             scheduler=lr_scheduler,
-            scaler=getattr(optimizer, "scaler", None),
+            scaler=scaler,
             bus=writers.bus,
             run_dir=str(run_dir) if run_dir else None,
         )
@@ -287,6 +315,8 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
         ``on_train_end`` calls it; call it yourself when ``trainer.train()`` raised."""
         for handle in self._handles:
             handle.remove()
+        while self._undo:
+            self._undo.pop()()
         self._handles, self._open, self._undecided = [], False, False
         writers, self._writers = self._writers, None
         if writers is None:

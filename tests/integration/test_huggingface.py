@@ -127,13 +127,14 @@ def ended(out: Path) -> Dict[str, Any]:
     return last
 
 
-def test_a_healthy_run_of_120_steps_with_padding_and_attention_masks_raises_no_alarm(tmp_path):
+def test_a_healthy_run_of_104_steps_with_padding_and_attention_masks_raises_no_alarm(tmp_path):
     """BERT turns the padding's attention mask into large negative scores: no false positive."""
     model = bert()
-    cb, moves, trainer = train(model, tmp_path, 120, data=Tokens(classify=True), per_device_train_batch_size=4)
+    data = Tokens(classify=True, length=8)
+    cb, moves, trainer = train(model, tmp_path, 104, data=data, per_device_train_batch_size=4, logging_steps=26)
     assert anomalies(cb) == []
     c = cb.result
-    assert c.steps == c.healthy_steps == c.optimizer_steps == trainer.state.global_step == 120
+    assert c.steps == c.healthy_steps == c.optimizer_steps == trainer.state.global_step == 104
     assert all(moves.moved.values()) and finite(model) and cb.aborted is None
     assert cb.result.ended == "done" and ended(tmp_path)["action"] == "done"
     logged = [h for h in trainer.state.log_history if "loss" in h]
@@ -234,6 +235,38 @@ def test_bf16_autocast_on_the_cpu(tmp_path):
     (found,) = anomalies(cb)
     assert found.step == 4 and found.kind == "forward" and moves.moved[4] is False
     assert finite(model) and cb.result.optimizer_steps == 5
+
+
+def fp16_trainer(model: torch.nn.Module, out: Path, steps: int, callbacks: List[Any]) -> Trainer:
+    """fp16 as on a GPU: accelerate makes no GradScaler on the CPU, so one is given to it (the
+    Trainer's backward scales the loss, its clip unscales, its optimizer step steps and updates it)."""
+    trainer = Trainer(model=model, args=args(out, steps, fp16=True), train_dataset=Tokens(), callbacks=callbacks)
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    trainer.accelerator.native_amp = True
+    return trainer
+
+
+def test_fp16_the_guard_and_the_trainer_share_the_scaler_and_unscale_once(tmp_path):
+    """The guard unscales before it reads; the Trainer's clip does not unscale again (the same
+    update as without safetrain, bitwise), and a skipped step is an overflow for the scaler."""
+    plain = gpt2()
+    fp16_trainer(plain, tmp_path / "plain", 5, []).train()
+    model = gpt2()
+    cb = SafeTrainingCallback(QUIET)
+    fp16_trainer(model, tmp_path / "guarded", 5, [cb]).train()
+    assert cb.result.healthy_steps == 5
+    for a, b in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(a, b), "gradients unscaled once, as without safetrain"
+    model = gpt2()
+    OutputFault(model.transformer.h[1].mlp, calls=[3, 4, 5])
+    cb, moves = SafeTrainingCallback(QUIET), Moves(model)
+    trainer = fp16_trainer(model, tmp_path / "fault", 6, [cb, moves])
+    trainer.train()
+    (found,) = anomalies(cb)
+    assert found.step == 3 and found.kind == "forward" and moves.moved[3] is False
+    assert trainer.accelerator.scaler.get_scale() == 2.0**9, "the scaler skipped the step and lowered its scale"
+    assert "unscale_" not in vars(trainer.accelerator.scaler), "the scaler is put back at the end"
+    assert finite(model) and trainer.lr_scheduler.last_epoch == 5
 
 
 def test_the_scheduler_follows_optimizer_steps_and_keeps_an_lr_backoff(tmp_path):
