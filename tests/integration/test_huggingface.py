@@ -141,6 +141,30 @@ def test_a_healthy_run_of_104_steps_with_padding_and_attention_masks_raises_no_a
     assert logged and all(h["grad_norm"] > 0 and h["lr_scale"] == 1.0 for h in logged)
 
 
+class Embeds(Tokens):
+    """The same rows as float ``inputs_embeds`` (what the guard scans); row ``bad`` holds a NaN."""
+
+    def __init__(self, bad: int, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.table, self.bad = torch.randn(100, 32, generator=torch.Generator().manual_seed(3)), bad
+
+    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
+        row = super().__getitem__(i)
+        embeds = self.table[row.pop("input_ids")]
+        if i == self.bad:
+            embeds[0, 0] = math.nan
+        return {"inputs_embeds": embeds, **row}
+
+
+def test_a_nan_input_row_is_dropped_and_the_step_trains_on_the_rest(tmp_path):
+    model = gpt2()
+    cb, moves, trainer = train(model, tmp_path, 8, data=Embeds(bad=5))
+    (found,) = anomalies(cb)
+    assert found.kind == "input" and found.action == "drop_rows" and "inputs_embeds" in found.message
+    assert moves.moved[found.step] is True, "the step trains on the other rows (the guard's re-run)"
+    assert cb.result.dropped_rows == 1 and cb.result.optimizer_steps == 8 and finite(model)
+
+
 def test_a_layer_emitting_nan_at_one_step_is_skipped_and_the_parameters_stay(tmp_path):
     model = gpt2()
     # the 7th forward is step 7's; the replay's forwards (calls 8, 9) are spoiled too: not transient
