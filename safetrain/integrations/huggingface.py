@@ -202,6 +202,15 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
         run_dir = prepare_run_dir(cfg.log.dir or args.output_dir) if (cfg.log.dir or args.output_dir) else None
         self._writers = writers = RunWriters()
         writers.open(run_dir, 0, cfg.snapshot.every)
+        try:
+            self._start(args, state, model, optimizer, lr_scheduler, cfg, run_dir)
+        except BaseException as exc:  # the journal says why the run never trained
+            self.close(error=exc)
+            raise
+
+    def _start(self, args: Any, state: Any, model: Any, optimizer: Any, lr_scheduler: Any, cfg: TrainConfig,
+               run_dir: Any) -> None:  # fmt: skip
+        writers = self._writers
         self._gradient_state = getattr(optimizer, "gradient_state", None)
         scaler = getattr(optimizer, "scaler", None)  # fp16: accelerate's GradScaler
         if scaler is not None and scaler.is_enabled():
@@ -239,7 +248,7 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
         """The guard's epoch (its counters and the epoch's mean loss)."""
         if self.guard is not None:
             epoch = int(state.epoch or 0)
-            self.guard.begin_epoch(epoch, resumed=epoch > 0 and state.epoch != epoch)
+            self.guard.begin_epoch(epoch, resumed=state.epoch != epoch)  # a checkpoint's mid-epoch: its losses kept
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         """Decide now if the backward's end did not (no loss hook fired); on an abort, stop training
@@ -310,9 +319,10 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
         if self.aborted is not None:
             raise self.aborted
 
-    def close(self) -> None:
+    def close(self, error: Optional[BaseException] = None) -> None:
         """Take the hooks off the model and close the guard and the journal (``run_ended``); idempotent.
-        ``on_train_end`` calls it; call it yourself when ``trainer.train()`` raised."""
+        ``on_train_end`` calls it; call it yourself with the exception when ``trainer.train()`` raised
+        (the journal then ends ``failed``, naming it)."""
         for handle in self._handles:
             handle.remove()
         while self._undo:
@@ -323,7 +333,7 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
             return
         result = FitResult(run_dir=str(writers.journal.path.parent) if writers.journal is not None else None)
         result.events = writers.bus.events
-        writers.close(result, self._started, self.aborted, self._finish)
+        writers.close(result, self._started, error if error is not None else self.aborted, self._finish)
         self.result = result
 
     def _finish(self, guard: Guard, result: FitResult, started: float) -> None:

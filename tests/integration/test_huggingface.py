@@ -393,6 +393,18 @@ def test_eval_forwards_pass_through_and_the_hooks_come_off(tmp_path):
     assert not model._forward_pre_hooks and not model._forward_hooks
 
 
+def test_a_loss_computed_outside_the_model_is_refused_clearly_and_close_ends_the_journal(tmp_path):
+    """A compute_loss_func takes the labels away from the model: no output.loss to guard."""
+    model = gpt2()
+    cb = SafeTrainingCallback(QUIET)
+    trainer = Trainer(model=model, args=args(tmp_path, 3), train_dataset=Tokens(), callbacks=[cb],
+                      compute_loss_func=lambda out, labels, num_items_in_batch=None: out.logits.mean())  # fmt: skip
+    with pytest.raises(RuntimeError, match="no loss; expected the model to compute it") as caught:
+        trainer.train()
+    cb.close(error=caught.value)
+    assert ended(tmp_path)["action"] == "failed" and not model._forward_hooks
+
+
 def test_import_safetrain_imports_no_framework_and_old_transformers_is_refused(monkeypatch):
     code = "import safetrain, sys; assert 'transformers' not in sys.modules and 'accelerate' not in sys.modules"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
