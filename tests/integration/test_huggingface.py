@@ -314,7 +314,10 @@ def test_the_scheduler_follows_optimizer_steps_and_keeps_an_lr_backoff(tmp_path)
     assert opt.param_groups[0]["lr"] == pytest.approx(0.5 * unscaled), "the backoff survives the scheduler"
 
 
-def test_resume_from_the_trainers_checkpoint_restores_the_guards_state(tmp_path):
+@pytest.mark.parametrize("restore_callbacks", [False, True])
+def test_resume_from_the_trainers_checkpoint_restores_the_guards_state(tmp_path, restore_callbacks):
+    """Also with restore_callback_states_from_checkpoint, where the Trainer makes a new callback
+    from the checkpoint's args (the config) and attributes (the guard's state)."""
     model = gpt2()
     OutputFault(model.transformer.h[1].mlp, calls=[3, 4, 5])
 
@@ -324,7 +327,8 @@ def test_resume_from_the_trainers_checkpoint_restores_the_guards_state(tmp_path)
                 first.guard.recovery.lr_changed(0.5, "test: a backoff")
 
     first = SafeTrainingCallback(QUIET)
-    kw = dict(save_strategy="steps", save_steps=8, lr_scheduler_type="constant")
+    kw = dict(save_strategy="steps", save_steps=8, lr_scheduler_type="constant",
+              restore_callback_states_from_checkpoint=restore_callbacks)  # fmt: skip
     Trainer(model=model, args=args(tmp_path, 8, **kw), train_dataset=Tokens(), callbacks=[first, Backoff()]).train()
     assert (tmp_path / "checkpoint-8").is_dir()
     saved = first.result
@@ -332,7 +336,10 @@ def test_resume_from_the_trainers_checkpoint_restores_the_guards_state(tmp_path)
     second = SafeTrainingCallback(QUIET)
     trainer = Trainer(model=model2, args=args(tmp_path, 12, **kw), train_dataset=Tokens(), callbacks=[second])
     trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-8"))
-    r = second.result
+    (used,) = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, SafeTrainingCallback)]
+    assert (used is second) is not restore_callbacks
+    assert used.cfg.detect.check_weights_every == 0, "the config came back with it"
+    r = used.result
     assert r.steps == 12 and r.skipped_batches == saved.skipped_batches == 1
     assert r.healthy_steps == saved.healthy_steps + 4 and r.lr_scale == 0.5
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.5e-3), "the LR scale came back"
