@@ -1,0 +1,397 @@
+"""Hugging Face ``transformers.Trainer``: :class:`SafeTrainingCallback`, safetrain's guard as a callback.
+
+The Trainer owns the loop; the guard is told at its points (``Guard(caller_steps=True)``):
+
+* each micro-batch: a forward pre-hook on the model (training mode) hands the batch to
+  ``guard.begin_batch`` and runs the forward on the scanned copy; a forward hook gives the
+  model's ``output.loss`` to ``guard.record_loss``;
+* the step's decision (``guard.before_optimizer_step``: the one host read, the policy, the
+  action carried out) runs at the end of the last micro-batch's backward, queued on the autograd
+  engine from a hook on that loss. It must come before the Trainer's clipping: the Trainer clips
+  (``accelerator.clip_grad_norm_``, even with ``max_grad_norm=0``, where it measures the norm
+  with ``max_norm=inf``) with a non-finite norm as a NaN factor, which turns every gradient NaN
+  and hides the parameters that went bad. The Trainer then clips gradients that are finite (or
+  dropped: a skipped step), and its ``optimizer.step()`` changes nothing on a skipped step;
+* ``on_step_end`` (after the scheduler stepped): ``guard.after_optimizer_step`` (counters, the
+  periodic snapshot). The Trainer's scheduler follows the guard: it does not advance on a step
+  whose update was not applied, and an LR backoff stays a scale on top of it.
+
+The guard's own forwards (re-runs through ``step_fn`` and replays) pass through the hooks, as do
+evaluation forwards. An abort sets ``control.should_training_stop``, logs one line and keeps the
+:class:`~safetrain.errors.TrainingAborted` on :attr:`SafeTrainingCallback.aborted`; the model is
+at the last good snapshot. The guard's state goes into the Trainer's checkpoints
+(``TrainerState.stateful_callbacks``) and ``trainer.train(resume_from_checkpoint=...)`` puts it
+back. The journal (``events.jsonl``, ``metrics.csv``) lands in ``log.dir`` or ``args.output_dir``.
+
+Supported: transformers >= 4.46 (``on_pre_optimizer_step``, ``ExportableState``) with accelerate,
+one process (no DDP/FSDP/DeepSpeed yet); tested with transformers 5.24 and accelerate 1.15.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from ..config import ConfigLike, TrainConfig, as_config, to_dict
+from ..ending import RunWriters
+from ..errors import TrainingAborted
+from ..events import RunStarted
+from ..guard import Guard, StepResult
+from ..rundir import prepare_run_dir
+from ..steps import Counters
+from ..trainer import FitResult
+
+__all__ = ["SafeTrainingCallback", "MIN_TRANSFORMERS", "model_loss"]
+
+logger = logging.getLogger("safetrain")
+
+#: The oldest transformers with every hook the callback needs (``on_pre_optimizer_step``: 4.46).
+MIN_TRANSFORMERS = (4, 46)
+
+
+def _require_transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:  # pragma: no cover - the extra is installed in the tests
+        raise ImportError(
+            "safetrain.integrations.huggingface needs transformers>=4.46 and accelerate: "
+            "pip install 'safetrain[huggingface]'"
+        ) from exc
+    version = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
+    if version < MIN_TRANSFORMERS:
+        raise RuntimeError(
+            f"safetrain.integrations.huggingface supports transformers>=4.46 (on_pre_optimizer_step, "
+            f"ExportableState); found transformers {transformers.__version__}: pip install -U 'safetrain[huggingface]'"
+        )
+    return transformers
+
+
+_transformers = _require_transformers()
+from transformers.trainer_callback import ExportableState, TrainerCallback  # noqa: E402
+
+
+def _loss_of(output: Any) -> Optional[torch.Tensor]:
+    """The loss in a model's output: ``output.loss`` / ``output["loss"]``, or a tuple's first item."""
+    if isinstance(output, Mapping):
+        return output.get("loss")
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        loss = output[0] if output[0].dim() == 0 else None
+    return loss
+
+
+def model_loss(model: torch.nn.Module, batch: Mapping) -> torch.Tensor:
+    """The default ``step_fn``: ``model(**batch)``'s loss, as the Trainer computes it (labels in the batch)."""
+    loss = _loss_of(model(**batch))
+    if loss is None:
+        raise RuntimeError("model(**batch) returned no loss; SafeTrainingCallback needs labels in the batch")
+    return loss
+
+
+def _with_accumulation(cfg: TrainConfig, model: torch.nn.Module, k: int) -> TrainConfig:
+    """The config with ``guard.accumulate_steps`` as the Trainer divides each micro-batch's loss for
+    its backward (the guard's re-runs and replays do the same): by ``gradient_accumulation_steps``,
+    or not at all for a model that takes ``num_items_in_batch`` (its loss is already normalized over
+    the whole step; the Trainer's rule: ``accepts_loss_kwargs``, else a ``**kwargs`` forward)."""
+    accepts = getattr(model, "accepts_loss_kwargs", None)
+    if accepts is None:
+        params = inspect.signature(model.forward).parameters.values()
+        accepts = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    k = 1 if accepts else max(int(k), 1)
+    if cfg.guard.accumulate_steps == k:
+        return cfg
+    return dataclasses.replace(cfg, guard=dataclasses.replace(cfg.guard, accumulate_steps=k))
+
+
+def _raw_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (itself an ``Optimizer``
+    subclass): the one the fp16 GradScaler keys its state by."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    while isinstance(optimizer, AcceleratedOptimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _unscale_once(scaler: torch.amp.GradScaler) -> Callable[[], None]:
+    """Make ``scaler.unscale_`` do nothing for an optimizer already unscaled since the last
+    ``update()``: the guard unscales before it reads (at the end of the backward), and the Trainer's
+    clip (``accelerator.unscale_gradients``) unscales again, which GradScaler refuses. Returns the undo."""
+    original = scaler.unscale_
+    from torch.amp.grad_scaler import OptState
+
+    def unscale_(optimizer: torch.optim.Optimizer) -> None:
+        if scaler._per_optimizer_states[id(optimizer)]["stage"] is not OptState.UNSCALED:
+            original(optimizer)
+
+    scaler.unscale_ = unscale_  # on this instance only
+
+    def undo() -> None:
+        if scaler.__dict__.get("unscale_") is unscale_:
+            del scaler.unscale_
+
+    return undo
+
+
+class SafeTrainingCallback(TrainerCallback, ExportableState):
+    """safetrain's detection, diagnosis and recovery inside a ``transformers.Trainer``.
+
+    Args:
+        cfg: anything :func:`safetrain.as_config` accepts (path, dict, TrainConfig, None).
+        step_fn: ``step_fn(model, batch) -> loss`` for the guard's own re-runs and replays; the
+            default runs ``model(**batch)`` and takes its ``loss``.
+        resume_state: the guard's state to start from (the Trainer passes it back on resume).
+
+    Attributes:
+        guard: the :class:`~safetrain.Guard` while training (made in ``on_train_begin``).
+        aborted: the :class:`~safetrain.TrainingAborted` that stopped training, or ``None``.
+        result: the :class:`~safetrain.FitResult` of the last ``train()`` (set at its end).
+
+    Example::
+
+        callback = SafeTrainingCallback({"snapshot": {"every": 50}})
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+        trainer.train()
+        callback.raise_if_aborted()
+    """
+
+    def __init__(
+        self,
+        cfg: ConfigLike = None,
+        step_fn: Optional[Callable[[torch.nn.Module, Any], torch.Tensor]] = None,
+        resume_state: Optional[Dict[str, Any]] = None,
+    ) -> None:
+        self.cfg = as_config(cfg)
+        self.step_fn = step_fn if step_fn is not None else model_loss
+        self.resume_state = resume_state
+        self.guard: Optional[Guard] = None
+        self.aborted: Optional[TrainingAborted] = None
+        self.result: Optional[FitResult] = None
+        self.last: Optional[StepResult] = None  # the last decided step
+        self._writers: Optional[RunWriters] = None
+        self._handles: List[Any] = []
+        self._undo: List[Callable[[], None]] = []  # what on_train_begin changed on the Trainer's objects
+        self._gradient_state: Any = None
+        self._busy = False  # the guard runs forwards of its own: the hooks pass through
+        self._open = False  # a micro-batch begun, its loss not yet seen
+        self._undecided = False  # the step's last micro-batch seen, its decision not yet made
+        self._started = 0.0
+
+    # ----------------------------------------------------------------- the Trainer's events
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                       lr_scheduler: Any = None, **kwargs: Any) -> None:  # fmt: skip
+        """Make the guard around the Trainer's model, optimizer, scheduler and fp16 scaler."""
+        self.close()
+        self.aborted, self.result, self.last, self._started = None, None, None, time.perf_counter()
+        if getattr(args, "world_size", 1) > 1 or getattr(args, "deepspeed", None):
+            raise RuntimeError(
+                "SafeTrainingCallback supports one process for now (found world_size "
+                f"{getattr(args, 'world_size', 1)}, deepspeed {bool(getattr(args, 'deepspeed', None))}); "
+                "expected a single-process Trainer"
+            )
+        if model is None or optimizer is None:
+            raise RuntimeError("SafeTrainingCallback: the Trainer gave no model or optimizer to on_train_begin")
+        cfg = _with_accumulation(self.cfg, model, args.gradient_accumulation_steps)
+        logger.setLevel(cfg.log.level)
+        run_dir = prepare_run_dir(cfg.log.dir or args.output_dir) if (cfg.log.dir or args.output_dir) else None
+        self._writers = writers = RunWriters()
+        writers.open(run_dir, 0, cfg.snapshot.every)
+        try:
+            self._start(args, state, model, optimizer, lr_scheduler, cfg, run_dir)
+        except BaseException as exc:  # the journal says why the run never trained
+            self.close(error=exc)
+            raise
+
+    def _start(self, args: Any, state: Any, model: Any, optimizer: Any, lr_scheduler: Any, cfg: TrainConfig,
+               run_dir: Any) -> None:  # fmt: skip
+        writers = self._writers
+        self._gradient_state = getattr(optimizer, "gradient_state", None)
+        scaler = getattr(optimizer, "scaler", None)  # fp16: accelerate's GradScaler
+        if scaler is not None and scaler.is_enabled():
+            self._undo.append(_unscale_once(scaler))
+        guard = self.guard = writers.guard = Guard(
+            model,
+            _raw_optimizer(optimizer),
+            cfg,
+            caller_steps=True,
+            step_fn=self._step_fn,
+            scheduler=lr_scheduler,
+            scaler=scaler,
+            bus=writers.bus,
+            run_dir=str(run_dir) if run_dir else None,
+        )
+        saved = self._saved_state(state)
+        if saved is not None:
+            guard.load_state_dict(saved)
+            guard.snapshot(force=True)  # the checkpoint's state is the first good one
+        elif run_dir is not None:
+            guard.store.check_fresh()
+        self._handles = [
+            model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            model.register_forward_hook(self._after_forward),
+        ]
+        how = f"resumed at step {state.global_step}" if saved is not None else "started"
+        writers.bus.emit(
+            RunStarted(step=guard.counters.steps, epoch=int(state.epoch or 0), batch=-1, kind="run", rank=0,
+                       action="resume" if saved is not None else "start",
+                       message=f"{how} in a transformers.Trainer; run dir {run_dir}",
+                       detail={"config": to_dict(cfg), "integration": f"transformers {_transformers.__version__}"})
+        )  # fmt: skip
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The guard's epoch (its counters and the epoch's mean loss)."""
+        if self.guard is not None:
+            epoch = int(state.epoch or 0)
+            self.guard.begin_epoch(epoch, resumed=state.epoch != epoch)  # a checkpoint's mid-epoch: its losses kept
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        """Decide now if the backward's end did not (no loss hook fired); on an abort, stop training
+        and make the optimizer step that follows change nothing."""
+        if self._undecided:  # (the loss did not require grad: decided after the Trainer's clipping)
+            self._decide()
+        if self.aborted is not None and self.guard is not None:
+            self.guard.plumbing.free_grads()  # no gradient: the Trainer's optimizer.step() moves nothing
+            self.guard.updates.applied_last = False  # nor does its scheduler.step()
+            control.should_training_stop = True
+        return control
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        """After the optimizer and the scheduler: the guard's counters and periodic snapshot."""
+        guard = self.guard
+        if guard is None or self.aborted is not None:
+            return control
+        final = guard.after_optimizer_step()
+        step = final if final is not None else self.last
+        if step is not None and self._writers is not None and self._writers.metrics is not None:
+            c = guard.counters
+            row = (step.step, c.epoch, c.batch - 1, step.loss, step.grad_norm, guard.backoff.scale, step.trained)
+            self._writers.metrics.write(*row, step.action, flush=bool(step.events))
+        self.last = step
+        return control
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Optional[Dict[str, Any]] = None, **kwargs: Any) -> None:
+        """The guard's gradient norm (the one read before any clipping or dropping) and LR scale
+        into the Trainer's logs and ``state.log_history``."""
+        if self.guard is None or logs is None or "loss" not in logs:
+            return
+        extra = {"grad_norm": self.guard.last_grad_norm, "lr_scale": self.guard.backoff.scale}
+        logs.update(extra)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(extra)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The end-of-run checks (a trained step, finite parameters), then the journal's ``run_ended``."""
+        guard = self.guard
+        if guard is not None and self.aborted is None:
+            try:
+                guard.recovery.check_end(guard.counters.steps, guard.counters.optimizer_steps)
+            except TrainingAborted as exc:
+                self._abort(exc)
+        self.close()
+
+    # ----------------------------------------------------------------- checkpoints
+    def state(self) -> Dict[str, Any]:
+        """What the Trainer's checkpoint keeps (``TrainerState.stateful_callbacks``): the config and
+        the guard's state (counters, LR backoff, spike and divergence windows, policy history)."""
+        guard_state = self.guard.state_dict() if self.guard is not None else self.resume_state
+        return {"args": {"cfg": to_dict(self.cfg)}, "attributes": {"resume_state": guard_state}}
+
+    def _saved_state(self, state: Any) -> Optional[Dict[str, Any]]:
+        """The guard's state of the checkpoint being resumed (``global_step`` > 0), if it has one."""
+        if state.global_step <= 0:
+            return None
+        if self.resume_state is not None:  # restore_callback_states_from_checkpoint made this instance
+            return self.resume_state
+        stored = (state.stateful_callbacks or {}).get(type(self).__name__)
+        if isinstance(stored, list):
+            stored = stored[0] if stored else None
+        return (stored or {}).get("attributes", {}).get("resume_state")
+
+    # ----------------------------------------------------------------- the caller
+    def raise_if_aborted(self) -> None:
+        """Raise the :class:`~safetrain.TrainingAborted` that stopped training, if any."""
+        if self.aborted is not None:
+            raise self.aborted
+
+    def close(self, error: Optional[BaseException] = None) -> None:
+        """Take the hooks off the model and close the guard and the journal (``run_ended``); idempotent.
+        ``on_train_end`` calls it; call it yourself with the exception when ``trainer.train()`` raised
+        (the journal then ends ``failed``, naming it)."""
+        for handle in self._handles:
+            handle.remove()
+        while self._undo:
+            self._undo.pop()()
+        self._handles, self._open, self._undecided = [], False, False
+        writers, self._writers = self._writers, None
+        if writers is None:
+            return
+        result = FitResult(run_dir=str(writers.journal.path.parent) if writers.journal is not None else None)
+        result.events = writers.bus.events
+        writers.close(result, self._started, error if error is not None else self.aborted, self._finish)
+        self.result = result
+
+    def _finish(self, guard: Guard, result: FitResult, started: float) -> None:
+        for name in vars(Counters()):
+            setattr(result, name, getattr(guard.counters, name))
+        result.lr_scale, result.wall_time = guard.backoff.scale, time.perf_counter() - started
+        if self.last is not None and self.last.trained:
+            result.final_loss = self.last.loss
+
+    # ----------------------------------------------------------------- the hooks
+    def _step_fn(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        return self.step_fn(model, batch)  # (the guard's own forwards run inside _decide: hooks pass through)
+
+    def _before_forward(self, module: torch.nn.Module, args: tuple, kwargs: Dict[str, Any]) -> Any:
+        if self._busy or not module.training or self.guard is None or self.aborted is not None:
+            return None
+        if args:
+            raise RuntimeError(
+                f"SafeTrainingCallback: the model was called with {len(args)} positional argument(s); "
+                "expected model(**batch), as transformers.Trainer calls it"
+            )
+        self._open = True
+        return args, self.guard.begin_batch(dict(kwargs))
+
+    def _after_forward(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if not self._open:
+            return
+        self._open = False
+        loss = _loss_of(output)
+        if loss is None:
+            raise RuntimeError(
+                "SafeTrainingCallback: the model's output has no loss; expected the model to compute it "
+                "(labels in the batch); a compute_loss_func or label smoothing outside the model is not supported"
+            )
+        self.guard.record_loss(loss)
+        gs = self._gradient_state
+        if gs is None or gs.sync_gradients:  # the step's last micro-batch: decide at the end of its backward
+            self._undecided = True
+            if loss.requires_grad:
+                loss.register_hook(self._at_backward)
+
+    def _at_backward(self, grad: torch.Tensor) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(self._decide)
+
+    def _decide(self) -> None:
+        """The step's decision, before the Trainer clips (the end of the last backward)."""
+        if not self._undecided or self.guard is None:
+            return
+        self._undecided, self._busy = False, True
+        try:
+            with torch.enable_grad():  # (the autograd engine runs its callbacks with grad off)
+                self.last = self.guard.before_optimizer_step()
+        except TrainingAborted as exc:
+            self._abort(exc)
+        finally:
+            self._busy = False
+
+    def _abort(self, exc: TrainingAborted) -> None:
+        self.aborted = exc
+        steps = self.guard.counters.steps if self.guard is not None else 0
+        logger.error("safetrain: training stopped at step %d, the model at the last good snapshot: %s", steps, exc)
