@@ -53,6 +53,10 @@ class Net(pl.LightningModule):
             self.seen.append(float(loss))
         return loss
 
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
     def configure_optimizers(self) -> Any:
         opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
         if self.sched is None:
@@ -99,7 +103,13 @@ class Moves(pl.Callback):
 
     def __init__(self) -> None:
         self.moved: List[bool] = []
+        self.stats_moved: List[bool] = []  # BatchNorm's running mean, from before the step's forward
         self._before: Optional[torch.Tensor] = None
+        self._stats: Optional[torch.Tensor] = None
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._stats is None:
+            self._stats = pl_module.bn.running_mean.clone()
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         self._before = flat(pl_module).clone()
@@ -107,7 +117,8 @@ class Moves(pl.Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._before is not None:
             self.moved.append(not torch.equal(self._before, flat(pl_module)))
-            self._before = None
+            self.stats_moved.append(not torch.equal(self._stats, pl_module.bn.running_mean))
+            self._before = self._stats = None
 
 
 def fit(model: Net, tmp: Path, cfg: Optional[dict] = None, data: Any = None, max_steps: int = 8,
@@ -121,8 +132,9 @@ def fit(model: Net, tmp: Path, cfg: Optional[dict] = None, data: Any = None, max
 
 
 def test_a_healthy_run_of_100_steps_with_batchnorm_has_no_false_positive(tmp_path):
-    model = Net()
-    cb = fit(model, tmp_path, max_steps=104)
+    """Validation runs every epoch (its forwards pass through the guard's hooks) and changes nothing."""
+    model, cb = Net(), SafeTraining(CFG)
+    trainer(cb, tmp_path, max_steps=104, limit_val_batches=2).fit(model, loader(), loader())
     c = cb.guard.counters
     assert c.steps == 104 and c.optimizer_steps == 104 and c.healthy_steps == 104, vars(c)
     assert anomalies(tmp_path) == []
@@ -168,6 +180,7 @@ def test_an_inf_gradient_skipped_does_not_move_a_parameter_though_lightning_step
     assert (found["kind"], found["step"], found["action"]) == ("gradient", 4, "skip_batch"), found
     assert "head.weight" in json.dumps(found["detail"])
     assert moves.moved == [True] * 3 + [False] + [True] * 4, "the skipped step moved no parameter"
+    assert moves.stats_moved == moves.moved, "nor BatchNorm's running statistics"
     assert cb.guard.counters.skipped_batches == 1 and finite(model)
 
 
@@ -259,7 +272,7 @@ def test_gradient_accumulation_skips_the_whole_optimizer_step_of_a_bad_micro_bat
     fit(model, tmp_path, cfg, extra=[moves], max_steps=4, accumulate_grad_batches=2)
     (found,) = anomalies(tmp_path)
     assert (found["kind"], found["step"], found["action"]) == ("gradient", 3, "skip_batch")
-    assert moves.moved == [True, True, False, True]
+    assert moves.moved == [True, True, False, True] and moves.stats_moved == moves.moved
 
 
 class Backoff(pl.Callback):
