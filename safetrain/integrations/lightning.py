@@ -112,6 +112,7 @@ class SafeTraining(Callback):
         optimizer, scheduler = self._check(trainer, pl_module)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         cfg = self._config(trainer)
+        logger.setLevel(cfg.log.level)
         run_dir = self.run_dir or cfg.log.dir or trainer.log_dir or trainer.default_root_dir
         run_dir = prepare_run_dir(run_dir) if run_dir else None
         self.result = result = FitResult(run_dir=str(run_dir) if run_dir else None)

@@ -134,7 +134,10 @@ def fit(model: Net, tmp: Path, cfg: Optional[dict] = None, data: Any = None, max
 def test_a_healthy_run_of_100_steps_with_batchnorm_has_no_false_positive(tmp_path):
     """Validation runs every epoch (its forwards pass through the guard's hooks) and changes nothing."""
     model, cb = Net(), SafeTraining(CFG)
-    trainer(cb, tmp_path, max_steps=104, limit_val_batches=2).fit(model, loader(), loader())
+    t = trainer(cb, tmp_path, max_steps=104, limit_val_batches=2)
+    t.fit(model, loader(), loader())
+    logged = t.callback_metrics["safetrain/grad_norm"]
+    assert float(logged) == pytest.approx(cb.guard.last_grad_norm, rel=1e-5), "the guard's norm reaches the logger"
     c = cb.guard.counters
     assert c.steps == 104 and c.optimizer_steps == 104 and c.healthy_steps == 104, vars(c)
     assert anomalies(tmp_path) == []
@@ -379,6 +382,39 @@ def test_one_host_sync_per_healthy_step_inside_the_callback(tmp_path):
     assert anomalies(tmp_path) == [] and cb.guard.counters.healthy_steps == 12
     steps = 12 - 2
     assert sum(syncs) == steps, (sum(syncs), steps)
+
+
+def test_resume_from_a_model_checkpoint_saved_mid_run(tmp_path):
+    """ModelCheckpoint saves after the callback's on_train_batch_end: the checkpoint of step 6
+    holds the guard at step 6, and the resumed run goes on from there."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    model = Net()
+    GradFault(model.head.weight, calls=[2])
+    cfg = {**CFG, "recovery": {"actions": {"gradient": "skip_batch"}}, "detect": {"replay": {"enabled": False}}}
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    t = trainer(SafeTraining(cfg), tmp_path, max_steps=8, enable_checkpointing=True)
+    t.callbacks.append(saver)
+    t.fit(model, loader())
+    ckpt = torch.load(tmp_path / "ckpt" / "epoch=0-step=6.ckpt", weights_only=False)
+    (state,) = [v for k, v in ckpt["callbacks"].items() if "SafeTraining" in k]
+    assert state["guard"]["counters"]["steps"] == 6 and state["guard"]["counters"]["skipped_batches"] == 1
+    again = SafeTraining(cfg)
+    trainer(again, tmp_path / "2", max_steps=8).fit(
+        Net(), loader(), ckpt_path=tmp_path / "ckpt" / "epoch=0-step=6.ckpt"
+    )
+    assert (again.guard.counters.steps, again.guard.counters.skipped_batches) == (8, 1)
+
+
+class Manual(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+def test_manual_optimization_is_refused_naming_what_to_use_instead(tmp_path):
+    with pytest.raises(ValueError, match="automatic_optimization = False"):
+        trainer(SafeTraining(CFG), tmp_path, max_steps=2).fit(Manual(), loader())
 
 
 def test_import_safetrain_imports_no_lightning():
