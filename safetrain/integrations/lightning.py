@@ -9,7 +9,7 @@ hooks Lightning offers::
                                  divided by the fp16 loss scale, both of which Lightning applied)
     on_before_optimizer_step  -> guard.before_optimizer_step (the one host read and the decision;
                                  a step that must not train has its gradients dropped, so the
-                                 optimizer's step is a no-op), the gradient norm logged
+                                 optimizer's step is a no-op), the gradient norm to the loggers
     on_train_batch_end        -> guard.after_optimizer_step (counters, the periodic snapshot)
 
 The guard's state (counters, LR backoff, spike and divergence windows, policy history) travels in
@@ -70,7 +70,9 @@ class SafeTraining(Callback):
             ``trainer.fit`` (Lightning tears down and re-raises it); ``"stop"``: the exception is
             kept in :attr:`aborted`, ``trainer.should_stop`` is set and ``fit`` returns. Either way
             the model and optimizer are at the last good snapshot.
-        log_grad_norm: log ``safetrain/grad_norm`` and ``safetrain/lr_scale`` with ``pl_module.log``.
+        log_grad_norm: send ``safetrain/grad_norm``, ``safetrain/lr_scale`` and ``safetrain/trained``
+            to the trainer's loggers every ``log_every_n_steps`` steps and at every step the guard
+            acted on (straight to the loggers: not in ``callback_metrics``).
 
     Attributes:
         guard: the :class:`~safetrain.Guard` of the current (or last) ``fit``.
@@ -242,9 +244,20 @@ class SafeTraining(Callback):
             guard.plumbing.drop_grads()
             return
         self._decided = True
-        if self.log_grad_norm and result.grad_norm == result.grad_norm:  # (not NaN: a step with no norm)
-            pl_module.log("safetrain/grad_norm", result.grad_norm, on_step=True, on_epoch=False)
-            pl_module.log("safetrain/lr_scale", guard.backoff.scale, on_step=True, on_epoch=False)
+        if self.log_grad_norm and trainer.loggers:
+            step = trainer.global_step
+            if result.action or (step + 1) % max(trainer.log_every_n_steps, 1) == 0:
+                self._log(trainer, step, result.grad_norm, guard.backoff.scale, result.trained)
+
+    @staticmethod
+    def _log(trainer: Trainer, step: int, grad_norm: float, lr_scale: float, trained: bool) -> None:
+        """The guard's values to Lightning's loggers, directly (``pl_module.log`` costs ~0.7 ms a
+        call in Lightning's result collection, a third of a small model's step)."""
+        metrics = {"safetrain/lr_scale": lr_scale, "safetrain/trained": float(trained)}
+        if grad_norm == grad_norm:  # (NaN: a step with no norm)
+            metrics["safetrain/grad_norm"] = grad_norm
+        for lg in trainer.loggers:
+            lg.log_metrics(metrics, step=step)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int

@@ -7,6 +7,7 @@ ends with finite parameters; one host sync per healthy step inside the callback.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 pytest.importorskip("lightning")
 import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.loggers import Logger  # noqa: E402
 
 from safetrain import TrainingAborted  # noqa: E402
 from safetrain.integrations.lightning import SafeTraining  # noqa: E402
@@ -63,6 +65,28 @@ class Net(pl.LightningModule):
             return opt
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Collect(Logger):
+    """A logger that keeps what it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: List[tuple] = []
+
+    @property
+    def name(self) -> str:
+        return "collect"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: Dict[str, float], step: Optional[int] = None) -> None:
+        self.rows.append((step, dict(metrics)))
 
 
 def images(n: int = 64, seed: int = 0) -> TensorDataset:
@@ -133,11 +157,12 @@ def fit(model: Net, tmp: Path, cfg: Optional[dict] = None, data: Any = None, max
 
 def test_a_healthy_run_of_100_steps_with_batchnorm_has_no_false_positive(tmp_path):
     """Validation runs every epoch (its forwards pass through the guard's hooks) and changes nothing."""
-    model, cb = Net(), SafeTraining(CFG)
-    t = trainer(cb, tmp_path, max_steps=104, limit_val_batches=2)
+    model, cb, log = Net(), SafeTraining(CFG), Collect()
+    t = trainer(cb, tmp_path, max_steps=104, limit_val_batches=2, logger=log, log_every_n_steps=25)
     t.fit(model, loader(), loader())
-    logged = t.callback_metrics["safetrain/grad_norm"]
-    assert float(logged) == pytest.approx(cb.guard.last_grad_norm, rel=1e-5), "the guard's norm reaches the logger"
+    norms = [(step, m["safetrain/grad_norm"]) for step, m in log.rows if "safetrain/grad_norm" in m]
+    assert [step for step, _ in norms] == [24, 49, 74, 99], "every log_every_n_steps steps"
+    assert all(math.isfinite(v) and v > 0 for _, v in norms)
     c = cb.guard.counters
     assert c.steps == 104 and c.optimizer_steps == 104 and c.healthy_steps == 104, vars(c)
     assert anomalies(tmp_path) == []
@@ -178,9 +203,10 @@ def test_an_inf_gradient_skipped_does_not_move_a_parameter_though_lightning_step
     model, moves = Net(), Moves()
     GradFault(model.head.weight, calls=[4])
     cfg = {"recovery": {"actions": {"gradient": "skip_batch"}}, "detect": {"replay": {"enabled": False}}}
-    cb = fit(model, tmp_path, cfg, extra=[moves])
+    cb = fit(model, tmp_path, cfg, extra=[moves], logger=(log := Collect()))
     (found,) = anomalies(tmp_path)
     assert (found["kind"], found["step"], found["action"]) == ("gradient", 4, "skip_batch"), found
+    assert [(step, m["safetrain/trained"]) for step, m in log.rows if "safetrain/trained" in m] == [(3, 0.0)]
     assert "head.weight" in json.dumps(found["detail"])
     assert moves.moved == [True] * 3 + [False] + [True] * 4, "the skipped step moved no parameter"
     assert moves.stats_moved == moves.moved, "nor BatchNorm's running statistics"
