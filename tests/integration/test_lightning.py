@@ -250,6 +250,15 @@ def test_poisoned_weights_are_restored_from_the_last_good_snapshot(tmp_path):
     assert cb.guard.counters.restores == 1 and finite(model)
 
 
+def test_after_a_restore_the_batches_to_skip_run_through_training_step_and_train_nothing(tmp_path):
+    model, moves = Net(), Moves()
+    cfg = {"recovery": {"skip_batches_after_restore": 1}}
+    cb = fit(model, tmp_path, cfg, extra=[Poison([6]), moves], max_steps=10)
+    assert [(e["kind"], e["step"], e["action"]) for e in anomalies(tmp_path)][:1] == [("weights", 7, "restore")]
+    assert moves.moved[7] is False and moves.moved[8] is True, moves.moved
+    assert cb.guard.counters.restores == 1 and finite(model)
+
+
 def test_a_loss_spike_is_skipped(tmp_path):
     model, moves = Net(), Moves()
     OutputFault(model.head, calls=[8], value=1e4)  # a finite blow-up of the logits at the 8th forward
