@@ -1,6 +1,7 @@
 """Integrations with training frameworks, each an optional extra imported only on demand.
 
-``safetrain.integrations.huggingface`` (``pip install safetrain[huggingface]``) and
-``safetrain.integrations.lightning`` (``pip install safetrain[lightning]``): import the one you
-use; ``import safetrain`` imports neither framework.
+``safetrain.integrations.lightning`` (``pip install safetrain[lightning]``): ``SafeTraining``, a
+PyTorch Lightning callback; ``safetrain.integrations.huggingface`` (``pip install
+safetrain[huggingface]``): ``SafeTrainingCallback`` for ``transformers.Trainer``. Import the one you
+use; nothing is imported here, so ``import safetrain`` never imports a framework.
 """

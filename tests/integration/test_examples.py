@@ -42,6 +42,7 @@ def test_every_example_is_tested():
         "fsdp.py",
         "requeue.py",  # tests/integration/test_preempt.py runs it under a real SIGTERM
         "hf_trainer_callback.py",  # tests/integration/test_huggingface.py runs it
+        "lightning_callback.py",  # tests/integration/test_lightning_example.py
     }  # ddp.py: tests/integration/test_ddp.py (under torchrun); fsdp.py: below, under torchrun
     assert {p.name for p in (ROOT / "examples").glob("*.py")} <= tested
 

@@ -1,0 +1,457 @@
+"""The Lightning callback against real Lightning (issue #19): a ``Trainer`` with automatic
+optimization, its accumulation, clipping, precision plugins, schedulers and checkpoints, the guard
+told at Lightning's hooks. Each fault is detected at its step and layer, the action carried out
+(a skipped step moves no parameter although Lightning calls ``optimizer.step()``), and training
+ends with finite parameters; one host sync per healthy step inside the callback."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+pytest.importorskip("lightning")
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.loggers import Logger  # noqa: E402
+
+from safetrain import TrainingAborted  # noqa: E402
+from safetrain.integrations.lightning import SafeTraining  # noqa: E402
+from safetrain.steps import Phase  # noqa: E402
+from safetrain.testing import GradFault, OutputFault, PoisonRows, WeightFault, count_host_syncs  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+CFG: Dict[str, Any] = {"snapshot": {"every": 5}, "detect": {"check_weights_every": 0}, "log": {"level": "WARNING"}}
+
+
+class Net(pl.LightningModule):
+    """A tiny CNN with BatchNorm on 8x8 single-channel images, 4 classes."""
+
+    def __init__(self, lr: float = 0.05, sched: Optional[str] = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(1, 4, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(4)
+        self.head = torch.nn.Linear(4 * 4 * 4, 4)
+        self.lr, self.sched, self.keep = lr, sched, False
+        self.seen: List[float] = []  # the losses training_step computed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.max_pool2d(F.relu(self.bn(self.conv(x))), 2)
+        return self.head(h.flatten(1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        if self.keep:
+            self.seen.append(float(loss))
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        if self.sched is None:
+            return opt
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Collect(Logger):
+    """A logger that keeps what it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: List[tuple] = []
+
+    @property
+    def name(self) -> str:
+        return "collect"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: Dict[str, float], step: Optional[int] = None) -> None:
+        self.rows.append((step, dict(metrics)))
+
+
+def images(n: int = 64, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 1, 8, 8, generator=g)
+    y = (x.mean(dim=(1, 2, 3)) > 0).long() + 2 * (x[:, 0, 0, 0] > 0).long()
+    return TensorDataset(x, y)
+
+
+def loader(data: Any = None, batch_size: int = 8) -> DataLoader:
+    return DataLoader(data if data is not None else images(), batch_size=batch_size, shuffle=False)
+
+
+def trainer(cb: Optional[SafeTraining], tmp: Path, max_steps: int = 8, **kw: Any) -> pl.Trainer:
+    opts = dict(enable_progress_bar=False, logger=False, enable_checkpointing=False, enable_model_summary=False)
+    return pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, default_root_dir=str(tmp),
+                      callbacks=[cb] if cb is not None else [], **{**opts, **kw})  # fmt: skip
+
+
+def flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def finite(model: torch.nn.Module) -> bool:
+    return bool(torch.isfinite(flat(model)).all())
+
+
+def journal(tmp: Path) -> List[Dict[str, Any]]:
+    return [json.loads(line) for line in (tmp / "events.jsonl").read_text().splitlines()]
+
+
+def anomalies(tmp: Path) -> List[Dict[str, Any]]:
+    return [e for e in journal(tmp) if e["event"] == "anomaly"]
+
+
+class Moves(pl.Callback):
+    """Whether each optimizer step moved the parameters (compared around Lightning's own step)."""
+
+    def __init__(self) -> None:
+        self.moved: List[bool] = []
+        self.stats_moved: List[bool] = []  # BatchNorm's running mean, from before the step's forward
+        self._before: Optional[torch.Tensor] = None
+        self._stats: Optional[torch.Tensor] = None
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._stats is None:
+            self._stats = pl_module.bn.running_mean.clone()
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        self._before = flat(pl_module).clone()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._before is not None:
+            self.moved.append(not torch.equal(self._before, flat(pl_module)))
+            self.stats_moved.append(not torch.equal(self._stats, pl_module.bn.running_mean))
+            self._before = self._stats = None
+
+
+def fit(model: Net, tmp: Path, cfg: Optional[dict] = None, data: Any = None, max_steps: int = 8,
+        extra: Optional[list] = None, **kw: Any) -> SafeTraining:  # fmt: skip
+    cb = SafeTraining({**CFG, **(cfg or {})})
+    t = trainer(cb, tmp, max_steps=max_steps, **kw)
+    for c in extra or []:
+        t.callbacks.append(c)
+    t.fit(model, loader(data))
+    return cb
+
+
+def test_a_healthy_run_of_100_steps_with_batchnorm_has_no_false_positive(tmp_path):
+    """Validation runs every epoch (its forwards pass through the guard's hooks) and changes nothing."""
+    model, cb, log = Net(), SafeTraining(CFG), Collect()
+    t = trainer(cb, tmp_path, max_steps=104, limit_val_batches=2, logger=log, log_every_n_steps=25)
+    t.fit(model, loader(), loader())
+    norms = [(step, m["safetrain/grad_norm"]) for step, m in log.rows if "safetrain/grad_norm" in m]
+    assert [step for step, _ in norms] == [24, 49, 74, 99], "every log_every_n_steps steps"
+    assert all(math.isfinite(v) and v > 0 for _, v in norms)
+    c = cb.guard.counters
+    assert c.steps == 104 and c.optimizer_steps == 104 and c.healthy_steps == 104, vars(c)
+    assert anomalies(tmp_path) == []
+    events = journal(tmp_path)
+    assert events[0]["event"] == "run_started" and events[-2]["event"] == "run_ended", [e["event"] for e in events]
+    assert events[-2]["action"] == "done" and cb.result.ended == "done"
+    assert finite(model) and cb.guard.phase is Phase.CLOSED, "the guard's hooks came off the model"
+
+
+def steps_of(tmp: Path, kind: str) -> List[Dict[str, Any]]:
+    return [e for e in anomalies(tmp) if e["kind"] == kind]
+
+
+def test_a_nan_input_row_is_dropped_and_training_step_never_sees_it(tmp_path):
+    """Row 21 (3rd batch) holds NaN: the scan zero-fills it in the batch Lightning hands to
+    training_step (BatchNorm's statistics stay finite), the guard re-runs the step without it."""
+    model = Net()
+    cb = fit(model, tmp_path, data=PoisonRows(images(), indices=[21]))
+    (found,) = anomalies(tmp_path)
+    assert (found["kind"], found["step"], found["action"]) == ("input", 3, "drop_rows"), found
+    assert cb.guard.counters.dropped_rows == 1 and cb.guard.counters.optimizer_steps == 8
+    assert finite(model) and bool(
+        torch.isfinite(model.bn.running_mean).all() & torch.isfinite(model.bn.running_var).all()
+    )
+
+
+def test_a_layer_emitting_nan_once_is_found_in_that_layer_and_the_step_retried(tmp_path):
+    model = Net()
+    OutputFault(model.conv, calls=[3])
+    cb = fit(model, tmp_path)
+    (found,) = anomalies(tmp_path)
+    assert (found["kind"], found["step"], found["action"]) == ("forward", 3, "retry")
+    assert found["detail"]["finding"]["module"] == "conv"
+    assert cb.guard.counters.retries == 1 and cb.guard.counters.optimizer_steps == 8 and finite(model)
+
+
+def test_an_inf_gradient_skipped_does_not_move_a_parameter_though_lightning_steps(tmp_path):
+    model, moves = Net(), Moves()
+    GradFault(model.head.weight, calls=[4])
+    cfg = {"recovery": {"actions": {"gradient": "skip_batch"}}, "detect": {"replay": {"enabled": False}}}
+    cb = fit(model, tmp_path, cfg, extra=[moves], logger=(log := Collect()))
+    (found,) = anomalies(tmp_path)
+    assert (found["kind"], found["step"], found["action"]) == ("gradient", 4, "skip_batch"), found
+    assert [(step, m["safetrain/trained"]) for step, m in log.rows if "safetrain/trained" in m] == [(3, 0.0)]
+    assert "head.weight" in json.dumps(found["detail"])
+    assert moves.moved == [True] * 3 + [False] + [True] * 4, "the skipped step moved no parameter"
+    assert moves.stats_moved == moves.moved, "nor BatchNorm's running statistics"
+    assert cb.guard.counters.skipped_batches == 1 and finite(model)
+
+
+def test_an_inf_gradient_by_default_is_replayed_found_transient_and_retried_through_training_step(tmp_path):
+    model = Net()
+    GradFault(model.head.weight, calls=[4])
+    cb = fit(model, tmp_path)
+    (found,) = anomalies(tmp_path)
+    assert (found["kind"], found["step"], found["action"]) == ("gradient", 4, "retry"), found
+    assert cb.guard.counters.retries == 1 and cb.guard.counters.optimizer_steps == 8 and finite(model)
+
+
+def test_persistent_inf_gradients_are_zeroed_and_the_step_takes_the_rest(tmp_path):
+    model = Net()
+    GradFault(model.head.weight, calls=range(4, 10**9))
+    cb = fit(model, tmp_path, {"detect": {"replay": {"enabled": False}}}, max_steps=5)
+    (found,) = anomalies(tmp_path)[:1]
+    assert (found["kind"], found["step"], found["action"]) == ("gradient", 4, "zero_grads"), found
+    assert cb.guard.counters.zeroed_grads >= 1 and finite(model)
+
+
+class Poison(pl.Callback):
+    """A WeightFault on the trainer's optimizer (made in configure_optimizers)."""
+
+    def __init__(self, steps: List[int]) -> None:
+        self.steps = steps
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        WeightFault(trainer.optimizers[0], pl_module.conv.weight, (0, 0, 0, 0), steps=self.steps)
+
+
+def test_poisoned_weights_are_restored_from_the_last_good_snapshot(tmp_path):
+    model = Net()
+    cb = fit(model, tmp_path, extra=[Poison([6])], max_steps=10)
+    found = anomalies(tmp_path)[0]
+    assert (found["kind"], found["step"], found["action"]) == ("weights", 7, "restore"), found
+    assert "conv.weight" in json.dumps(found["detail"])
+    assert cb.guard.counters.restores == 1 and finite(model)
+
+
+def test_after_a_restore_the_batches_to_skip_run_through_training_step_and_train_nothing(tmp_path):
+    model, moves = Net(), Moves()
+    cfg = {"recovery": {"skip_batches_after_restore": 1}}
+    cb = fit(model, tmp_path, cfg, extra=[Poison([6]), moves], max_steps=10)
+    assert [(e["kind"], e["step"], e["action"]) for e in anomalies(tmp_path)][:1] == [("weights", 7, "restore")]
+    assert moves.moved[7] is False and moves.moved[8] is True, moves.moved
+    assert cb.guard.counters.restores == 1 and finite(model)
+
+
+def test_a_loss_spike_is_skipped(tmp_path):
+    model, moves = Net(), Moves()
+    OutputFault(model.head, calls=[8], value=1e4)  # a finite blow-up of the logits at the 8th forward
+    cfg = {"detect": {"replay": {"enabled": False}}}
+    cb = fit(model, tmp_path, cfg, extra=[moves], max_steps=10)
+    (found,) = anomalies(tmp_path)
+    assert (found["kind"], found["step"], found["action"]) == ("spike", 8, "skip_batch"), found
+    assert moves.moved[7] is False and sum(moves.moved) == 9
+    assert cb.guard.counters.skipped_batches == 1 and finite(model)
+
+
+@pytest.mark.parametrize("on_abort", ["raise", "stop"])
+def test_an_unfixable_fault_aborts_cleanly_at_the_last_good_state(tmp_path, on_abort):
+    model = Net()
+    OutputFault(model.conv, calls=range(4, 10**9))
+    cb = SafeTraining({**CFG, "recovery": {"max_retries": 2}}, on_abort=on_abort)
+    t = trainer(cb, tmp_path, max_steps=20)
+    if on_abort == "raise":
+        with pytest.raises(TrainingAborted):
+            t.fit(model, loader())
+    else:
+        t.fit(model, loader())
+        assert isinstance(cb.aborted, TrainingAborted) and t.should_stop
+    assert finite(model) and cb.result.ended == "aborted"
+    ended = [e for e in journal(tmp_path) if e["event"] == "run_ended"]
+    assert [e["action"] for e in ended] == ["aborted"]
+    assert t.global_step < 20
+
+
+def test_gradient_accumulation_and_clipping_leave_a_healthy_run_bitwise_as_without_the_callback(tmp_path):
+    """The guard changes nothing on a healthy run: the same parameters as plain Lightning, with
+    accumulate_grad_batches=2 and gradient_clip_val; the loss it judges is the step's mean."""
+    kw = dict(accumulate_grad_batches=2, gradient_clip_val=0.5)
+    plain = Net()
+    trainer(None, tmp_path / "plain", max_steps=6, **kw).fit(plain, loader())
+    model = Net()
+    model.keep = True
+    cb = fit(model, tmp_path, max_steps=6, **kw)
+    assert torch.equal(flat(model), flat(plain)) and torch.equal(model.bn.running_var, plain.bn.running_var)
+    c = cb.guard.counters
+    assert (c.steps, c.optimizer_steps, c.epoch, c.batch) == (6, 6, 1, 4) and anomalies(tmp_path) == []
+    assert cb.guard.last_loss == pytest.approx(sum(model.seen[-2:]) / 2), "the step's loss: the mean, not divided"
+
+
+def test_gradient_accumulation_skips_the_whole_optimizer_step_of_a_bad_micro_batch(tmp_path):
+    model, moves = Net(), Moves()
+    GradFault(model.head.weight, calls=[5])  # the 3rd optimizer step's first micro-batch
+    cfg = {"recovery": {"actions": {"gradient": "skip_batch"}}, "detect": {"replay": {"enabled": False}}}
+    fit(model, tmp_path, cfg, extra=[moves], max_steps=4, accumulate_grad_batches=2)
+    (found,) = anomalies(tmp_path)
+    assert (found["kind"], found["step"], found["action"]) == ("gradient", 3, "skip_batch")
+    assert moves.moved == [True, True, False, True] and moves.stats_moved == moves.moved
+
+
+class Backoff(pl.Callback):
+    """An LR backoff of 0.5 before the given batch (as the policy's scale_lr sets it)."""
+
+    def __init__(self, cb: SafeTraining, at: int) -> None:
+        self.cb, self.at = cb, at
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.at:
+            self.cb.guard.recovery.lr_changed(0.5, "test: a backoff")
+
+
+def test_a_step_interval_scheduler_follows_optimizer_steps_and_keeps_the_lr_backoff(tmp_path):
+    model = Net(sched="step")
+    GradFault(model.head.weight, calls=[3])
+    cfg = {**CFG, "recovery": {"actions": {"gradient": "skip_batch"}}, "detect": {"replay": {"enabled": False}}}
+    cb = SafeTraining(cfg)
+    t = trainer(cb, tmp_path, max_steps=8)
+    t.callbacks.append(Backoff(cb, at=5))
+    t.fit(model, loader())
+    sched = t.lr_scheduler_configs[0].scheduler
+    assert sched.last_epoch == 7, "8 optimizer steps, one skipped: the schedule moved 7 times"
+    assert t.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * 0.9**7 * 0.5)
+    assert cb.guard.backoff.unscaled == pytest.approx([0.05 * 0.9**7])
+
+
+def test_resume_from_a_lightning_checkpoint_restores_the_guard_counters_and_lr_scale(tmp_path):
+    model = Net(sched="step")
+    GradFault(model.head.weight, calls=[3])
+    cfg = {**CFG, "recovery": {"actions": {"gradient": "skip_batch"}}, "detect": {"replay": {"enabled": False}}}
+    cb = SafeTraining(cfg)
+    t = trainer(cb, tmp_path, max_steps=6)
+    t.callbacks.append(Backoff(cb, at=4))
+    t.fit(model, loader())
+    t.save_checkpoint(tmp_path / "last.ckpt")
+    assert cb.guard.counters.skipped_batches == 1 and cb.guard.backoff.scale == 0.5
+    lr = t.optimizers[0].param_groups[0]["lr"]
+
+    again = SafeTraining(cfg)
+    t2 = trainer(again, tmp_path / "2", max_steps=10)
+    t2.fit(Net(sched="step"), loader(), ckpt_path=str(tmp_path / "last.ckpt"))
+    c = again.guard.counters
+    assert (c.steps, c.optimizer_steps, c.skipped_batches) == (10, 9, 1), vars(c)
+    assert again.guard.backoff.scale == 0.5, "the LR backoff came back"
+    sched = t2.lr_scheduler_configs[0].scheduler
+    assert sched.last_epoch == 9 and lr == pytest.approx(0.05 * 0.9**5 * 0.5)
+    assert t2.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * 0.9**9 * 0.5), "not compounded"
+    assert journal(tmp_path / "2")[0]["action"] == "resume"
+
+
+def test_bf16_mixed_precision_runs_under_the_guard_with_the_same_autocast(tmp_path):
+    model = Net()
+    OutputFault(model.conv, calls=[3])
+    cb = fit(model, tmp_path, max_steps=6, precision="bf16-mixed")
+    assert cb.guard.cfg.amp.dtype == "bfloat16" and cb.guard.scaler is None
+    (found,) = anomalies(tmp_path)
+    assert (found["kind"], found["step"], found["action"]) == ("forward", 3, "retry")
+    assert cb.guard.counters.optimizer_steps == 6 and finite(model)
+
+
+def test_16_mixed_uses_lightnings_grad_scaler_and_judges_the_unscaled_loss(tmp_path):
+    """Trainer(precision="16-mixed") on CPU becomes bf16-mixed in Lightning 2.6 (with a warning);
+    its fp16 plugin given explicitly runs fp16 autocast with its GradScaler on CPU: the guard reads
+    that scaler, and the loss it judges is training_step's, not Lightning's scaled one."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    model = Net()
+    model.keep = True
+    OutputFault(model.conv, calls=[3])
+    cb = SafeTraining(CFG)
+    fp16 = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
+    t = trainer(cb, tmp_path, max_steps=6, plugins=[fp16])
+    t.fit(model, loader())
+    assert cb.guard.scaler is t.precision_plugin.scaler is not None and cb.guard.cfg.amp.dtype == "float16"
+    assert cb.guard.last_loss == pytest.approx(model.seen[-1], rel=1e-3), (cb.guard.last_loss, model.seen[-1])
+    (found,) = anomalies(tmp_path)
+    assert (found["kind"], found["step"], found["action"]) == ("forward", 3, "retry")
+    assert cb.guard.counters.optimizer_steps == 6 and finite(model)
+
+
+def test_one_host_sync_per_healthy_step_inside_the_callback(tmp_path):
+    """Counted around the callback's hooks only (Lightning syncs for its own logging and loop)."""
+    syncs: List[int] = []
+
+    class Counted(SafeTraining):
+        pass
+
+    def counting(hook: Any) -> Any:
+        def counted(self: Any, *args: Any, **kw: Any) -> Any:
+            if self.guard is None or self.guard.counters.steps < 2:  # the first step's forced snapshot
+                return hook(self, *args, **kw)
+            with count_host_syncs() as n:
+                out = hook(self, *args, **kw)
+            syncs.append(n.count)
+            return out
+
+        return counted
+
+    for name in ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step", "on_train_batch_end"):
+        setattr(Counted, name, counting(getattr(SafeTraining, name)))
+    cb = Counted({**CFG, "snapshot": {"every": 1000}})
+    trainer(cb, tmp_path, max_steps=12).fit(Net(), loader())
+    assert anomalies(tmp_path) == [] and cb.guard.counters.healthy_steps == 12
+    steps = 12 - 2
+    assert sum(syncs) == steps, (sum(syncs), steps)
+
+
+def test_resume_from_a_model_checkpoint_saved_mid_run(tmp_path):
+    """ModelCheckpoint saves after the callback's on_train_batch_end: the checkpoint of step 6
+    holds the guard at step 6, and the resumed run goes on from there."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    model = Net()
+    GradFault(model.head.weight, calls=[2])
+    cfg = {**CFG, "recovery": {"actions": {"gradient": "skip_batch"}}, "detect": {"replay": {"enabled": False}}}
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    t = trainer(SafeTraining(cfg), tmp_path, max_steps=8, enable_checkpointing=True)
+    t.callbacks.append(saver)
+    t.fit(model, loader())
+    ckpt = torch.load(tmp_path / "ckpt" / "epoch=0-step=6.ckpt", weights_only=False)
+    (state,) = [v for k, v in ckpt["callbacks"].items() if "SafeTraining" in k]
+    assert state["guard"]["counters"]["steps"] == 6 and state["guard"]["counters"]["skipped_batches"] == 1
+    again = SafeTraining(cfg)
+    trainer(again, tmp_path / "2", max_steps=8).fit(
+        Net(), loader(), ckpt_path=tmp_path / "ckpt" / "epoch=0-step=6.ckpt"
+    )
+    assert (again.guard.counters.steps, again.guard.counters.skipped_batches) == (8, 1)
+
+
+class Manual(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+def test_manual_optimization_is_refused_naming_what_to_use_instead(tmp_path):
+    with pytest.raises(ValueError, match="automatic_optimization = False"):
+        trainer(SafeTraining(CFG), tmp_path, max_steps=2).fit(Manual(), loader())
+
+
+def test_import_safetrain_imports_no_lightning():
+    code = "import sys, safetrain; assert 'lightning' not in sys.modules and 'pytorch_lightning' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
