@@ -8,7 +8,9 @@ So :class:`LRBackoff` keeps the schedule's own (unscaled) LR per group: around e
 step it puts the unscaled LR back, lets the scheduler step, reads the new unscaled LR and
 writes ``max(unscaled * scale, min(min_lr, unscaled))`` for the optimizer to use. After one
 backoff, every later LR is exactly ``scale`` times what the schedule alone gives, and no
-backoff takes an LR below ``recovery.min_lr``. Nothing of the user's objects is wrapped or patched.
+backoff takes an LR below ``recovery.min_lr``. When the guard steps the scheduler nothing of the
+user's objects is wrapped or patched; a scheduler a framework's loop steps is made to
+:meth:`~LRBackoff.follow` (its class becomes a subclass whose ``step`` does the same around it).
 """
 
 from __future__ import annotations
@@ -69,6 +71,19 @@ class LRBackoff:
         step()
         self.unscaled = [float(g["lr"]) for g in self.optimizer.param_groups]
         self._apply()
+
+    def follow(self, scheduler: Any, may_step: Optional[Callable[[], bool]] = None) -> None:
+        """Make a scheduler that someone else steps (a framework's loop) keep this backoff on top:
+        its ``step`` runs on the unscaled LRs, and does nothing when ``may_step()`` is false. The
+        instance's class becomes a subclass with that ``step``; its ``state_dict`` and everything
+        else stay the scheduler's own (an attribute set on the instance would land in its state)."""
+        cls, backoff = type(scheduler), self
+
+        def step(sched: Any, *args: Any, **kwargs: Any) -> None:
+            if may_step is None or may_step():
+                backoff.step_with(lambda: cls.step(sched, *args, **kwargs))
+
+        scheduler.__class__ = type(cls.__name__, (cls,), {"step": step, "__module__": cls.__module__})
 
     def lrs(self) -> List[float]:
         """The LRs the optimizer uses now, one per param group."""

@@ -75,15 +75,8 @@ class Updates:
     def follow(self, scheduler: Any) -> None:
         """Make a scheduler that the caller's loop steps follow the guard: its ``step`` does nothing
         after a step whose update was not applied (unless ``guard.scheduler_follows: batch``), and
-        the LR backoff holds on top of it. The instance's class becomes a subclass whose ``step``
-        asks first; its ``state_dict`` and everything else are the scheduler's own."""
-        cls, updates = type(scheduler), self
-
-        def step(sched: Any, *args: Any, **kwargs: Any) -> None:
-            if updates.applied_last or updates.on_skips:
-                updates.backoff.step_with(lambda: cls.step(sched, *args, **kwargs))
-
-        scheduler.__class__ = type(cls.__name__, (cls,), {"step": step, "__module__": cls.__module__})
+        the LR backoff holds on top of it (:meth:`LRBackoff.follow <safetrain.lr.LRBackoff.follow>`)."""
+        self.backoff.follow(scheduler, lambda: self.applied_last or self.on_skips)
 
     def not_applied(self, loss: float) -> None:
         """The step's update is not applied: drop the gradients, count it, and step the scheduler

@@ -134,7 +134,7 @@ class SafeTraining(Callback):
         )
         for config in trainer.lr_scheduler_configs:  # epoch-interval ones: the LR backoff holds on top
             if config.scheduler is not scheduler:
-                _keep_backoff(config.scheduler, guard)
+                guard.backoff.follow(config.scheduler)
         resumed = self._loaded is not None
         if resumed:
             guard.load_state_dict(self._loaded)
@@ -325,16 +325,6 @@ def _finish(guard: Guard, result: FitResult, started: float) -> None:
         setattr(result, f.name, getattr(guard.counters, f.name))
     result.lr_scale = guard.backoff.scale
     result.wall_time = time.perf_counter() - started
-
-
-def _keep_backoff(scheduler: Any, guard: Guard) -> None:
-    """A scheduler Lightning steps per epoch: every step runs on the unscaled LRs, the backoff put back on."""
-    cls = type(scheduler)
-
-    def step(sched: Any, *args: Any, **kwargs: Any) -> None:
-        guard.backoff.step_with(lambda: cls.step(sched, *args, **kwargs))
-
-    scheduler.__class__ = type(cls.__name__, (cls,), {"step": step, "__module__": cls.__module__})
 
 
 @contextlib.contextmanager

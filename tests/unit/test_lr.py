@@ -78,3 +78,24 @@ def test_state_round_trip_keeps_current_scale():
     backoff.load_state_dict({"unscaled": saved["unscaled"]})
     assert backoff.scale == 0.5
     assert backoff.lrs() == pytest.approx([x * 0.5 for x in saved["unscaled"]])
+
+
+@pytest.mark.parametrize("kind", ["StepLR", "CosineAnnealingLR", "OneCycleLR", "SequentialLR"])
+def test_a_followed_scheduler_someone_else_steps_keeps_the_backoff_and_asks_first(kind):
+    """A framework steps the scheduler itself (Lightning, the HF Trainer): after ``follow`` every
+    LR is still exactly the scale times the schedule's, a step is skipped while ``may_step()`` is
+    false, and the scheduler's state_dict holds nothing of the wrapping (a function there would
+    not save without pickle)."""
+    opt, sched = make(kind)
+    twin_opt, twin = make(kind)
+    backoff, allowed = LRBackoff(opt), [True]
+    backoff.follow(sched, lambda: allowed[0])
+    backoff.set_scale(0.25)
+    for i in range(12):
+        allowed[0] = i % 3 != 1  # every third step was not applied: no advance
+        sched.step()
+        if allowed[0]:
+            twin.step()
+        assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.25 * g["lr"] for g in twin_opt.param_groups])
+    assert isinstance(sched, type(twin)) and sched.last_epoch == twin.last_epoch == 8
+    assert "step" not in sched.state_dict(), "nothing of the wrapping in the scheduler's state"
