@@ -57,6 +57,10 @@ class CallerSteps:
 
     _verdict: Optional[Verdict] = None
     _skipping = False
+    #: Each micro-batch's loss is its share of the step's (divided by the whole step's item count,
+    #: as a Hugging Face model given ``num_items_in_batch`` computes it): the step's loss is their
+    #: sum, not their mean. Set by the caller; the guard's own re-runs keep the same convention.
+    loss_shares = False
 
     def begin_batch(self: Any, batch: Any, indices: Optional[Sequence[int]] = None) -> Any:
         """A (micro-)batch arrives: returns it scanned, non-finite values zero-filled (or replaced)

@@ -94,16 +94,22 @@ def model_loss(model: torch.nn.Module, batch: Mapping) -> torch.Tensor:
     return loss
 
 
+def _takes_loss_kwargs(model: torch.nn.Module) -> bool:
+    """Whether the Trainer gives the model ``num_items_in_batch`` (its rule: ``accepts_loss_kwargs``,
+    else a ``**kwargs`` forward): each micro-batch's loss is then divided by the whole step's item count."""
+    accepts = getattr(model, "accepts_loss_kwargs", None)
+    if accepts is None:
+        params = inspect.signature(model.forward).parameters.values()
+        accepts = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    return bool(accepts)
+
+
 def _with_accumulation(cfg: TrainConfig, model: torch.nn.Module, k: int) -> TrainConfig:
     """The config with ``guard.accumulate_steps`` as the Trainer divides each micro-batch's loss for
     its backward (the guard's re-runs and replays do the same): by ``gradient_accumulation_steps``,
     or not at all for a model that takes ``num_items_in_batch`` (its loss is already normalized over
     the whole step; the Trainer's rule: ``accepts_loss_kwargs``, else a ``**kwargs`` forward)."""
-    accepts = getattr(model, "accepts_loss_kwargs", None)
-    if accepts is None:
-        params = inspect.signature(model.forward).parameters.values()
-        accepts = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-    k = 1 if accepts else max(int(k), 1)
+    k = 1 if _takes_loss_kwargs(model) else max(int(k), 1)
     if cfg.guard.accumulate_steps == k:
         return cfg
     return dataclasses.replace(cfg, guard=dataclasses.replace(cfg.guard, accumulate_steps=k))
@@ -226,6 +232,7 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
             bus=writers.bus,
             run_dir=str(run_dir) if run_dir else None,
         )
+        guard.loss_shares = _takes_loss_kwargs(model)  # its micro-batches' losses sum to the step's
         saved = self._saved_state(state)
         if saved is not None:
             guard.load_state_dict(saved)

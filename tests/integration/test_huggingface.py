@@ -252,6 +252,31 @@ def test_gradient_accumulation_decides_once_per_optimizer_step(tmp_path):
     assert cb.result.optimizer_steps == 7 and finite(model)
 
 
+def test_with_accumulation_the_judged_loss_is_the_steps_loss_for_a_model_given_num_items_in_batch(tmp_path):
+    """Review of #19: GPT-2 takes ``num_items_in_batch``, so each micro-batch's loss is already
+    divided by the whole step's token count and the step's loss is their sum. 9 batches an epoch
+    with gradient_accumulation_steps=4: windows of 4, 4, 1. The guard's loss (judged for spikes,
+    in metrics.csv and the journal) must be the step's loss the Trainer logs, not a quarter of it
+    in full windows and four times that in the epoch's last (one micro-batch) window."""
+    model = gpt2()
+    seen: Dict[int, float] = {}
+
+    class Judged(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            seen[state.global_step] = cb_ref[0].guard.last_loss
+
+    cb_ref: List[SafeTrainingCallback] = []
+    cb = SafeTrainingCallback(QUIET)
+    cb_ref.append(cb)
+    kw = dict(gradient_accumulation_steps=4, per_device_train_batch_size=4, logging_steps=1)
+    trainer = Trainer(model=model, args=args(tmp_path, 6, **kw), train_dataset=Tokens(n=36), callbacks=[cb, Judged()])
+    trainer.train()
+    logged = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+    assert sorted(logged) == sorted(seen) == [1, 2, 3, 4, 5, 6]
+    for step, loss in logged.items():
+        assert seen[step] == pytest.approx(loss, rel=1e-3, abs=1e-3), (step, seen, logged)
+
+
 def test_bf16_autocast_on_the_cpu(tmp_path):
     model = gpt2()
     OutputFault(model.transformer.h[1].mlp, calls=[4, 5, 6])
