@@ -95,8 +95,7 @@ def model_loss(model: torch.nn.Module, batch: Mapping) -> torch.Tensor:
 
 
 def _takes_loss_kwargs(model: torch.nn.Module) -> bool:
-    """Whether the Trainer gives the model ``num_items_in_batch`` (its rule: ``accepts_loss_kwargs``,
-    else a ``**kwargs`` forward): each micro-batch's loss is then divided by the whole step's item count."""
+    """Whether the Trainer gives the model ``num_items_in_batch`` (``accepts_loss_kwargs``, or ``**kwargs``)."""
     accepts = getattr(model, "accepts_loss_kwargs", None)
     if accepts is None:
         params = inspect.signature(model.forward).parameters.values()
@@ -390,13 +389,15 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
         if not self._undecided or self.guard is None:
             return
         self._undecided, self._busy = False, True
+        fwd, k = self.guard.forward, self.guard.forward.accumulate  # re-runs divide as the Trainer: by this
+        fwd.accumulate = len(self.guard.pending.micro) if k > 1 else k  # window's micro-batches (fewer at an epoch end)
         try:
             with torch.enable_grad():  # (the autograd engine runs its callbacks with grad off)
                 self.last = self.guard.before_optimizer_step()
         except TrainingAborted as exc:
             self._abort(exc)
         finally:
-            self._busy = False
+            self._busy, fwd.accumulate = False, k
 
     def _abort(self, exc: TrainingAborted) -> None:
         self.aborted = exc
