@@ -100,7 +100,8 @@ class CallerSteps:
             raise RuntimeError("before_optimizer_step() without a batch begun (call begin_batch first)")
         if self._skipping:  # the data that led into a restore
             self.plumbing.drop_grads()
-            event = None
+            event, micro = None, len(self._pending.micro)  # a short window (an epoch's end) is a whole step
+            self.recovery_state.skipped_micro = max(self.cfg.guard.accumulate_steps - micro, 0)
             for _ in self._pending.micro:
                 event = self.recovery.skip_data(lambda: self.updates.skipped_data(self.last_loss)) or event
             self.phase = Phase.READY

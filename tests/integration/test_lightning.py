@@ -288,6 +288,21 @@ def test_a_restore_across_an_epoch_end_keeps_the_lr_of_the_epoch_interval_schedu
     assert lrs.lrs == [0.05] * 8 + [0.025] * 8 + [0.0125] * 4, lrs.lrs
 
 
+def test_the_data_skipped_after_a_restore_at_an_epochs_short_last_window_is_one_step(tmp_path):
+    """Review of #19: accumulation 3, 8 batches an epoch (windows of 3, 3, 2). Weights poisoned by
+    step 1 are restored at step 2; the one step to skip after it is the epoch's short last window:
+    it counts as one skipped step, and the next epoch's first window trains (before: its 2
+    micro-batches were counted towards a step of 3, the next window was skipped as well and the
+    guard's steps fell behind Lightning's)."""
+    model, moves = Net(), Moves()
+    cfg = {"recovery": {"skip_batches_after_restore": 1}}
+    cb = fit(model, tmp_path, cfg, extra=[Poison([1]), moves], max_steps=5, accumulate_grad_batches=3)
+    assert [(e["kind"], e["step"], e["action"]) for e in anomalies(tmp_path)][:1] == [("weights", 2, "restore")]
+    assert moves.moved == [True, False, False, True, True], moves.moved
+    c = cb.guard.counters
+    assert (c.steps, c.skipped_batches, c.restores) == (5, 2, 1), vars(c)
+
+
 def test_a_loss_spike_is_skipped(tmp_path):
     model, moves = Net(), Moves()
     OutputFault(model.head, calls=[8], value=1e4)  # a finite blow-up of the logits at the 8th forward
