@@ -57,6 +57,10 @@ class CallerSteps:
 
     _verdict: Optional[Verdict] = None
     _skipping = False
+    #: Each micro-batch's loss is its share of the step's (divided by the whole step's item count,
+    #: as a Hugging Face model given ``num_items_in_batch`` computes it): the step's loss is their
+    #: sum, not their mean. Set by the caller; the guard's own re-runs keep the same convention.
+    loss_shares = False
 
     def begin_batch(self: Any, batch: Any, indices: Optional[Sequence[int]] = None) -> Any:
         """A (micro-)batch arrives: returns it scanned, non-finite values zero-filled (or replaced)
@@ -96,7 +100,8 @@ class CallerSteps:
             raise RuntimeError("before_optimizer_step() without a batch begun (call begin_batch first)")
         if self._skipping:  # the data that led into a restore
             self.plumbing.drop_grads()
-            event = None
+            event, micro = None, len(self._pending.micro)  # a short window (an epoch's end) is a whole step
+            self.recovery_state.skipped_micro = max(self.cfg.guard.accumulate_steps - micro, 0)
             for _ in self._pending.micro:
                 event = self.recovery.skip_data(lambda: self.updates.skipped_data(self.last_loss)) or event
             self.phase = Phase.READY

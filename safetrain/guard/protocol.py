@@ -255,7 +255,7 @@ class Guard(OwnSteps, CallerSteps):
     def _read(self) -> detect.StepRead:
         self.counters.steps += 1
         p, read = self._pending, self.forward.read(self._pending)  # host sync: the one per step
-        self.last_loss = read.loss / len(p.micro) if read.loss is not None else math.nan
+        self.last_loss = read.loss / (1 if self.loss_shares else len(p.micro)) if read.loss is not None else math.nan
         self.last_grad_norm = read.total_norm if read.total_norm is not None else math.nan
         return read
 

@@ -94,16 +94,21 @@ def model_loss(model: torch.nn.Module, batch: Mapping) -> torch.Tensor:
     return loss
 
 
+def _takes_loss_kwargs(model: torch.nn.Module) -> bool:
+    """Whether the Trainer gives the model ``num_items_in_batch`` (``accepts_loss_kwargs``, or ``**kwargs``)."""
+    accepts = getattr(model, "accepts_loss_kwargs", None)
+    if accepts is None:
+        params = inspect.signature(model.forward).parameters.values()
+        accepts = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    return bool(accepts)
+
+
 def _with_accumulation(cfg: TrainConfig, model: torch.nn.Module, k: int) -> TrainConfig:
     """The config with ``guard.accumulate_steps`` as the Trainer divides each micro-batch's loss for
     its backward (the guard's re-runs and replays do the same): by ``gradient_accumulation_steps``,
     or not at all for a model that takes ``num_items_in_batch`` (its loss is already normalized over
     the whole step; the Trainer's rule: ``accepts_loss_kwargs``, else a ``**kwargs`` forward)."""
-    accepts = getattr(model, "accepts_loss_kwargs", None)
-    if accepts is None:
-        params = inspect.signature(model.forward).parameters.values()
-        accepts = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-    k = 1 if accepts else max(int(k), 1)
+    k = 1 if _takes_loss_kwargs(model) else max(int(k), 1)
     if cfg.guard.accumulate_steps == k:
         return cfg
     return dataclasses.replace(cfg, guard=dataclasses.replace(cfg.guard, accumulate_steps=k))
@@ -226,6 +231,7 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
             bus=writers.bus,
             run_dir=str(run_dir) if run_dir else None,
         )
+        guard.loss_shares = _takes_loss_kwargs(model)  # its micro-batches' losses sum to the step's
         saved = self._saved_state(state)
         if saved is not None:
             guard.load_state_dict(saved)
@@ -383,13 +389,15 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
         if not self._undecided or self.guard is None:
             return
         self._undecided, self._busy = False, True
+        fwd, k = self.guard.forward, self.guard.forward.accumulate  # re-runs divide as the Trainer: by this
+        fwd.accumulate = len(self.guard.pending.micro) if k > 1 else k  # window's micro-batches (fewer at an epoch end)
         try:
             with torch.enable_grad():  # (the autograd engine runs its callbacks with grad off)
                 self.last = self.guard.before_optimizer_step()
         except TrainingAborted as exc:
             self._abort(exc)
         finally:
-            self._busy = False
+            self._busy, fwd.accumulate = False, k
 
     def _abort(self, exc: TrainingAborted) -> None:
         self.aborted = exc

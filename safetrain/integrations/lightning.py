@@ -232,6 +232,7 @@ class SafeTraining(Callback):
         if self.aborted is not None:  # stopped: nothing more trains while Lightning winds down
             guard.plumbing.drop_grads()
             return
+        restores = guard.counters.restores
         try:
             result = guard.before_optimizer_step()
         except TrainingAborted as exc:
@@ -244,10 +245,21 @@ class SafeTraining(Callback):
             guard.plumbing.drop_grads()
             return
         self._decided = True
+        if guard.counters.restores != restores:
+            self._keep_epoch_lr(trainer)
         if self.log_grad_norm and trainer.loggers:
             step = trainer.global_step
             if result.action or (step + 1) % max(trainer.log_every_n_steps, 1) == 0:
                 self._log(trainer, step, result.grad_norm, guard.backoff.scale, result.trained)
+
+    def _keep_epoch_lr(self, trainer: Trainer) -> None:
+        """A restore put the snapshot's LR back; an epoch-interval scheduler is not in the snapshot
+        and stays at the current epoch: with no step-interval one, its LR holds (else a chained
+        schedule would lag from here on)."""
+        guard = self.guard
+        epoch = [c.scheduler for c in trainer.lr_scheduler_configs if c.interval != "step"]
+        if guard is not None and guard.scheduler is None and len(epoch) == 1 and hasattr(epoch[0], "get_last_lr"):
+            guard.backoff.load_state_dict({"unscaled": epoch[0].get_last_lr()})
 
     @staticmethod
     def _log(trainer: Trainer, step: int, grad_norm: float, lr_scale: float, trained: bool) -> None:

@@ -252,6 +252,68 @@ def test_gradient_accumulation_decides_once_per_optimizer_step(tmp_path):
     assert cb.result.optimizer_steps == 7 and finite(model)
 
 
+def test_with_accumulation_the_judged_loss_is_the_steps_loss_for_a_model_given_num_items_in_batch(tmp_path):
+    """Review of #19: GPT-2 takes ``num_items_in_batch``, so each micro-batch's loss is already
+    divided by the whole step's token count and the step's loss is their sum. 9 batches an epoch
+    with gradient_accumulation_steps=4: windows of 4, 4, 1. The guard's loss (judged for spikes,
+    in metrics.csv and the journal) must be the step's loss the Trainer logs, not a quarter of it
+    in full windows and four times that in the epoch's last (one micro-batch) window."""
+    model = gpt2()
+    seen: Dict[int, float] = {}
+
+    class Judged(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            seen[state.global_step] = cb_ref[0].guard.last_loss
+
+    cb_ref: List[SafeTrainingCallback] = []
+    cb = SafeTrainingCallback(QUIET)
+    cb_ref.append(cb)
+    kw = dict(gradient_accumulation_steps=4, per_device_train_batch_size=4, logging_steps=1)
+    trainer = Trainer(model=model, args=args(tmp_path, 6, **kw), train_dataset=Tokens(n=36), callbacks=[cb, Judged()])
+    trainer.train()
+    logged = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+    assert sorted(logged) == sorted(seen) == [1, 2, 3, 4, 5, 6]
+    for step, loss in logged.items():
+        assert seen[step] == pytest.approx(loss, rel=1e-3, abs=1e-3), (step, seen, logged)
+
+
+class Classifier(torch.nn.Module):
+    """A plain module whose forward takes no ``**kwargs``: the Trainer divides its loss by the
+    micro-batches of each accumulation window (fewer in an epoch's last one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(100, 8)
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> Dict[str, Any]:
+        logits = self.head(self.emb(input_ids).mean(dim=1))
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def test_a_retry_in_an_epochs_last_short_accumulation_window_divides_as_the_trainer_does(tmp_path):
+    """Review of #19: 9 batches an epoch, gradient_accumulation_steps=4: windows of 4, 4 and 1
+    micro-batches, the Trainer dividing each loss by 4, 4 and 1. A transient NaN in the last
+    window's forward is retried by the guard: its re-run must divide by 1 too, so the run ends
+    bitwise as the same run without the fault and without safetrain (not with a quarter step)."""
+    kw = dict(gradient_accumulation_steps=4, per_device_train_batch_size=4, lr_scheduler_type="constant")
+    data = Tokens(n=36, classify=True)
+    plain = Classifier()
+    opt = torch.optim.SGD(plain.parameters(), lr=0.5)
+    Trainer(model=plain, args=args(tmp_path / "plain", 3, **kw), train_dataset=data, optimizers=(opt, None)).train()
+    model = Classifier()
+    OutputFault(model.head, calls=[9])  # the last window's only forward (the replay's and the retry's are clean)
+    cb = SafeTrainingCallback(QUIET)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    Trainer(
+        model=model, args=args(tmp_path, 3, **kw), train_dataset=data, callbacks=[cb], optimizers=(opt, None)
+    ).train()
+    assert [(e.step, e.kind, e.action) for e in anomalies(cb)] == [(3, "forward", "retry")]
+    for a, b in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(a, b), "the retried step's gradients are the Trainer's own"
+
+
 def test_bf16_autocast_on_the_cpu(tmp_path):
     model = gpt2()
     OutputFault(model.transformer.h[1].mlp, calls=[4, 5, 6])

@@ -259,6 +259,50 @@ def test_after_a_restore_the_batches_to_skip_run_through_training_step_and_train
     assert cb.guard.counters.restores == 1 and finite(model)
 
 
+class EpochNet(Net):
+    """Net with an epoch-interval StepLR that halves the LR at each epoch's end."""
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
+
+
+class LRs(pl.Callback):
+    """The LR each batch trains with."""
+
+    def __init__(self) -> None:
+        self.lrs: List[float] = []
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def test_a_restore_across_an_epoch_end_keeps_the_lr_of_the_epoch_interval_scheduler(tmp_path):
+    """Review of #19: the snapshot of step 5 (epoch 0, LR 0.05) is restored at step 10 (epoch 1).
+    The epoch-interval scheduler is not in the snapshot and stays at epoch 1: the LR must stay
+    its 0.025, not go back to 0.05 (a chained StepLR then lags one epoch for the rest of the run)."""
+    model, lrs = EpochNet(), LRs()
+    fit(model, tmp_path, extra=[Poison([9]), lrs], max_steps=20)
+    assert [(e["kind"], e["step"], e["action"]) for e in anomalies(tmp_path)] == [("weights", 10, "restore")]
+    assert lrs.lrs == [0.05] * 8 + [0.025] * 8 + [0.0125] * 4, lrs.lrs
+
+
+def test_the_data_skipped_after_a_restore_at_an_epochs_short_last_window_is_one_step(tmp_path):
+    """Review of #19: accumulation 3, 8 batches an epoch (windows of 3, 3, 2). Weights poisoned by
+    step 1 are restored at step 2; the one step to skip after it is the epoch's short last window:
+    it counts as one skipped step, and the next epoch's first window trains (before: its 2
+    micro-batches were counted towards a step of 3, the next window was skipped as well and the
+    guard's steps fell behind Lightning's)."""
+    model, moves = Net(), Moves()
+    cfg = {"recovery": {"skip_batches_after_restore": 1}}
+    cb = fit(model, tmp_path, cfg, extra=[Poison([1]), moves], max_steps=5, accumulate_grad_batches=3)
+    assert [(e["kind"], e["step"], e["action"]) for e in anomalies(tmp_path)][:1] == [("weights", 2, "restore")]
+    assert moves.moved == [True, False, False, True, True], moves.moved
+    c = cb.guard.counters
+    assert (c.steps, c.skipped_batches, c.restores) == (5, 2, 1), vars(c)
+
+
 def test_a_loss_spike_is_skipped(tmp_path):
     model, moves = Net(), Moves()
     OutputFault(model.head, calls=[8], value=1e4)  # a finite blow-up of the logits at the 8th forward
