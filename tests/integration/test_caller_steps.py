@@ -150,11 +150,26 @@ def test_gradient_accumulation_decides_once_per_optimizer_step():
 
 
 def test_an_unfixable_fault_aborts_from_before_optimizer_step_at_the_last_good_state():
-    model, opt, _, guard = make({"recovery": {"max_retries": 2}})
+    """A layer NaN from the 4th step on: skip, restore, scale_lr, then abort; the model and the
+    optimizer's momentum are those of the snapshot of step 2 (vouched for by step 3's clean read)."""
+    model, opt, _, guard = make({"recovery": {"max_retries": 2}, "snapshot": {"every": 2}})
     OutputFault(model[2], calls=range(4, 10**9))
+    after: List[Any] = []
     with pytest.raises(TrainingAborted):
-        caller_loop(guard, model, opt, batches(n=12))
-    assert all(math.isfinite(v) for v in flat(model).tolist())
+        for batch in batches(n=12):
+            batch = guard.begin_batch(batch)
+            loss = loss_of(model, batch)
+            loss.backward()
+            guard.record_loss(loss)
+            guard.before_optimizer_step()
+            opt.step()
+            guard.after_optimizer_step()
+            opt.zero_grad()
+            after.append((flat(model).clone(), [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]))
+    params, momenta = after[1]
+    assert torch.equal(flat(model), params), "the model is the last good snapshot's (step 2)"
+    assert all(torch.equal(opt.state[p]["momentum_buffer"], m) for p, m in zip(model.parameters(), momenta))
+    assert guard.counters.restores >= 2 and guard.counters.optimizer_steps == 3
 
 
 def test_the_caller_api_refuses_a_guard_that_owns_its_steps_and_the_other_way_round():

@@ -327,6 +327,8 @@ def test_an_unfixable_fault_aborts_cleanly_at_the_last_good_state(tmp_path, on_a
         t.fit(model, loader())
         assert isinstance(cb.aborted, TrainingAborted) and t.should_stop
     assert finite(model) and cb.result.ended == "aborted"
+    start = Net()  # steps 1-3 healthy, no snapshot since the forced one of step 0: that is the last good state
+    assert torch.equal(flat(model), flat(start)) and torch.equal(model.bn.running_mean, start.bn.running_mean)
     ended = [e for e in journal(tmp_path) if e["event"] == "run_ended"]
     assert [e["action"] for e in ended] == ["aborted"]
     assert t.global_step < 20
