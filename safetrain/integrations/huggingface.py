@@ -186,6 +186,7 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
         self._busy = False  # the guard runs forwards of its own: the hooks pass through
         self._open = False  # a micro-batch begun, its loss not yet seen
         self._undecided = False  # the step's last micro-batch seen, its decision not yet made
+        self._snapshot_due = False  # resumed: the first training forward snapshots the checkpoint's state
         self._started = 0.0
 
     # ----------------------------------------------------------------- the Trainer's events
@@ -235,7 +236,9 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
         saved = self._saved_state(state)
         if saved is not None:
             guard.load_state_dict(saved)
-            guard.snapshot(force=True)  # the checkpoint's state is the first good one
+            # The checkpoint's state is the first good one: snapshot it at the first forward, once
+            # the Trainer has put back the checkpoint's RNG state too (at its first batch, not yet).
+            self._snapshot_due = True
         elif run_dir is not None:
             guard.store.check_fresh()
         self._handles = [
@@ -356,6 +359,9 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
     def _before_forward(self, module: torch.nn.Module, args: tuple, kwargs: Dict[str, Any]) -> Any:
         if self._busy or not module.training or self.guard is None or self.aborted is not None:
             return None
+        if self._snapshot_due:
+            self._snapshot_due = False
+            self.guard.snapshot(force=True)
         if args:
             raise RuntimeError(
                 f"SafeTrainingCallback: the model was called with {len(args)} positional argument(s); "

@@ -33,7 +33,7 @@ from transformers import (  # noqa: E402
     TrainingArguments,
 )
 
-from safetrain import TrainingAborted  # noqa: E402
+from safetrain import Guard, TrainingAborted  # noqa: E402
 from safetrain.integrations import huggingface as hf  # noqa: E402
 from safetrain.integrations.huggingface import SafeTrainingCallback  # noqa: E402
 from safetrain.testing import GradFault, OutputFault, WeightFault, count_host_syncs  # noqa: E402
@@ -377,7 +377,7 @@ def test_the_scheduler_follows_optimizer_steps_and_keeps_an_lr_backoff(tmp_path)
 
 
 @pytest.mark.parametrize("restore_callbacks", [False, True])
-def test_resume_from_the_trainers_checkpoint_restores_the_guards_state(tmp_path, restore_callbacks):
+def test_resume_from_the_trainers_checkpoint_restores_the_guards_state(tmp_path, restore_callbacks, monkeypatch):
     """Also with restore_callback_states_from_checkpoint, where the Trainer makes a new callback
     from the checkpoint's args (the config) and attributes (the guard's state)."""
     model = gpt2()
@@ -397,7 +397,21 @@ def test_resume_from_the_trainers_checkpoint_restores_the_guards_state(tmp_path,
     model2 = gpt2()
     second = SafeTrainingCallback(QUIET)
     trainer = Trainer(model=model2, args=args(tmp_path, 12, **kw), train_dataset=Tokens(), callbacks=[second])
+    first_forward: List[torch.Tensor] = []  # the RNG state the resumed run trains its first step with
+    model2.register_forward_pre_hook(lambda m, a: first_forward.append(torch.get_rng_state()) if m.training else None)
+    forced: List[torch.Tensor] = []
+    snapshot = Guard.snapshot
+
+    def spy(guard: Guard, force: bool = False) -> Any:
+        if force:
+            forced.append(torch.get_rng_state())
+        return snapshot(guard, force)
+
+    monkeypatch.setattr(Guard, "snapshot", spy)
     trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-8"))
+    assert len(forced) == 1 and torch.equal(forced[0], first_forward[0]), (
+        "the resume's snapshot holds the checkpoint's RNG state (a restore to it replays the same dropout)"
+    )
     (used,) = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, SafeTrainingCallback)]
     assert (used is second) is not restore_callbacks
     assert used.cfg.detect.check_weights_every == 0, "the config came back with it"
