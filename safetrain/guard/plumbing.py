@@ -39,8 +39,9 @@ class Plumbing:
         amp: the ``amp`` section: autocast dtype, and the GradScaler made for float16.
         scaler: the user's ``GradScaler``, if any (a disabled one counts as none).
         to_device: copy a CPU loader's batches to the model's accelerator (``guard.to_device``).
-        caller_steps: the caller's loop (a framework) owns the scaler's ``scale``, ``step`` and
-            ``update``: the guard only unscales (once) and reads it, and a re-run's backward is not scaled.
+        caller_steps: the caller's loop (a framework) owns the scaler's ``step`` and ``update``: the
+            guard unscales (once, unless the framework did) and reads it; a re-run's backward is
+            scaled and unscaled as the framework's was (:meth:`before_rerun`).
     """
 
     def __init__(
@@ -98,9 +99,8 @@ class Plumbing:
 
     # ------------------------------------------------------------------ the scaler
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss to call ``backward`` on (scaled in fp16; a caller-owned step's re-run is not:
-        its gradients were unscaled already)."""
-        return self.scaler.scale(loss) if self.scaler is not None and not self.caller_steps else loss
+        """The loss to call ``backward`` on (scaled in fp16)."""
+        return self.scaler.scale(loss) if self.scaler is not None else loss
 
     def unscale_(self) -> None:
         """Unscale the gradients in place before they are checked and clipped (fp16 only; once per
@@ -111,11 +111,13 @@ class Plumbing:
                 self.scaler.unscale_(self.optimizer)
 
     def before_rerun(self) -> None:
-        """A caller-owned step runs again: the scaler's overflow flags of the first run are cleared
-        (the re-run's gradients are checked by the guard; the framework's ``scaler.step`` reads them)."""
+        """A caller-owned step runs again: the scaler's state for the optimizer goes back to before
+        its unscale, so that the re-run's gradients (scaled like the first run's: small ones do not
+        underflow in half precision) are unscaled by the next read, and the framework's
+        ``scaler.step`` reads the re-run's overflow flags, not the first run's."""
         if self.scaler is not None and self.caller_steps:
-            for found in self.scaler._per_optimizer_states[id(self.optimizer)]["found_inf_per_device"].values():
-                found.zero_()
+            state = self.scaler._per_optimizer_states[id(self.optimizer)]
+            state["stage"], state["found_inf_per_device"] = OptState.READY, {}
 
     def scaler_values(self) -> tuple:
         """``(found_inf, scale)`` as device tensors for the step's one read, or ``(None, None)``.

@@ -181,3 +181,43 @@ def test_the_caller_api_refuses_a_guard_that_owns_its_steps_and_the_other_way_ro
         guard.step(batches(n=1)[0])
     with pytest.raises(RuntimeError, match="begin_batch first"):
         guard.before_optimizer_step()
+
+
+def test_a_rerun_under_the_callers_fp16_scaler_is_scaled_and_unscaled_like_the_guards_own():
+    """fp16 autocast with the caller's GradScaler, a loss so small that its unscaled gradients
+    underflow in half precision, a NaN input row at step 1 (dropped, the step re-run through
+    step_fn): the re-run's backward is scaled (and unscaled by the guard's read) as the caller's
+    was, so it trains as the guard-owned run does; the caller's scaler reads the re-run's flags."""
+
+    def tiny_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        x, y = batch
+        with torch.autocast("cpu", dtype=torch.float16):
+            return 1e-8 * F.mse_loss(model(x).float(), y)
+
+    amp = {"amp": {"dtype": "float16"}}
+    data = batches(PoisonRows(regression_data(), indices=[3]), n=4)
+    start = flat(mlp()).clone()
+    own_model = mlp()  # an LR large enough for updates of gradients ~1e-7 to show in float32
+    own = Guard(own_model, torch.optim.SGD(own_model.parameters(), lr=1e5), {**CFG, **amp}, step_fn=tiny_loss)
+    for b in data:
+        own.step(b)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=own.cfg.amp.init_scale)
+    guard = Guard(model, opt, {**CFG, **amp}, caller_steps=True, scaler=scaler, step_fn=tiny_loss)
+    actions = []
+    for batch in data:
+        batch = guard.begin_batch(batch)
+        loss = tiny_loss(model, batch)
+        scaler.scale(loss).backward()
+        guard.record_loss(loss)
+        actions.append(guard.before_optimizer_step().action)
+        scaler.step(opt)
+        scaler.update()
+        guard.after_optimizer_step()
+        opt.zero_grad()
+    assert actions[0] == "drop_rows" and guard.counters.dropped_rows == 1
+    assert guard.counters.optimizer_steps == own.counters.optimizer_steps == 4
+    moved, own_moved = flat(model) - start, flat(own_model) - start
+    assert own_moved.abs().max() > 1e-3, "the guard-owned run trained"
+    assert torch.allclose(moved, own_moved, rtol=1e-2, atol=1e-5), (moved - own_moved).abs().max()  # 4e-4 before
