@@ -24,6 +24,7 @@ from .schema import (
     iter_fields,
     to_dict,
     to_yaml,
+    without_replays,
 )
 from .validate import validate
 
@@ -47,4 +48,5 @@ __all__ = [
     "to_dict",
     "to_yaml",
     "iter_fields",
+    "without_replays",
 ]

@@ -9,6 +9,7 @@ for the recovery policy come from :mod:`safetrain.kinds`. No torch, no I/O beyon
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Literal, Mapping, Optional
 
@@ -306,3 +307,12 @@ def to_dict(cfg: TrainConfig) -> dict:
 def to_yaml(cfg: TrainConfig) -> str:
     """The resolved configuration as YAML, in schema order."""
     return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
+def without_replays(cfg: TrainConfig, why: str) -> TrainConfig:
+    """The config with ``detect.replay.enabled`` false; ``why`` goes to the log (once) when they were on."""
+    if not cfg.detect.replay.enabled:
+        return cfg
+    logging.getLogger("safetrain").info("%s", why)
+    detect = dataclasses.replace(cfg.detect, replay=dataclasses.replace(cfg.detect.replay, enabled=False))
+    return dataclasses.replace(cfg, detect=detect)

@@ -10,18 +10,15 @@ cannot re-run forwards on their own).
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 from typing import Any, Dict, Iterator, List, Mapping
 
 import torch
 
+from ..config import without_replays
 from ..errors import SafetrainError
 from ..snapshot import TrainState
 
 __all__ = ["DDP", "FSDP2", "LOCAL", "layout_of", "local", "ShardedState", "LocalOptimizer", "for_layout", "train_state"]
-
-logger = logging.getLogger("safetrain")
 
 LOCAL, DDP, FSDP2 = "local", "ddp", "fsdp2"
 _SUPPORTED = (
@@ -94,14 +91,11 @@ def for_layout(layout: str, cfg: Any) -> Any:
     once); a ``safetensors`` store writes sharded snapshots (:mod:`.checkpoint`)."""
     if layout != FSDP2:
         return cfg
-    if cfg.detect.replay.enabled:
-        logger.info(
-            "FSDP2: replays are off (detect.replay.enabled=false): FSDP's forward all-gathers parameters, "
-            "so a rank cannot re-run forwards on its own; anomalies are judged from the step's read"
-        )
-        detect = dataclasses.replace(cfg.detect, replay=dataclasses.replace(cfg.detect.replay, enabled=False))
-        cfg = dataclasses.replace(cfg, detect=detect)
-    return cfg
+    return without_replays(
+        cfg,
+        "FSDP2: replays are off (detect.replay.enabled=false): FSDP's forward all-gathers parameters, "
+        "so a rank cannot re-run forwards on its own; anomalies are judged from the step's read",
+    )
 
 
 def _to_local(obj: Any) -> Any:

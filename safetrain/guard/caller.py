@@ -9,33 +9,26 @@ snapshots). ``Guard.step`` runs the same parts itself; the decision loop is one 
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import math
 from typing import Any, Optional, Sequence
 
 from torch import Tensor
 
-from ..config import TrainConfig
+from ..config import TrainConfig, without_replays
 from ..steps import Phase, StepResult
 from .outcomes import Verdict
 
 __all__ = ["CallerSteps", "without_reruns"]
 
-logger = logging.getLogger("safetrain")
-
 
 def without_reruns(cfg: TrainConfig) -> TrainConfig:
     """A caller-owned loop without a ``loss_fn`` or ``step_fn``: the guard cannot run the step's
     forward itself, so replays are off (logged once) and ``drop_rows``/``retry`` become ``skip_batch``."""
-    if cfg.detect.replay.enabled:
-        logger.info(
-            "caller-owned steps without a loss_fn or step_fn: replays are off and drop_rows/retry skip the "
-            "batch instead (the guard cannot run the step's forward); give step_fn to have them"
-        )
-        detect = dataclasses.replace(cfg.detect, replay=dataclasses.replace(cfg.detect.replay, enabled=False))
-        cfg = dataclasses.replace(cfg, detect=detect)
-    return cfg
+    return without_replays(
+        cfg,
+        "caller-owned steps without a loss_fn or step_fn: replays are off and drop_rows/retry skip the batch "
+        "instead (the guard cannot run the step's forward); give step_fn to have them",
+    )
 
 
 class CallerSteps:
