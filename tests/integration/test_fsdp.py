@@ -8,18 +8,14 @@ gathered), so "equal across ranks" means the ranks hold one consistent model.
 
 from __future__ import annotations
 
-import datetime
-import gc
-import hashlib
-import json
 import math
-import os
-import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, List
 
 import pytest
 import torch
+
+from tests.fsdp_tools import full_digest, launch, spawn_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 150  # seconds for all scenarios together
@@ -85,11 +81,6 @@ def _full(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
 
 
-def _digest(model: torch.nn.Module) -> str:
-    flat = torch.cat([t.reshape(-1) for t in _full(model).values()])
-    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
-
-
 def _run(
     rank: int,
     overrides: List[str],
@@ -133,7 +124,7 @@ def _run(
             out["aborted_at"] = guard.counters.steps
         out.update(after(guard))
     GradBomb.armed = False
-    out["digest"] = _digest(model)
+    out["digest"] = full_digest(model)
     out["finite"] = all(bool(torch.isfinite(t).all()) for t in _full(model).values())
     return out
 
@@ -292,21 +283,8 @@ SCENARIOS = {"healthy": _healthy, "faults": _faults, "restore": _restore, "poiso
              "refused": _refused}  # fmt: skip
 
 
-def _worker(rank: int, world: int, tmp: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
-    results: Dict[str, Any] = {}
-    for name, scenario in SCENARIOS.items():
-        results[name] = scenario(rank, tmp)
-    with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    gc.collect()
-    dist.destroy_process_group()
+def _scenarios(rank: int, tmp: str, phase: str) -> Dict[str, Any]:
+    return {name: scenario(rank, tmp) for name, scenario in SCENARIOS.items()}
 
 
 # ----------------------------------------------------------------------------- the test's side
@@ -314,11 +292,8 @@ def _worker(rank: int, world: int, tmp: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: Any) -> List[Dict[str, Any]]:
-    from tests.conftest import run_two_ranks
-
     tmp = tmp_path_factory.mktemp("fsdp")
-    run_two_ranks(__file__, tmp, TIMEOUT, "the 2-rank FSDP2 run")
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+    return launch(__file__, tmp, "scenarios", TIMEOUT, "the 2-rank FSDP2 run")
 
 
 def _decisions(run: Dict[str, Any]) -> List[Any]:
@@ -413,4 +388,4 @@ def test_sharded_norms_combine_as_a_root_of_summed_squares():
 
 
 if __name__ == "__main__":
-    torch.multiprocessing.spawn(_worker, args=(2, sys.argv[1]), nprocs=2, join=True)
+    spawn_ranks(_scenarios, "scenarios")

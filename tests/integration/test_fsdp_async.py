@@ -8,13 +8,8 @@ on rank 1 while an async save is still in flight restores that snapshot (it is a
 
 from __future__ import annotations
 
-import datetime
-import gc
 import hashlib
-import json
 import math
-import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List
@@ -22,6 +17,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
+from tests.fsdp_tools import launch, spawn_ranks
 from tests.integration.test_fsdp_resume import _batches, _cfg, _full, _model
 
 TIMEOUT = 150
@@ -87,32 +83,18 @@ def _restore_after_async_save(rank: int, directory: str) -> List[Any]:
     return restored
 
 
-def _worker(rank: int, world: int, tmp: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
-    out = {
+def _run(rank: int, tmp: str, phase: str) -> Dict[str, Any]:
+    return {
         "off": _fit(rank, f"{tmp}/off", False),
         "on": _fit(rank, f"{tmp}/on", True),
         "restored": _restore_after_async_save(rank, f"{tmp}/midrun"),
     }
-    with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
-        json.dump(out, f)
-    gc.collect()
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: Any) -> List[Dict[str, Any]]:
-    from tests.conftest import run_two_ranks
-
     tmp = tmp_path_factory.mktemp("fsdp_async")
-    run_two_ranks(__file__, tmp, TIMEOUT, "the async_save launch")
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+    return launch(__file__, tmp, "async", TIMEOUT, "the async_save launch")
 
 
 def test_a_run_with_async_save_ends_bitwise_equal_with_the_same_snapshots(ranks):
@@ -131,4 +113,4 @@ def test_a_restore_right_after_an_async_save_loads_that_snapshot(ranks):
 
 
 if __name__ == "__main__":
-    torch.multiprocessing.spawn(_worker, args=(2, sys.argv[1]), nprocs=2, join=True)
+    spawn_ranks(_run, "async")

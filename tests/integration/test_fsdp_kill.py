@@ -17,9 +17,6 @@ a launcher and 2 gloo ranks (``torch.multiprocessing.spawn``):
 
 from __future__ import annotations
 
-import datetime
-import gc
-import hashlib
 import json
 import os
 import shutil
@@ -33,34 +30,11 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
+from tests.fsdp_tools import batches, fsdp_mlp, full_digest, launch, spawn_ranks
+
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 60  # seconds per launch
 STEPS, HELD = 10, 6  # the save of step 6 is cut by the kill; the newest complete snapshot is of step 3
-
-
-def _model() -> torch.nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 6), torch.nn.Tanh(),
-                              torch.nn.Linear(6, 1))  # fmt: skip
-    for layer in (net[0], net[2], net[4]):
-        fully_shard(layer)
-    fully_shard(net)
-    return net
-
-
-def _batches(rank: int) -> List[Any]:
-    g = torch.Generator().manual_seed(100 + rank)
-    return [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(STEPS)]
-
-
-def _digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
-    """Every parameter and Adam moment as full tensors (a collective)."""
-    flat = [p.full_tensor().detach().reshape(-1) for p in model.parameters()]
-    for s in opt.state.values():
-        flat += [s[k].full_tensor().reshape(-1) for k in ("exp_avg", "exp_avg_sq")]
-    return hashlib.sha256(torch.cat(flat).numpy().tobytes()).hexdigest()
 
 
 def _fit(rank: int, directory: str) -> Dict[str, Any]:
@@ -69,7 +43,7 @@ def _fit(rank: int, directory: str) -> Dict[str, Any]:
 
     from safetrain import SafeTrainer, load_config
 
-    model = _model()
+    model = fsdp_mlp()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     forwards: List[int] = []
 
@@ -79,8 +53,12 @@ def _fit(rank: int, directory: str) -> Dict[str, Any]:
 
     cfg = load_config(None, ["log.progress=false", "snapshot.every=3", "snapshot.keep=2",
                              "snapshot.store=safetensors", f"snapshot.dir={directory}"])  # fmt: skip
-    result = SafeTrainer(model, opt, cfg, loss_fn=loss_fn).fit(_batches(rank), epochs=1, resume="auto")
-    return {"steps": result.steps, "forwards": len(forwards), "digest": _digest(model, opt)}
+    result = SafeTrainer(model, opt, cfg, loss_fn=loss_fn).fit(batches(rank, STEPS), epochs=1, resume="auto")
+    return {
+        "steps": result.steps,
+        "forwards": len(forwards),
+        "digest": full_digest(model, opt, ("exp_avg", "exp_avg_sq")),
+    }
 
 
 def _hold_the_mark(tmp: str) -> None:
@@ -98,14 +76,7 @@ def _hold_the_mark(tmp: str) -> None:
     checkpoint._write_json = held
 
 
-def _worker(rank: int, world: int, tmp: str, phase: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/rendezvous-{phase}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=TIMEOUT),
-    )  # fmt: skip
+def _job(rank: int, tmp: str, phase: str) -> Dict[str, Any]:
     if phase == "killed":
         if rank == 0:
             _hold_the_mark(tmp)
@@ -115,10 +86,7 @@ def _worker(rank: int, world: int, tmp: str, phase: str) -> None:
     out = {"before": listing, "resumed": _fit(rank, f"{tmp}/snaps")}
     out["after"] = sorted(os.listdir(f"{tmp}/snaps"))
     out["full"] = _fit(rank, f"{tmp}/full")
-    with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
-        json.dump(out, f)
-    gc.collect()
-    dist.destroy_process_group()
+    return out
 
 
 # ----------------------------------------------------------------------------- the test's side
@@ -136,8 +104,6 @@ def _launch(tmp: Path, phase: str) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: Any) -> Dict[str, Any]:
-    from tests.conftest import run_two_ranks
-
     tmp = tmp_path_factory.mktemp("fsdp_kill")
     proc = _launch(tmp, "killed")
     deadline = time.monotonic() + TIMEOUT
@@ -153,12 +119,7 @@ def job(tmp_path_factory: Any) -> Dict[str, Any]:
     proc.communicate()
     killed = proc.returncode
     shutil.copytree(tmp / "snaps", tmp / "at-kill")  # as the kill left it, for safetrain inspect
-    os.environ["SAFETRAIN_TEST_PHASE"] = "resume"
-    try:
-        run_two_ranks(__file__, tmp, TIMEOUT, "the relaunch after SIGKILL")
-    finally:
-        del os.environ["SAFETRAIN_TEST_PHASE"]
-    ranks = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = launch(__file__, tmp, "resume", TIMEOUT, "the relaunch after SIGKILL")
     return {"killed": killed, "ranks": ranks, "at_kill": tmp / "at-kill"}
 
 
@@ -226,6 +187,4 @@ def test_safetrain_inspect_reads_the_sharded_snapshots_the_kill_left(job, tmp_pa
 
 
 if __name__ == "__main__":
-    torch.multiprocessing.spawn(
-        _worker, args=(2, sys.argv[1], os.environ.get("SAFETRAIN_TEST_PHASE", "killed")), nprocs=2, join=True
-    )
+    spawn_ranks(_job, "killed", timeout=TIMEOUT)

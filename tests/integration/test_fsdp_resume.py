@@ -8,17 +8,16 @@ safetensors`` (sharded snapshot directories); (2) 2 new ranks resume the cut run
 
 from __future__ import annotations
 
-import datetime
-import gc
 import hashlib
 import json
 import os
-import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import pytest
 import torch
+
+from tests.fsdp_tools import batches, fsdp_mlp, full_digest, launch, mlp, spawn_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 150
@@ -26,27 +25,16 @@ STEPS, CUT, SNAP = 10, 7, 6  # the cut run's newest snapshot is of step 6 (snaps
 
 
 def _model() -> torch.nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 6), torch.nn.Tanh(),
-                              torch.nn.Linear(6, 1))  # fmt: skip
-    for layer in (net[0], net[2], net[4]):
-        fully_shard(layer)
-    fully_shard(net)
-    return net
+    return fsdp_mlp()
 
 
 def _batches(rank: int) -> List[Any]:
-    g = torch.Generator().manual_seed(100 + rank)
-    return [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(STEPS)]
+    return batches(rank, STEPS)
 
 
 def _full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
     """A digest of every parameter and every momentum buffer as full tensors (a collective)."""
-    flat = [p.full_tensor().detach().reshape(-1) for p in model.parameters()]
-    flat += [s["exp_avg"].full_tensor().reshape(-1) for s in opt.state.values() if "exp_avg" in s]
-    return hashlib.sha256(torch.cat(flat).numpy().tobytes()).hexdigest()
+    return full_digest(model, opt, ("exp_avg",))
 
 
 def _cfg(directory: str) -> List[str]:
@@ -84,16 +72,13 @@ def _loaded(rank: int, directory: str) -> Dict[str, Any]:
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     with Guard(model, opt, load_config(None, _cfg(directory + "-scratch"))) as guard:
         info = distributed.load_snapshot(directory, guard.state)
-        params = torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
-        return {
-            "step": info.step,
-            "digest": _full(model, opt),
-            "params": hashlib.sha256(params.numpy().tobytes()).hexdigest(),
-        }
+        params = full_digest(model)
+        return {"step": info.step, "digest": _full(model, opt), "params": params}
 
 
-def _restore_midrun(rank: int, directory: str) -> Dict[str, Any]:
-    """A NaN loss on rank 1 at step 5 -> every rank restores the sharded snapshot of step 3 from disk."""
+def _restore_midrun(rank: int, directory: str, before_step_5: Callable[[], None] = lambda: None) -> Dict[str, Any]:
+    """A NaN loss on rank 1 at step 5 -> every rank restores the sharded snapshot of step 3 from disk.
+    ``before_step_5`` runs on every rank just before step 5 (test_fsdp_verify damages that snapshot)."""
     import math
 
     import torch.nn.functional as F
@@ -110,8 +95,10 @@ def _restore_midrun(rank: int, directory: str) -> Dict[str, Any]:
         guard.begin_epoch(0)
         actions = []
         for step, (x, y) in enumerate(_batches(rank)[:6], start=1):
-            if step == 5 and rank == 1:
-                y = y.clone().fill_(math.nan)
+            if step == 5:
+                before_step_5()
+                if rank == 1:
+                    y = y.clone().fill_(math.nan)
             actions.append(guard.step((x, y)).action)
     finite = all(bool(torch.isfinite(p.full_tensor()).all()) for p in model.parameters())
     return {"actions": actions, "restored": restored, "digest": _full(model, opt), "finite": finite}
@@ -138,34 +125,12 @@ def _phase(rank: int, tmp: str, phase: str) -> Dict[str, Any]:
     return {"loaded": loaded, "resumed": resumed, "written": [(m["counters"]["step"], m["world"]) for m in marks]}
 
 
-def _worker(rank: int, world: int, tmp: str, phase: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/rendezvous-{phase}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
-    out = _phase(rank, tmp, phase)
-    with open(os.path.join(tmp, f"{phase}-rank{rank}.json"), "w") as f:
-        json.dump(out, f)
-    gc.collect()
-    dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: Any) -> Dict[str, List[Dict[str, Any]]]:
-    from tests.conftest import run_two_ranks
-
     tmp = tmp_path_factory.mktemp("fsdp_resume")
     out: Dict[str, List[Dict[str, Any]]] = {}
     for phase, world in (("train", 2), ("resume", 2), ("one", 1)):
-        os.environ["SAFETRAIN_TEST_PHASE"], os.environ["SAFETRAIN_TEST_WORLD"] = phase, str(world)
-        try:
-            run_two_ranks(__file__, tmp, TIMEOUT, f"the FSDP2 {phase} launch")
-        finally:
-            del os.environ["SAFETRAIN_TEST_PHASE"], os.environ["SAFETRAIN_TEST_WORLD"]
-        out[phase] = [json.loads((tmp / f"{phase}-rank{r}.json").read_text()) for r in range(world)]
+        out[phase] = launch(__file__, tmp, phase, TIMEOUT, f"the FSDP2 {phase} launch", world)
     out["dir"] = [{"path": str(tmp / "cut")}]
     return out
 
@@ -232,9 +197,7 @@ def test_export_writes_one_model_file_that_loads_into_the_unsharded_model(runs, 
     out = tmp_path / "model.safetensors"
     assert main(["export", f"{runs['dir'][0]['path']}/step-{SNAP:010d}", str(out)]) == 0
     assert "6 tensors" in capsys.readouterr().out
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 6), torch.nn.Tanh(),
-                              torch.nn.Linear(6, 1))  # fmt: skip
+    net = mlp()
     net.load_state_dict(load_file(str(out)))  # strict: every name, every shape
     flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     assert hashlib.sha256(flat.numpy().tobytes()).hexdigest() == runs["one"][0]["loaded"]["params"]
@@ -242,6 +205,4 @@ def test_export_writes_one_model_file_that_loads_into_the_unsharded_model(runs, 
 
 
 if __name__ == "__main__":
-    world = int(os.environ.get("SAFETRAIN_TEST_WORLD", "2"))
-    phase = os.environ.get("SAFETRAIN_TEST_PHASE", "train")
-    torch.multiprocessing.spawn(_worker, args=(world, sys.argv[1], phase), nprocs=world, join=True)
+    spawn_ranks(_phase, "train")

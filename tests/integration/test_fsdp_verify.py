@@ -11,21 +11,17 @@ records no checksums (written before they were) still loads, and inspect says so
 from __future__ import annotations
 
 import contextlib
-import datetime
-import gc
 import io
 import json
-import math
 import os
 import shutil
-import sys
 from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
-import torch
 
-from tests.integration.test_fsdp_resume import _batches, _cfg, _fit, _full, _loaded, _model
+from tests.fsdp_tools import launch, spawn_ranks
+from tests.integration.test_fsdp_resume import _fit, _loaded, _restore_midrun
 
 TIMEOUT = 150
 STEPS, CUT = 10, 7  # the cut run's snapshots: steps 3 and 6
@@ -50,28 +46,13 @@ def _midrun(rank: int, directory: str) -> Dict[str, Any]:
     """Snapshots of steps 0 and 3; rank 0 damages step 3's shard; a NaN loss on rank 1 at step 5:
     every rank refuses step 3 (set aside) and restores step 0."""
     import torch.distributed as dist
-    import torch.nn.functional as F
 
-    from safetrain import load_config
-    from safetrain.guard import Guard
+    def damage() -> None:
+        if rank == 0:
+            flip_tensor_byte(Path(directory, "step-0000000003"))
+        dist.barrier()
 
-    model = _model()
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    cfg = load_config(None, [*_cfg(directory), "sanitize.targets=off", "recovery.actions.loss=restore"])
-    restored: List[Any] = []
-    with Guard(model, opt, cfg, loss_fn=F.mse_loss) as guard:
-        guard.bus.subscribe(lambda e: restored.append(e.detail.get("snapshot_step")) if e.name == "restored" else None)
-        guard.begin_epoch(0)
-        actions = []
-        for step, (x, y) in enumerate(_batches(rank)[:6], start=1):
-            if step == 5:
-                if rank == 0:
-                    flip_tensor_byte(Path(directory, "step-0000000003"))
-                dist.barrier()
-                if rank == 1:
-                    y = y.clone().fill_(math.nan)
-            actions.append(guard.step((x, y)).action)
-    return {"actions": actions, "restored": restored, "digest": _full(model, opt), "listing": os.listdir(directory)}
+    return {**_restore_midrun(rank, directory, damage), "listing": os.listdir(directory)}
 
 
 def _phase(rank: int, tmp: str, phase: str) -> Dict[str, Any]:
@@ -91,30 +72,8 @@ def _phase(rank: int, tmp: str, phase: str) -> Dict[str, Any]:
     }
 
 
-def _worker(rank: int, world: int, tmp: str, phase: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/rendezvous-{phase}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
-    out = _phase(rank, tmp, phase)
-    with open(os.path.join(tmp, f"{phase}-rank{rank}.json"), "w") as f:
-        json.dump(out, f)
-    gc.collect()
-    dist.destroy_process_group()
-
-
 def _launch(tmp: Path, phase: str) -> List[Dict[str, Any]]:
-    from tests.conftest import run_two_ranks
-
-    os.environ["SAFETRAIN_TEST_PHASE"] = phase
-    try:
-        run_two_ranks(__file__, tmp, TIMEOUT, f"the {phase} launch")
-    finally:
-        del os.environ["SAFETRAIN_TEST_PHASE"]
-    return [json.loads((tmp / f"{phase}-rank{r}.json").read_text()) for r in range(2)]
+    return launch(__file__, tmp, phase, TIMEOUT, f"the {phase} launch")
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +132,4 @@ def test_a_snapshot_written_without_checksums_still_loads_and_inspect_says_so(ru
 
 
 if __name__ == "__main__":
-    torch.multiprocessing.spawn(
-        _worker, args=(2, sys.argv[1], os.environ.get("SAFETRAIN_TEST_PHASE", "train")), nprocs=2, join=True
-    )
+    spawn_ranks(_phase, "train")
