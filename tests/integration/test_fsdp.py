@@ -9,7 +9,6 @@ gathered), so "equal across ranks" means the ranks hold one consistent model.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any, Callable, Dict, List
 
 import pytest
@@ -17,7 +16,6 @@ import torch
 
 from tests.fsdp_tools import full_digest, launch, spawn_ranks
 
-ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 150  # seconds for all scenarios together
 MARK = 1e31  # an input value that the Spike layer turns into +inf (the loss stays finite)
 

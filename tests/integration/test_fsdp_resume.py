@@ -19,7 +19,6 @@ import torch
 
 from tests.fsdp_tools import batches, fsdp_mlp, full_digest, launch, mlp, spawn_ranks
 
-ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 150
 STEPS, CUT, SNAP = 10, 7, 6  # the cut run's newest snapshot is of step 6 (snapshot.every=3)
 
