@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -141,8 +142,9 @@ class RunWriters:
         """Journal a quarantine action (the :class:`QuarantineKeeper`'s callback)."""
         self._emit(Quarantined, action, message, detail, kind="quarantine")
 
-    def close(self, result: Any, started: float, error: Optional[BaseException], finish: Callable) -> None:
+    def close(self, result: Any, started: float, error: Optional[BaseException]) -> None:
         """Close everything, each part even if another fails; the journal's last word says how the run ended.
+        ``result`` (a ``FitResult``) takes the guard's counters, its LR scale and the wall time since ``started``.
 
         Raises:
             RunDirError: the journal or metrics could not be closed and nothing else is being raised.
@@ -159,7 +161,10 @@ class RunWriters:
         ending, detail = ending_of(error)
         if self.guard is not None:
             attempt(self.guard.close)  # first: the hooks come off the user's model whatever else fails
-            finish(self.guard, result, started)
+            for name, value in vars(self.guard.counters).items():
+                setattr(result, name, value)
+            result.lr_scale = self.guard.backoff.scale
+        result.wall_time = time.perf_counter() - started
         result.ended, result.aborted = ending, ending == "aborted"
         result.error = f"{detail['error']}: {detail['error_message']}" if ending == "failed" else None
         if self.bar is not None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections.abc
-import dataclasses
 import logging
 import math
 import os
@@ -179,7 +178,7 @@ class SafeTrainer:
                 exc.result = result
             raise
         finally:
-            writers.close(result, started, error, self._finish)
+            writers.close(result, started, error)
         if error is not None:  # a caught signal
             error.result = result
             if cfg.log.on_signal == "raise":
@@ -290,12 +289,6 @@ class SafeTrainer:
             keeper.end_epoch()
             if self.scheduler is not None and cfg.guard.scheduler_interval == "epoch":
                 guard.backoff.step(self.scheduler, guard.epoch_loss)  # the whole epoch's, across a resume
-
-    def _finish(self, guard: Guard, result: FitResult, started: float) -> None:
-        for f in dataclasses.fields(Counters):
-            setattr(result, f.name, getattr(guard.counters, f.name))
-        result.lr_scale = guard.backoff.scale
-        result.wall_time = time.perf_counter() - started
 
 
 @dataclass

@@ -93,10 +93,9 @@ class CallerSteps:
             raise RuntimeError("before_optimizer_step() without a batch begun (call begin_batch first)")
         if self._skipping:  # the data that led into a restore
             self.plumbing.drop_grads()
-            event, micro = None, len(self._pending.micro)  # a short window (an epoch's end) is a whole step
-            self.recovery_state.skipped_micro = max(self.cfg.guard.accumulate_steps - micro, 0)
-            for _ in self._pending.micro:
-                event = self.recovery.skip_data(lambda: self.updates.skipped_data(self.last_loss)) or event
+            # The window (however short: an epoch's end) is one whole step skipped.
+            self.recovery_state.skipped_micro = self.cfg.guard.accumulate_steps - 1
+            event = self.recovery.skip_data(lambda: self.updates.skipped_data(self.last_loss))
             self.phase = Phase.READY
             return StepResult(self.counters.steps, False, math.nan, math.nan, "skip_batch", (event,) if event else ())
         try:
@@ -107,9 +106,8 @@ class CallerSteps:
         if verdict.trains:
             self.updates.prepare(verdict.total_norm, self._pending.micro)
         self._verdict = verdict
-        action = (str(verdict.outcome.action) if verdict.outcome is not None else "") or verdict.rerun_action
         steps, events = self.counters.steps, tuple(verdict.events)
-        return StepResult(steps, verdict.trains, self.last_loss, self.last_grad_norm, action, events)
+        return StepResult(steps, verdict.trains, self.last_loss, self.last_grad_norm, verdict.action, events)
 
     def after_optimizer_step(self: Any) -> Optional[StepResult]:
         """After ``optimizer.step()`` (or where it would have been): counters, the scheduler's

@@ -59,6 +59,11 @@ class Verdict:
         return self.outcome is None or self.outcome.apply
 
     @property
+    def action(self) -> str:
+        """The action the step comes to (``""``: healthy): the outcome's, else the re-run's."""
+        return (str(self.outcome.action) if self.outcome is not None else "") or self.rerun_action
+
+    @property
     def total_norm(self) -> Optional[float]:
         """The gradient norm to clip with."""
         return self.read.total_norm if self.outcome is None else self.outcome.total_norm

@@ -285,9 +285,8 @@ class Guard(OwnSteps, CallerSteps):
         if verdict.trains:
             self.recovery_state.count_loss(self.last_loss)
             self.judge.observe(self.last_loss)  # a trained step's loss joins the spike and divergence windows
-        action = str(verdict.outcome.action) or verdict.rerun_action
         steps, events = self.counters.steps, tuple(verdict.events)
-        return StepResult(steps, verdict.trains, self.last_loss, self.last_grad_norm, action, events)
+        return StepResult(steps, verdict.trains, self.last_loss, self.last_grad_norm, verdict.action, events)
 
     def _explain(self, anomaly: Anomaly) -> Diagnosis:
         """The slow path's replay: the step's (its parameters were finite: the judge checked), or

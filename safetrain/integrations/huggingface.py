@@ -44,7 +44,6 @@ from ..errors import TrainingAborted
 from ..events import RunStarted
 from ..guard import Guard, StepResult
 from ..rundir import prepare_run_dir
-from ..steps import Counters
 from ..trainer import FitResult
 
 __all__ = ["SafeTrainingCallback", "MIN_TRANSFORMERS", "model_loss"]
@@ -342,15 +341,10 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
             return
         result = FitResult(run_dir=str(writers.journal.path.parent) if writers.journal is not None else None)
         result.events = writers.bus.events
-        writers.close(result, self._started, error if error is not None else self.aborted, self._finish)
-        self.result = result
-
-    def _finish(self, guard: Guard, result: FitResult, started: float) -> None:
-        for name in vars(Counters()):
-            setattr(result, name, getattr(guard.counters, name))
-        result.lr_scale, result.wall_time = guard.backoff.scale, time.perf_counter() - started
         if self.last is not None and self.last.trained:
             result.final_loss = self.last.loss
+        writers.close(result, self._started, error if error is not None else self.aborted)
+        self.result = result
 
     # ----------------------------------------------------------------- the hooks
     def _step_fn(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:

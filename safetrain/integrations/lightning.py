@@ -35,7 +35,6 @@ from ..errors import TrainingAborted
 from ..events import RunStarted
 from ..guard import Guard
 from ..rundir import prepare_run_dir
-from ..steps import Counters
 from ..trainer import FitResult
 
 __all__ = ["SafeTraining"]
@@ -314,7 +313,7 @@ class SafeTraining(Callback):
             return
         if isinstance(error, TrainingAborted) and self.result is not None:
             error.result = self.result
-        writers.close(self.result, self._started, error, _finish)
+        writers.close(self.result, self._started, error)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:
@@ -330,13 +329,6 @@ class SafeTraining(Callback):
             self.guard.load_state_dict(state)
         else:
             self._loaded = state
-
-
-def _finish(guard: Guard, result: FitResult, started: float) -> None:
-    for f in dataclasses.fields(Counters):
-        setattr(result, f.name, getattr(guard.counters, f.name))
-    result.lr_scale = guard.backoff.scale
-    result.wall_time = time.perf_counter() - started
 
 
 @contextlib.contextmanager
