@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 from .errors import SafetrainError
 from .events import jsonable
+from .records import METRICS_COLUMNS
 from .runlog import JOURNAL_FILE, METRICS_FILE, ReportError, RunLog, read_run
 
 __all__ = [
@@ -277,7 +278,7 @@ class MetricsWriter:
         flush_every: hand the rows to the OS after at most this many (``fit`` passes ``snapshot.every``).
     """
 
-    COLUMNS = ("step", "epoch", "batch", "loss", "grad_norm", "lr_scale", "trained", "action")
+    COLUMNS = METRICS_COLUMNS
 
     def __init__(self, path: PathLike, flush_every: int = 100) -> None:
         self.path = Path(path)
