@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 from .errors import SafetrainError
 from .events import jsonable
 from .records import METRICS_COLUMNS
-from .runlog import JOURNAL_FILE, METRICS_FILE, ReportError, RunLog, read_run
+from .runlog import JOURNAL_FILE, METRICS_FILE, ReportError, RunLog, Skipped, read_run
 
 __all__ = [
     "JOURNAL_FILE",
@@ -39,6 +39,7 @@ __all__ = [
     "RunDirError",
     "prepare_run_dir",
     "RunLog",
+    "Skipped",
     "read_run",
 ]
 
