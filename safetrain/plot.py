@@ -54,7 +54,7 @@ def plot_run(run: RunLog, path: Union[None, str, os.PathLike] = None) -> Path:
 
     Raises:
         PlotUnavailable: matplotlib is not installed (``pip install safetrain[plot]``).
-        ReportError: the run has no ``metrics.csv`` rows to plot.
+        ReportError: the run has no ``metrics.csv`` rows to plot, or the PNG cannot be written.
     """
     try:
         import matplotlib  # noqa: F401
@@ -65,7 +65,10 @@ def plot_run(run: RunLog, path: Union[None, str, os.PathLike] = None) -> Path:
     if run.metrics is None or not run.metrics["step"]:
         raise ReportError(f"{run.run_dir / 'metrics.csv'}: no per-step metrics to plot")
     out = Path(path) if path is not None else run.run_dir / "report.png"
-    _draw(run, out)
+    try:
+        _draw(run, out)
+    except OSError as exc:  # a run directory that is read-only here, a full disk
+        raise ReportError(f"{out}: cannot write the plot ({exc.strerror or exc})") from None
     return out
 
 

@@ -17,7 +17,7 @@ from safetrain.cli import main
 from safetrain.events import AnomalyFound, RunEnded, RunStarted
 from safetrain.records import Unsound, sound_event, sound_metrics_row, sound_summary
 from safetrain.report import format_report, reconcile
-from safetrain.rundir import Journal, Skipped, read_run
+from safetrain.rundir import Journal, ReportError, Skipped, read_run
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADER = "step,epoch,batch,loss,grad_norm,lr_scale,trained,action"
@@ -218,6 +218,15 @@ def test_a_whole_last_line_without_its_newline_is_read(tmp_path):
     (tmp_path / "events.jsonl").write_text('{"event": "run_started", "step": 0}\n{"event": "anomaly", "step": 1}')
     run = read_run(tmp_path)
     assert run.cut_at is None and len(run.events) == 2
+
+
+def test_a_plot_that_cannot_be_written_is_a_report_error(tmp_path):
+    """A run directory read-only to the reader: the table is printed, the plot is a one-line note."""
+    pytest.importorskip("matplotlib")
+    from safetrain.plot import plot_run
+
+    with pytest.raises(ReportError, match="cannot write the plot"):
+        plot_run(read_run(make_run(tmp_path)), tmp_path / "gone" / "report.png")
 
 
 # -- the command, in a real process ---------------------------------------------------------------
