@@ -157,7 +157,7 @@ def sound_event(record: Any) -> Dict[str, Any]:
         detail["run_id"] = _name(detail, "run_id", prefix="detail.")
     if out["event"] == "anomaly" and out["kind"] in ("input", "target"):
         detail["count"] = _integer(detail, "count", 0, default=0, prefix="detail.")
-    when = _get(record, "time", None)
+    out["time"] = when = _get(record, "time", None)
     if when is not None and (isinstance(when, bool) or not isinstance(when, (int, float)) or not _finite(when)):
         raise Unsound(f"time is not a finite number (got {_shown(when)})")
     return out

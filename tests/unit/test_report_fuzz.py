@@ -122,7 +122,7 @@ def check_sound(run) -> None:
             assert isinstance(e[key], str), (key, e)
         for key, low in (("step", 0), ("epoch", -1), ("batch", -1), ("rank", 0)):
             assert type(e[key]) is int and low <= e[key] < MAX_STEP, (key, e)
-        assert isinstance(e["detail"], dict), e
+        assert isinstance(e["detail"], dict) and (e["time"] is None or math.isfinite(e["time"])), e
         if e["event"] == "anomaly" and e["kind"] in ("input", "target"):
             assert type(e["detail"]["count"]) is int and e["detail"]["count"] >= 0, e
         if e["event"] == "run_started":

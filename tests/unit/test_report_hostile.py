@@ -175,7 +175,7 @@ def test_the_summary_is_read_into_its_types():
 def test_a_sound_event_has_every_known_field():
     e = sound_event({"event": "anomaly", "step": 4, "detail": None})
     known = {"event": "anomaly", "step": 4, "epoch": -1, "batch": -1, "rank": 0, "kind": "", "action": ""}
-    assert e == {**known, "message": "", "detail": {}}
+    assert e == {**known, "message": "", "detail": {}, "time": None}
     row = sound_metrics_row(HEADER.split(","), "3,0,2,nan,-inf,1,0,skip_batch".split(","))
     assert row[:3] == [3.0, 0.0, 2.0] and math.isnan(row[3]) and row[4:] == [-math.inf, 1.0, 0.0, "skip_batch"]
 
