@@ -68,7 +68,9 @@ def _parser() -> argparse.ArgumentParser:
         "report",
         help="summarize a run directory: events by kind and action, the counters, and report.png",
         description="Read RUN_DIR/events.jsonl and metrics.csv; print the events by kind and action with the "
-        "first step of each and the summary counters, and write RUN_DIR/report.png (needs matplotlib).",
+        "first step of each and the summary counters, and write RUN_DIR/report.png (needs matplotlib). "
+        "Lines it cannot use (not JSON, a field of the wrong type) are skipped and named; exit code 0 when the "
+        "journal could be read, 2 when RUN_DIR or its journal is missing or unreadable.",
         epilog="example:\n  safetrain report runs/demo",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

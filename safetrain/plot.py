@@ -35,6 +35,9 @@ _MARKERS = {  # action -> (marker, colour); the order is the legend's
 }
 
 
+_LARGEST = 1e300  # the largest magnitude drawn as a value
+
+
 class PlotUnavailable(ReportError):
     """matplotlib is not installed; the text report still works."""
 
@@ -51,7 +54,7 @@ def plot_run(run: RunLog, path: Union[None, str, os.PathLike] = None) -> Path:
 
     Raises:
         PlotUnavailable: matplotlib is not installed (``pip install safetrain[plot]``).
-        ReportError: the run has no ``metrics.csv`` rows to plot.
+        ReportError: the run has no ``metrics.csv`` rows to plot, or the PNG cannot be written.
     """
     try:
         import matplotlib  # noqa: F401
@@ -59,10 +62,13 @@ def plot_run(run: RunLog, path: Union[None, str, os.PathLike] = None) -> Path:
         raise PlotUnavailable(
             "matplotlib is not installed, so no report.png; install it with: pip install 'safetrain[plot]'"
         ) from None
-    if not run.metrics or not run.metrics.get("step"):
+    if run.metrics is None or not run.metrics["step"]:
         raise ReportError(f"{run.run_dir / 'metrics.csv'}: no per-step metrics to plot")
     out = Path(path) if path is not None else run.run_dir / "report.png"
-    _draw(run, out)
+    try:
+        _draw(run, out)
+    except OSError as exc:  # a run directory that is read-only here, a full disk
+        raise ReportError(f"{out}: cannot write the plot ({exc.strerror or exc})") from None
     return out
 
 
@@ -72,13 +78,14 @@ def _draw(run: RunLog, out: Path) -> None:
     from matplotlib.lines import Line2D
 
     m = run.metrics or {}
-    steps, loss, gnorm, lr = m["step"], m["loss"], m["grad_norm"], m["lr_scale"]
+    steps = m["step"]
+    loss, gnorm, lr = (_drawable(m[name]) for name in ("loss", "grad_norm", "lr_scale"))
     by_step = {int(s): i for i, s in enumerate(steps)}
     fig = Figure(figsize=(11, 7.5), dpi=110)
     ax_loss, ax_grad, ax_lr = fig.subplots(
         3, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2, 1.1], "hspace": 0.08}
     )
-    trained = m.get("trained") or [1.0] * len(steps)
+    trained = m["trained"]
     _series(ax_loss, steps, loss, trained, "loss", "#4c72b0")
     _series(ax_grad, steps, gnorm, trained, "gradient norm", "#55a868")
     marks = _marks(run)
@@ -134,15 +141,21 @@ def _marks(run: RunLog) -> List[Tuple[int, str, str]]:
     """
     marks, seen = [], set()
     for e in run.events:
-        if e["event"] not in ("anomaly", "restored", "lr_changed", "aborted", "quarantine") or not e.get("action"):
+        if e["event"] not in ("anomaly", "restored", "lr_changed", "aborted", "quarantine") or not e["action"]:
             continue
-        step, action = int(e.get("step", 0)), str(e["action"])
+        step, action = e["step"], e["action"]
         if e["event"] == "restored" and action not in ("restore", "scale_lr", "abort"):
             continue
         if (step, action) not in seen:
             seen.add((step, action))
-            marks.append((step, action, str(e.get("kind", ""))))
+            marks.append((step, action, e["kind"]))
     return marks
+
+
+def _drawable(values: List[float]) -> List[float]:
+    """``values`` with magnitudes over 1e300 as infinities: drawn in the NaN/Inf band, since an axis
+    with headroom above them would overflow (a float64 ends at 1.8e308)."""
+    return [math.copysign(math.inf, v) if abs(v) > _LARGEST else v for v in values]
 
 
 def _positive(values: List[float]) -> bool:
@@ -236,9 +249,7 @@ def _headroom(ax: Any, values: List[float]) -> None:
 
 
 def _epochs(ax: Any, m: Dict[str, List[Any]]) -> None:
-    epochs, steps = m.get("epoch"), m["step"]
-    if not epochs:
-        return
+    epochs, steps = m["epoch"], m["step"]
     starts = [(steps[i], int(e)) for i, e in enumerate(epochs) if i > 0 and e != epochs[i - 1]]
     if len(starts) > 30:
         return

@@ -1,9 +1,10 @@
 """The text report of a run directory: the event table, the summary counters and their cross-check.
 
-:func:`format_report` renders what :func:`safetrain.rundir.read_run` read: what happened, how
-often and first when, the summary counters, and whether the journal and the metrics agree with
-them. Pure string work on plain records; nothing here imports torch or matplotlib (the plot is
-:func:`safetrain.plot.plot_run`).
+:func:`format_report` renders what :func:`safetrain.rundir.read_run` read: the lines it had to
+skip and why, what happened, how often and first when, the summary counters, and whether the
+journal and the metrics agree with them. The reader hands over sound records only (every known
+field present and of its type), so nothing here checks them again. Pure string work on plain
+records; nothing here imports torch or matplotlib (the plot is :func:`safetrain.plot.plot_run`).
 
 Example::
 
@@ -17,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
-from .rundir import RunLog
+from .runlog import RunLog, Skipped
 
 __all__ = [
     "EventRow",
@@ -69,11 +70,11 @@ def event_table(run: RunLog) -> List[EventRow]:
     """Group the journal by (event, kind, action): count and first occurrence, in order of first occurrence."""
     rows: Dict[Tuple[str, str, str], List[Any]] = {}
     for e in run.events:
-        key = (str(e.get("event", "")), str(e.get("kind", "")), str(e.get("action", "")))
+        key = (e["event"], e["kind"], e["action"])
         if key in rows:
             rows[key][0] += 1
         else:
-            rows[key] = [1, int(e.get("step", -1)), int(e.get("epoch", -1)), int(e.get("batch", -1))]
+            rows[key] = [1, e["step"], e["epoch"], e["batch"]]
     return [EventRow(*key, *value) for key, value in rows.items()]
 
 
@@ -94,21 +95,21 @@ def reconcile(run: RunLog) -> Dict[str, Tuple[Any, Any]]:
 
     def rows(action: str) -> int:
         return sum(
-            int((e.get("detail") or {}).get("count", 0))
+            e["detail"]["count"]
             for e in ev
-            if e["event"] == "anomaly" and e.get("action") == action and e.get("kind") in ("input", "target")
+            if e["event"] == "anomaly" and e["action"] == action and e["kind"] in ("input", "target")
         )
 
     found: Dict[str, Any] = {
         "events": len(ev),
-        "restores": sum(1 for e in ev if e["event"] == "restored" and e.get("action") != "skip_batch"),
+        "restores": sum(1 for e in ev if e["event"] == "restored" and e["action"] != "skip_batch"),
         "dropped_rows": rows("drop_rows"),
         "replaced_rows": rows("replace"),
         "scaler_skips": sum(
-            1 for e in ev if e["event"] == "anomaly" and e.get("kind") == "scaler" and e.get("action") == "skip_batch"
+            1 for e in ev if e["event"] == "anomaly" and e["kind"] == "scaler" and e["action"] == "skip_batch"
         ),
     }
-    if run.metrics is not None and "trained" in run.metrics:
+    if run.metrics is not None:
         found["steps"] = len(run.metrics["trained"])
         found["skipped_batches"] = sum(1 for t in run.metrics["trained"] if not t)
     return {k: (s.get(k), v) for k, v in found.items() if k in s}
@@ -142,18 +143,24 @@ def _run_lines(run: RunLog) -> List[str]:
     for rid in run.run_ids:
         starts, ends, current = [], [], None
         for e in run.events:
-            if e.get("event") == "run_started":
-                d = e.get("detail") or {}
-                current = d.get("run_id") if isinstance(d.get("run_id"), str) else None
+            if e["event"] == "run_started":
+                current = e["detail"].get("run_id")
                 if current == rid or (current is None and rid.startswith("run-")):
-                    starts.append(f"{e.get('action', 'start')} at step {e.get('step', '?')}")
-            elif e.get("event") == "run_ended" and (current == rid or (current is None and rid.startswith("run-"))):
-                ends.append(f"{e.get('action', '?')} at step {e.get('step', '?')}")
+                    starts.append(f"{e['action'] or 'start'} at step {e['step']}")
+            elif e["event"] == "run_ended" and (current == rid or (current is None and rid.startswith("run-"))):
+                ends.append(f"{e['action'] or '?'} at step {e['step']}")
         steps = ""
-        if run.metrics is not None and "run" in run.metrics:
+        if run.metrics is not None:
             steps = f", {run.metrics['run'].count(rid)} metric rows"
         lines.append(f"  run {rid[:12]}: {', '.join(starts) or 'no start'}; ended {', '.join(ends) or '?'}{steps}")
     return lines
+
+
+def _skipped(what: str, skipped: List[Skipped], shown: int = 3) -> str:
+    """``3 journal lines skipped: line 41: step is not an integer ...; ...; and 1 more``."""
+    n = len(skipped)
+    first = "; ".join(f"line {s.line}: {s.reason}" for s in skipped[:shown])
+    return f"  {n} {what}{'s' if n != 1 else ''} skipped: {first}" + (f"; and {n - shown} more" if n > shown else "")
 
 
 def format_report(run: RunLog) -> str:
@@ -174,14 +181,15 @@ def format_report(run: RunLog) -> str:
         out.extend(_run_lines(run))
     if run.cut_at is not None:
         out.append(
-            f"  journal was cut at line {run.cut_at} (the run crashed while writing it); "
-            "everything before it is reported"
+            f"  the last line was cut; the run ended on a full disk or a kill (line {run.cut_at}; "
+            "everything before it is reported)"
         )
-    if run.bad_lines:
-        out.append(
-            f"  unreadable journal lines skipped: {', '.join(map(str, run.bad_lines[:10]))}"
-            + (" ..." if len(run.bad_lines) > 10 else "")
-        )
+    if run.skipped:
+        out.append(_skipped("journal line", run.skipped))
+    if run.metrics_note is not None:
+        out.append(f"  metrics.csv not used: {run.metrics_note}")
+    if run.metrics_skipped:
+        out.append(_skipped("metrics.csv line", run.metrics_skipped))
     table = event_table(run)
     shown = [r for r in table if r.event not in _ROUTINE]
     routine = [r for r in table if r.event in _ROUTINE]

@@ -22,7 +22,8 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 from .errors import SafetrainError
 from .events import jsonable
-from .runlog import JOURNAL_FILE, METRICS_FILE, ReportError, RunLog, read_run
+from .records import METRICS_COLUMNS
+from .runlog import JOURNAL_FILE, METRICS_FILE, ReportError, RunLog, Skipped, read_run
 
 __all__ = [
     "JOURNAL_FILE",
@@ -38,6 +39,7 @@ __all__ = [
     "RunDirError",
     "prepare_run_dir",
     "RunLog",
+    "Skipped",
     "read_run",
 ]
 
@@ -277,7 +279,7 @@ class MetricsWriter:
         flush_every: hand the rows to the OS after at most this many (``fit`` passes ``snapshot.every``).
     """
 
-    COLUMNS = ("step", "epoch", "batch", "loss", "grad_norm", "lr_scale", "trained", "action")
+    COLUMNS = METRICS_COLUMNS
 
     def __init__(self, path: PathLike, flush_every: int = 100) -> None:
         self.path = Path(path)

@@ -83,7 +83,7 @@ def test_report_truncated_journal_still_reports(tmp_path, capsys):
     with open(tmp_path / "events.jsonl", "a") as f:
         f.write('{"event": "anom')
     assert main(["report", "--no-plot", str(tmp_path)]) == 0
-    assert "journal was cut at line 4" in capsys.readouterr().out
+    assert "the last line was cut; the run ended on a full disk or a kill (line 4;" in capsys.readouterr().out
 
 
 def test_report_without_matplotlib_prints_table_and_says_how_to_install(tmp_path, capsys, monkeypatch):

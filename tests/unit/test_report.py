@@ -110,7 +110,7 @@ def test_truncated_last_line_still_reports(tmp_path):
     assert run.cut_at == len(lines) + 1
     assert len(run.events) == len(EVENTS) and run.summary is None
     text = format_report(run)
-    assert f"journal was cut at line {len(lines) + 1}" in text
+    assert f"the last line was cut; the run ended on a full disk or a kill (line {len(lines) + 1};" in text
     assert "the run did not close" in text
 
 
@@ -122,7 +122,7 @@ def test_unreadable_middle_line_is_skipped(tmp_path):
     path.write_text("\n".join(lines) + "\n")
     run = read_run(tmp_path)
     assert run.bad_lines == [4] and run.cut_at is None
-    assert "unreadable journal lines skipped: 4" in format_report(run)
+    assert "1 journal line skipped: line 4: not JSON (Expecting ':' delimiter at column 27)" in format_report(run)
 
 
 def test_resumed_journal_counts_runs_and_skips_the_cross_check(tmp_path):

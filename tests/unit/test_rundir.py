@@ -110,7 +110,8 @@ def test_journal_writes_a_line_per_record_and_a_closing_summary(tmp_path):
         {"event": "summary", "steps": 2, "final_loss": "-inf"},
     ], "non-finite floats as strings"
     run = rundir.read_run(tmp_path / "sub")
-    assert run.summary == {"steps": 2, "final_loss": "-inf"} and len(run.events) == 1 and run.cut_at is None
+    assert run.summary == {"steps": 2, "final_loss": -math.inf}, "the reader reads the spelling back as a float"
+    assert len(run.events) == 1 and run.cut_at is None
 
 
 def test_metrics_writer_rows_header_once_and_flush(tmp_path):
