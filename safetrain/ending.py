@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .errors import TrainingAborted, TrainingInterrupted
+from .errors import TrainingAborted, TrainingInterrupted, TrainingKeyboardInterrupt
 from .events import EventBus, Quarantined, RunEnded
 from .rundir import METRICS_FILE, Journal, MetricsWriter, journal_path
 
-__all__ = ["SignalStop", "RunWriters", "ending_of", "describe", "ENDINGS"]
+__all__ = ["SignalStop", "RunWriters", "interruption", "ending_of", "describe", "ENDINGS"]
 
 logger = logging.getLogger("safetrain")
 
@@ -69,7 +69,7 @@ class SignalStop:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signum is not None:
-            raise TrainingInterrupted(f"{signal.Signals(signum).name} again: stopped at once, mid-step", signal=signum)
+            raise interruption(f"{signal.Signals(signum).name} again: stopped at once, mid-step", signum)
         self.signum = signum
         logger.warning("%s: stopping after the current step", signal.Signals(signum).name)
 
@@ -83,6 +83,22 @@ class SignalStop:
         while self._previous:
             s, previous = self._previous.popitem()
             signal.signal(s, previous if previous is not None else signal.SIG_DFL)
+
+
+def interruption(message: str, signum: Optional[int]) -> TrainingInterrupted:
+    """The exception a stop on ``signum`` raises: a :class:`TrainingKeyboardInterrupt` for SIGINT
+    (a ``KeyboardInterrupt`` too, so a script's ``except KeyboardInterrupt:`` runs as on any
+    Ctrl-C), else a :class:`TrainingInterrupted`.
+
+    Example::
+
+        >>> isinstance(interruption("SIGINT: stopped", signal.SIGINT), KeyboardInterrupt)
+        True
+        >>> isinstance(interruption("SIGTERM: stopped", signal.SIGTERM), KeyboardInterrupt)
+        False
+    """
+    cls = TrainingKeyboardInterrupt if signum == getattr(signal, "SIGINT", None) else TrainingInterrupted
+    return cls(message, signal=signum)
 
 
 def ending_of(exc: Optional[BaseException]) -> Tuple[str, Dict[str, Any]]:
