@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -26,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .errors import TrainingAborted, TrainingInterrupted, TrainingKeyboardInterrupt
 from .events import EventBus, Quarantined, RunEnded
-from .rundir import METRICS_FILE, Journal, MetricsWriter, journal_path
+from .rundir import METRICS_FILE, Journal, MetricsWriter, journal_path, lock_run_dir
 
 __all__ = ["SignalStop", "RunWriters", "interruption", "ending_of", "describe", "ENDINGS"]
 
@@ -138,15 +139,37 @@ class RunWriters:
         self.guard: Any = None  # the Guard, once made
         self.bar: Any = None
         self.rank = 0
+        self.lock: Any = None  # the run directory's DirLock (rank 0)
 
     def open(self, run_dir: Optional[Path], rank: int, flush_every: int) -> None:
-        """Open the journal (every rank) and ``metrics.csv`` (rank 0) in ``run_dir``, if any."""
+        """Lock ``run_dir`` (rank 0) before writing anything, then open the journal (every rank)
+        and ``metrics.csv`` (rank 0) in it, if any; on an error nothing stays open or locked.
+
+        Raises:
+            RunDirBusy: another run is writing ``run_dir``.
+            RunDirError: it cannot be written.
+        """
         self.rank = rank
-        if run_dir is not None:
+        if run_dir is None:
+            return
+        if rank == 0:  # the other ranks of a distributed run write beside it (events-rank{r}.jsonl)
+            self.lock = lock_run_dir(run_dir)
+        try:
             self.journal = Journal(journal_path(run_dir, rank))
             self.bus.journal = self.journal
             if rank == 0:
                 self.metrics = MetricsWriter(run_dir / METRICS_FILE, flush_every=flush_every)
+        except BaseException:
+            if self.journal is not None:
+                with contextlib.suppress(Exception):  # the error that stopped the opening is the one to see
+                    self.journal.close()
+            self._unlock()
+            raise
+
+    def _unlock(self) -> None:
+        lock, self.lock = self.lock, None
+        if lock is not None:
+            lock.release()
 
     def _emit(self, cls: type, action: str, message: str, detail: Dict[str, Any], kind: str = "run") -> None:
         c = getattr(self.guard, "counters", None)
@@ -194,6 +217,7 @@ class RunWriters:
             attempt(self.metrics.close)
         if self.journal is not None:
             attempt(lambda: self.journal.close(result.summary() if began else None))
+        attempt(self._unlock)  # last: the next run may start once all is written
         if failed and error is None:
             raise failed[0]
 

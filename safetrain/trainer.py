@@ -111,7 +111,8 @@ class SafeTrainer:
         a snapshot of that step (``snapshot.on_signal``, safetensors store), the journal closed
         ``interrupted``, then :class:`~safetrain.errors.TrainingInterrupted` (``log.on_signal``);
         for Ctrl-C a :class:`~safetrain.errors.TrainingKeyboardInterrupt`, a ``KeyboardInterrupt``
-        too, so a script's ``except KeyboardInterrupt:`` runs as it always did.
+        too, so a script's ``except KeyboardInterrupt:`` runs as it always did. A run directory
+        (``log.dir``) is written by one run at a time: a second run started on it is refused at once.
         Whatever ends it, the journal's ``run_ended`` says how (``done``, ``aborted``,
         ``interrupted`` or ``failed``) and the guard's hooks come off the model.
 
@@ -133,7 +134,8 @@ class SafeTrainer:
                 model is left at the last good snapshot.
             TrainingInterrupted: a caught signal stopped the run (``log.on_signal: raise``); ``.result``.
                 For SIGINT a ``TrainingKeyboardInterrupt`` (a ``KeyboardInterrupt`` too).
-            RunDirError: ``log.dir`` cannot be written (at the start, or a full disk mid-run).
+            RunDirError: ``log.dir`` cannot be written (at the start, or a full disk mid-run);
+                ``RunDirBusy`` when another run is writing it.
             SafetrainError: ``epochs`` or ``max_steps`` out of range, or a one-shot iterator for several epochs.
         """
         cfg, started = self.cfg, time.perf_counter()

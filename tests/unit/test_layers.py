@@ -123,6 +123,7 @@ def test_the_lower_layers_import_no_torch_module(module):
         "safetrain.errors",
         "safetrain.events",
         "safetrain.rundir",
+        "safetrain.dirlock",
         "safetrain.runlog",
         "safetrain.report",
         "safetrain.plot",
