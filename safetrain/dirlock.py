@@ -131,7 +131,8 @@ class DirLock:
                 if any(lock.role == self.role for lock in held.locks):
                     if not wait_error:
                         return False
-                    raise self._busy(self.directory, describe_holder(held.record))
+                    who = describe_holder(held.record) + "; this very process: a run or store of it not closed yet"
+                    raise self._busy(self.directory, who)
                 held.locks.add(self)
                 self._held = held
                 return True

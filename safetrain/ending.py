@@ -3,10 +3,11 @@
 A job scheduler (Kubernetes, SLURM, a spot instance's reclaim) sends SIGTERM some seconds before
 it kills; Ctrl-C sends SIGINT. :class:`SignalStop` turns either into a request that ``fit``
 honours after the step it is in (a snapshot, the journal closed ``interrupted``), and puts the
-previous handlers back when ``fit`` leaves. A second signal stops at once. :func:`ending_of`
-names how a run ended from what ended it: ``done``, ``aborted``, ``interrupted`` or ``failed``;
-:class:`RunWriters` holds what ``fit`` opened and closes it on every way out. Nothing here
-imports torch.
+previous handlers back when ``fit`` leaves. A second signal stops at once; the stop raises
+:func:`interruption` (for Ctrl-C a ``KeyboardInterrupt`` too). :func:`ending_of` names how a run
+ended from what ended it: ``done``, ``aborted``, ``interrupted`` or ``failed``; :class:`RunWriters`
+holds what ``fit`` opened (the run directory's lock first) and closes it on every way out.
+Nothing here imports torch.
 
 Example::
 
@@ -126,7 +127,8 @@ def ending_of(exc: Optional[BaseException]) -> Tuple[str, Dict[str, Any]]:
 
 
 class RunWriters:
-    """What ``fit`` opens and must close on every way out: journal, metrics, progress bar, guard.
+    """What ``fit`` (and the Lightning and Hugging Face callbacks) open and must close on every way
+    out: the run directory's lock, journal, metrics, progress bar, guard.
 
     :meth:`close` closes each part even when another fails, the guard first (its hooks come off
     the user's model), and ends the journal with ``run_ended`` saying how the run ended.
