@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,8 @@ _JOB = textwrap.dedent(
     def paced():
         for i, batch in enumerate(data):
             print(f"step {i}", flush=True)
+            if mode == "race" and i == 5:
+                sys.stdin.readline()  # holds the run directory until the test says "finish"
             time.sleep(pace)
             yield batch
 
@@ -78,13 +81,21 @@ def _job(run_dir: Path, mode: str, pace: float) -> subprocess.Popen:
 def test_two_runs_started_together_on_one_dir_one_runs_the_other_is_refused_naming_it(tmp_path):
     """Fails before: both wrote events.jsonl, metrics.csv and snapshots/, and one later died with
     'SnapshotError: ... holds snapshot(s) of another run' (3 of 6 runs in the issue's test)."""
-    jobs = [_job(tmp_path, "race", 0.03) for _ in range(2)]
+    jobs = [_job(tmp_path, "race", 0.0) for _ in range(2)]
     try:
         for job in jobs:
             assert job.stdout.readline().strip() == "ready", job.stderr.read()[-3000:]
         for job in jobs:
             job.stdin.write("go\n")
             job.stdin.flush()
+        deadline = time.monotonic() + 120
+        while all(job.poll() is None for job in jobs):  # the one refused ends; the other holds the dir
+            assert time.monotonic() < deadline, "both runs are training in one run directory"
+            time.sleep(0.05)
+        for job in jobs:
+            if job.poll() is None:
+                job.stdin.write("finish\n")
+                job.stdin.flush()
         outs = [job.communicate(timeout=180) for job in jobs]
     finally:
         for job in jobs:
