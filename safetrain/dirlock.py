@@ -4,9 +4,11 @@ directory (``log.dir``) and the snapshot directory alike.
 The lock file is ``<tmp>/safetrain-locks-<uid>/<device>-<inode>.lock``, named after the directory's
 device and inode: the directory gets no extra file (a snapshot directory's listing stays its
 snapshots), and a directory reached by two paths is one lock. It holds its holder (host, pid,
-start time, as one JSON line) for the error a second writer gets, and is emptied when the lock is
-let go: a holder found there by the next taker was killed or crashed (the kernel frees a dead
-process's ``flock``), and the lock is taken over with a warning naming it. The lock is advisory
+start time and the directory, as one JSON line) for the error a second writer gets, and is emptied
+when the lock is let go: a holder of the same directory found there by the next taker was killed
+or crashed (the kernel frees a dead process's ``flock``), and the lock is taken over with a
+warning naming it (silently when the record names another directory, a gone one whose inode this
+one reuses, or is an older safetrain's). The lock is advisory
 and per host (``flock`` may not reach across the hosts of a network filesystem).
 
 Each lock has a role (``"run"``, ``"snapshots"``). In one process, two locks of one role on one
@@ -147,7 +149,14 @@ class DirLock:
                 raise self._busy(self.directory, describe_holder(holder)) from None
             f.seek(0)
             self._take_over(f.read(1000).strip())
-            record = json.dumps({"host": HOST, "pid": os.getpid(), "started": round(time.time(), 3)})
+            record = json.dumps(
+                {
+                    "host": HOST,
+                    "pid": os.getpid(),
+                    "started": round(time.time(), 3),
+                    "dir": os.path.realpath(self.directory),
+                }
+            )
             f.seek(0)
             f.truncate()
             f.write(record + "\n")
@@ -164,9 +173,10 @@ class DirLock:
         try:
             rec = json.loads(previous)
             ours = rec["host"] == HOST and int(rec["pid"]) == os.getpid()
-        except (ValueError, TypeError, KeyError):
-            ours = False
-        if previous and not ours:
+            here = rec.get("dir") == os.path.realpath(self.directory)
+        except (ValueError, TypeError, KeyError, AttributeError):  # an older safetrain's: it never emptied it
+            ours, here = False, False
+        if previous and here and not ours:  # (not here: a gone directory's, whose inode this one reuses)
             logger.warning(
                 "%s: taking over a stale lock: its holder (%s) ended without letting it go (killed or crashed)",
                 self.directory,

@@ -184,3 +184,21 @@ def test_a_standalone_guard_is_refused_on_a_snapshot_dir_another_guard_writes(tm
         last.store.adopt(first.store.run_id)  # the lock is free once the first guard closed
         last.step(batch)
         last.step(batch)
+
+
+def test_the_lock_is_let_go_when_the_policy_aborts(tmp_path):
+    from safetrain import TrainingAborted
+
+    calls = [0]
+
+    def nan_at_3(out, target):
+        calls[0] += 1
+        return F.mse_loss(out, target) * (float("nan") if calls[0] >= 3 else 1.0)
+
+    model = mlp()
+    cfg = load_config(None, ["log.progress=false", f"log.dir={tmp_path}", "recovery.actions.loss=abort"])
+    data = [(torch.randn(16, 8), torch.randn(16, 1)) for _ in range(6)]
+    with pytest.raises(TrainingAborted):
+        SafeTrainer(model, torch.optim.SGD(model.parameters(), lr=0.01), cfg, loss_fn=nan_at_3).fit(data)
+    lock_run_dir(tmp_path).release()  # free again
+    assert read_run(tmp_path).events[-1]["action"] == "aborted"

@@ -72,7 +72,7 @@ def test_a_stale_holder_is_taken_over_with_a_warning_naming_it(tmp_path, caplog)
     pid = int(dead.stdout)
     lock = DirLock(str(tmp_path), "run", _busy)
     with open(lock._path(), "w", encoding="utf-8") as f:
-        f.write(json.dumps({"host": "gpu7", "pid": pid, "started": 1.7e9}) + "\n")
+        f.write(json.dumps({"host": "gpu7", "pid": pid, "started": 1.7e9, "dir": os.path.realpath(tmp_path)}) + "\n")
     with caplog.at_level(logging.WARNING, logger="safetrain"):
         assert lock.take()
     assert (
@@ -86,6 +86,18 @@ def test_a_stale_holder_is_taken_over_with_a_warning_naming_it(tmp_path, caplog)
         lock.take()
         lock.release()
     assert "stale" not in caplog.text, "a lock let go cleanly is not stale"
+
+
+def test_a_record_of_another_directory_or_an_older_safetrain_is_taken_over_silently(tmp_path, caplog):
+    """A crashed run's directory removed, a new one reusing its inode; an old version never emptied the file."""
+    lock = DirLock(str(tmp_path), "run", _busy)
+    for old in ['{"host": "gpu7", "pid": 1, "started": 1.7e9, "dir": "/gone"}', "host gpu7 pid 1"]:
+        with open(lock._path(), "w", encoding="utf-8") as f:
+            f.write(old + "\n")
+        with caplog.at_level(logging.WARNING, logger="safetrain"):
+            assert lock.take()
+        lock.release()
+    assert "stale" not in caplog.text
 
 
 def test_describe_holder_reads_old_and_damaged_records():
