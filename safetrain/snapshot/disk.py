@@ -387,7 +387,7 @@ class SafetensorsStore(SnapshotStore):
 
 def _busy(directory: str, holder: str) -> SnapshotError:
     return SnapshotError(
-        f"{directory}: another process is writing snapshots here ({holder}); two runs cannot share a snapshot "
+        f"{directory}: another run is writing snapshots here ({holder}); two runs cannot share a snapshot "
         "directory: stop the other process or give this run its own snapshot.dir"
     )
 

@@ -174,15 +174,14 @@ def test_a_standalone_guard_is_refused_on_a_snapshot_dir_another_guard_writes(tm
     a, b = mlp(), mlp()
     with Guard(a, torch.optim.SGD(a.parameters(), lr=0.01), cfg, loss_fn=F.mse_loss, run_dir=str(tmp_path)) as first:
         first.step(batch)
-        first.step(batch)
         other = Guard(b, torch.optim.SGD(b.parameters(), lr=0.01), cfg, loss_fn=F.mse_loss, run_dir=str(tmp_path))
-        with pytest.raises(SnapshotError, match=f"snapshots.*pid {os.getpid()} on host "):
-            for _ in range(3):
-                other.step(batch)
+        before = [p.detach().clone() for p in b.parameters()]
+        with pytest.raises(SnapshotError, match=f"another run is writing snapshots.*pid {os.getpid()} on host "):
+            other.step(batch)  # its first step snapshots the starting state: refused before any update
+        assert all(torch.equal(x, p) for x, p in zip(before, b.parameters())), "refused before it trained"
         other.close()
     with Guard(b, torch.optim.SGD(b.parameters(), lr=0.01), cfg, loss_fn=F.mse_loss, run_dir=str(tmp_path)) as last:
         last.store.adopt(first.store.run_id)  # the lock is free once the first guard closed
-        last.step(batch)
         last.step(batch)
 
 
