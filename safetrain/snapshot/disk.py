@@ -14,9 +14,9 @@ store restores, rotates and deletes only its own run's, and a fresh run refuses 
 holding another run's (:meth:`SafetensorsStore.check_fresh`). One process writes a directory at
 a time: the first write takes the directory's lock (:class:`safetrain.dirlock.DirLock`, the run
 directory's too; held until ``close()``, a second writer gets a ``SnapshotError`` naming the
-directory and the holder). Only
-temporary files of this process or of a process of this host that is gone are removed
-(temporary names carry the host and the pid), when the store opens and at its first write.
+directory and the holder). Only temporary files of this process or of a process of this host that
+is gone are removed (:mod:`.tmpnames`: temporary names carry the host and the pid), when the store
+opens and at its first write.
 """
 
 from __future__ import annotations
