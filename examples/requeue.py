@@ -75,9 +75,9 @@ def main(argv: Any = None) -> int:
     data = Paced(loader, args.pace, trainer) if args.pace > 0 else loader
     try:
         result = trainer.fit(data, epochs=EPOCHS, resume="auto")  # a snapshot there: go on from it
-    except TrainingInterrupted as exc:
+    except TrainingInterrupted as exc:  # Ctrl-C too: then a TrainingKeyboardInterrupt, a KeyboardInterrupt as well
         print(f"interrupted: {exc}", flush=True)
-        return 143  # the scheduler's cue to start this same command again
+        return 128 + int(exc.signal or 15)  # 143 for SIGTERM: the scheduler's cue to start this same command again
     if args.save:
         from safetensors.torch import save_file
 

@@ -9,7 +9,15 @@ from __future__ import annotations
 import logging
 
 from .config import TrainConfig, as_config, load_config
-from .errors import BatchError, ConfigError, SafetrainError, SnapshotError, TrainingAborted, TrainingInterrupted
+from .errors import (
+    BatchError,
+    ConfigError,
+    SafetrainError,
+    SnapshotError,
+    TrainingAborted,
+    TrainingInterrupted,
+    TrainingKeyboardInterrupt,
+)
 from .numerics import (
     default_eps,
     masked_softmax,
@@ -45,6 +53,7 @@ __all__ = [
     "SnapshotError",
     "TrainingAborted",
     "TrainingInterrupted",
+    "TrainingKeyboardInterrupt",
     "default_eps",
     "safe_log",
     "safe_div",

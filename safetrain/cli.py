@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any, Optional, Sequence
 
-from .errors import SafetrainError
+from .errors import SafetrainError, TrainingInterrupted
 
 __all__ = ["main"]
 
@@ -27,7 +27,7 @@ _EPILOG = """examples:
   safetrain check-config configs/default.yaml
   safetrain check-config configs/lenient.yaml recovery.max_retries=8 log.dir=runs/a
 
-exit codes: 0 ok, 1 the run was aborted by the recovery policy, 2 bad input
+exit codes: 0 ok, 1 the run was aborted by the recovery policy, 2 bad input, 130 Ctrl-C, 143 SIGTERM
 """
 
 
@@ -240,6 +240,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
+    except TrainingInterrupted as exc:  # a signal fit caught and stopped on (Ctrl-C: a KeyboardInterrupt too)
+        sys.stderr.write(f"safetrain {args.command}: interrupted: {_one_line(exc)}\n")
+        return 128 + int(exc.signal or 2)
     except SafetrainError as exc:
         sys.stderr.write(f"safetrain {args.command}: error: {_one_line(exc)}\n")
         return 2

@@ -3,10 +3,11 @@
 A job scheduler (Kubernetes, SLURM, a spot instance's reclaim) sends SIGTERM some seconds before
 it kills; Ctrl-C sends SIGINT. :class:`SignalStop` turns either into a request that ``fit``
 honours after the step it is in (a snapshot, the journal closed ``interrupted``), and puts the
-previous handlers back when ``fit`` leaves. A second signal stops at once. :func:`ending_of`
-names how a run ended from what ended it: ``done``, ``aborted``, ``interrupted`` or ``failed``;
-:class:`RunWriters` holds what ``fit`` opened and closes it on every way out. Nothing here
-imports torch.
+previous handlers back when ``fit`` leaves. A second signal stops at once; the stop raises
+:func:`interruption` (for Ctrl-C a ``KeyboardInterrupt`` too). :func:`ending_of` names how a run
+ended from what ended it: ``done``, ``aborted``, ``interrupted`` or ``failed``; :class:`RunWriters`
+holds what ``fit`` opened (the run directory's lock first) and closes it on every way out.
+Nothing here imports torch.
 
 Example::
 
@@ -17,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -24,11 +26,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .errors import TrainingAborted, TrainingInterrupted
+from .errors import TrainingAborted, TrainingInterrupted, TrainingKeyboardInterrupt
 from .events import EventBus, Quarantined, RunEnded
-from .rundir import METRICS_FILE, Journal, MetricsWriter, journal_path
+from .rundir import METRICS_FILE, Journal, MetricsWriter, journal_path, lock_run_dir
 
-__all__ = ["SignalStop", "RunWriters", "ending_of", "describe", "ENDINGS"]
+__all__ = ["SignalStop", "RunWriters", "interruption", "ending_of", "describe", "ENDINGS"]
 
 logger = logging.getLogger("safetrain")
 
@@ -69,7 +71,7 @@ class SignalStop:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signum is not None:
-            raise TrainingInterrupted(f"{signal.Signals(signum).name} again: stopped at once, mid-step", signal=signum)
+            raise interruption(f"{signal.Signals(signum).name} again: stopped at once, mid-step", signum)
         self.signum = signum
         logger.warning("%s: stopping after the current step", signal.Signals(signum).name)
 
@@ -83,6 +85,22 @@ class SignalStop:
         while self._previous:
             s, previous = self._previous.popitem()
             signal.signal(s, previous if previous is not None else signal.SIG_DFL)
+
+
+def interruption(message: str, signum: Optional[int]) -> TrainingInterrupted:
+    """The exception a stop on ``signum`` raises: a :class:`TrainingKeyboardInterrupt` for SIGINT
+    (a ``KeyboardInterrupt`` too, so a script's ``except KeyboardInterrupt:`` runs as on any
+    Ctrl-C), else a :class:`TrainingInterrupted`.
+
+    Example::
+
+        >>> isinstance(interruption("SIGINT: stopped", signal.SIGINT), KeyboardInterrupt)
+        True
+        >>> isinstance(interruption("SIGTERM: stopped", signal.SIGTERM), KeyboardInterrupt)
+        False
+    """
+    cls = TrainingKeyboardInterrupt if signum == getattr(signal, "SIGINT", None) else TrainingInterrupted
+    return cls(message, signal=signum)
 
 
 def ending_of(exc: Optional[BaseException]) -> Tuple[str, Dict[str, Any]]:
@@ -109,7 +127,8 @@ def ending_of(exc: Optional[BaseException]) -> Tuple[str, Dict[str, Any]]:
 
 
 class RunWriters:
-    """What ``fit`` opens and must close on every way out: journal, metrics, progress bar, guard.
+    """What ``fit`` (and the Lightning and Hugging Face callbacks) open and must close on every way
+    out: the run directory's lock, journal, metrics, progress bar, guard.
 
     :meth:`close` closes each part even when another fails, the guard first (its hooks come off
     the user's model), and ends the journal with ``run_ended`` saying how the run ended.
@@ -122,15 +141,37 @@ class RunWriters:
         self.guard: Any = None  # the Guard, once made
         self.bar: Any = None
         self.rank = 0
+        self.lock: Any = None  # the run directory's DirLock (rank 0)
 
     def open(self, run_dir: Optional[Path], rank: int, flush_every: int) -> None:
-        """Open the journal (every rank) and ``metrics.csv`` (rank 0) in ``run_dir``, if any."""
+        """Lock ``run_dir`` (rank 0) before writing anything, then open the journal (every rank)
+        and ``metrics.csv`` (rank 0) in it, if any; on an error nothing stays open or locked.
+
+        Raises:
+            RunDirBusy: another run is writing ``run_dir``.
+            RunDirError: it cannot be written.
+        """
         self.rank = rank
-        if run_dir is not None:
+        if run_dir is None:
+            return
+        if rank == 0:  # the other ranks of a distributed run write beside it (events-rank{r}.jsonl)
+            self.lock = lock_run_dir(run_dir)
+        try:
             self.journal = Journal(journal_path(run_dir, rank))
             self.bus.journal = self.journal
             if rank == 0:
                 self.metrics = MetricsWriter(run_dir / METRICS_FILE, flush_every=flush_every)
+        except BaseException:
+            if self.journal is not None:
+                with contextlib.suppress(Exception):  # the error that stopped the opening is the one to see
+                    self.journal.close()
+            self._unlock()
+            raise
+
+    def _unlock(self) -> None:
+        lock, self.lock = self.lock, None
+        if lock is not None:
+            lock.release()
 
     def _emit(self, cls: type, action: str, message: str, detail: Dict[str, Any], kind: str = "run") -> None:
         c = getattr(self.guard, "counters", None)
@@ -178,6 +219,7 @@ class RunWriters:
             attempt(self.metrics.close)
         if self.journal is not None:
             attempt(lambda: self.journal.close(result.summary() if began else None))
+        attempt(self._unlock)  # last: the next run may start once all is written
         if failed and error is None:
             raise failed[0]
 

@@ -11,6 +11,7 @@ __all__ = [
     "SnapshotError",
     "TrainingAborted",
     "TrainingInterrupted",
+    "TrainingKeyboardInterrupt",
 ]
 
 
@@ -50,6 +51,7 @@ class TrainingInterrupted(SafetrainError):
 
     The journal ends with ``run_ended`` ``interrupted``; with a disk store (and ``snapshot.on_signal``)
     the step it stopped at is snapshotted, so that ``fit(resume="auto")`` continues from there.
+    On Ctrl-C (SIGINT) the exception is a :class:`TrainingKeyboardInterrupt`, a ``KeyboardInterrupt`` too.
 
     Args:
         message: which signal, and at which step.
@@ -61,3 +63,21 @@ class TrainingInterrupted(SafetrainError):
         super().__init__(message)
         self.result = result
         self.signal = signal
+
+
+class TrainingKeyboardInterrupt(TrainingInterrupted, KeyboardInterrupt):
+    """``fit`` stopped on Ctrl-C (SIGINT): a :class:`TrainingInterrupted` that is also a ``KeyboardInterrupt``.
+
+    Python's contract for Ctrl-C holds: a script's ``except KeyboardInterrupt:`` (the usual place to
+    save a model) runs, and so does ``except TrainingInterrupted:`` or ``except SafetrainError:``.
+    Unlike a bare ``KeyboardInterrupt`` it is an ``Exception`` too (as every ``TrainingInterrupted``
+    is), so ``except Exception:`` catches it; an uncaught one ends the script with status 1 and a
+    traceback, as any uncaught exception does (a bare ``KeyboardInterrupt`` ends it with 130).
+
+    Example::
+
+        >>> import signal
+        >>> exc = TrainingKeyboardInterrupt("SIGINT: stopped after step 7", signal=signal.SIGINT)
+        >>> isinstance(exc, KeyboardInterrupt), isinstance(exc, TrainingInterrupted)
+        (True, True)
+    """

@@ -9,7 +9,8 @@ and flushes on eventful steps, every ``snapshot.every`` rows and on close; :func
 :mod:`safetrain.runlog`) reads both back without trusting them. :func:`atomic_write_text` and
 :class:`AtomicFile` (also used by snapshots) leave a file whole or absent: the cost is an fsync of
 the file and of its directory per write. :func:`prepare_run_dir` checks, when ``fit`` starts, that
-the directory can be written. Nothing here imports torch.
+the directory can be written, and :func:`lock_run_dir` makes the run its one writer (a second run
+started on it is refused at once, naming the process that holds it). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
 
+from .dirlock import DirLock
 from .errors import SafetrainError
 from .events import jsonable
 from .records import METRICS_COLUMNS
@@ -37,7 +39,9 @@ __all__ = [
     "MetricsWriter",
     "ReportError",
     "RunDirError",
+    "RunDirBusy",
     "prepare_run_dir",
+    "lock_run_dir",
     "RunLog",
     "Skipped",
     "read_run",
@@ -196,6 +200,38 @@ def prepare_run_dir(path: PathLike) -> Path:
     except OSError as exc:
         raise RunDirError(f"log.dir={root}: cannot write the run directory ({exc.strerror or exc}); {fix}") from None
     return root
+
+
+class RunDirBusy(RunDirError):
+    """Another run (another process, or another run of this one) is writing the run directory."""
+
+
+def lock_run_dir(path: PathLike) -> DirLock:
+    """Take the run directory's lock, for the run about to write in it; :meth:`DirLock.release` it at the end.
+
+    One run writes a run directory at a time (its journal, ``metrics.csv``, quarantine file and,
+    by default, its snapshots). The lock is the snapshot directory's kind
+    (:class:`safetrain.dirlock.DirLock`, per host); a lock whose holder was killed or crashed is
+    taken over with a warning, so the same command resumes after a crash.
+
+    Raises:
+        RunDirBusy: another run holds the directory; the message names it and the holder (pid, host, start).
+        RunDirError: the lock file cannot be made.
+    """
+    root = os.fspath(path)
+    lock = DirLock(root, "run", _busy)
+    try:
+        lock.take()
+    except OSError as exc:
+        raise RunDirError(f"log.dir={root}: cannot take the run directory's lock ({exc.strerror or exc})") from None
+    return lock
+
+
+def _busy(directory: str, holder: str) -> RunDirBusy:
+    return RunDirBusy(
+        f"log.dir={directory}: another run is writing this run directory ({holder}); two runs cannot share "
+        "one: let that run end (or stop it) and start this one again, or give this run its own log.dir"
+    )
 
 
 def _end_cut_line(path: Path) -> None:

@@ -17,7 +17,7 @@ import torch
 from . import distributed, snapshot
 from .config import ConfigLike, as_config, to_dict
 from .diagnose.quarantine import QuarantineKeeper
-from .ending import RunWriters, SignalStop
+from .ending import RunWriters, SignalStop, interruption
 from .errors import SafetrainError, SnapshotError, TrainingAborted, TrainingInterrupted
 from .events import Event, RunStarted
 from .guard import Guard, StepResult
@@ -109,7 +109,10 @@ class SafeTrainer:
 
         While it runs, SIGTERM and SIGINT (``log.signals``) stop it cleanly after the current step:
         a snapshot of that step (``snapshot.on_signal``, safetensors store), the journal closed
-        ``interrupted``, then :class:`~safetrain.errors.TrainingInterrupted` (``log.on_signal``).
+        ``interrupted``, then :class:`~safetrain.errors.TrainingInterrupted` (``log.on_signal``);
+        for Ctrl-C a :class:`~safetrain.errors.TrainingKeyboardInterrupt`, a ``KeyboardInterrupt``
+        too, so a script's ``except KeyboardInterrupt:`` runs as it always did. A run directory
+        (``log.dir``) is written by one run at a time: a second run started on it is refused at once.
         Whatever ends it, the journal's ``run_ended`` says how (``done``, ``aborted``,
         ``interrupted`` or ``failed``) and the guard's hooks come off the model.
 
@@ -130,7 +133,9 @@ class SafeTrainer:
             TrainingAborted: the policy aborted; ``.result`` is the ``FitResult`` so far and the
                 model is left at the last good snapshot.
             TrainingInterrupted: a caught signal stopped the run (``log.on_signal: raise``); ``.result``.
-            RunDirError: ``log.dir`` cannot be written (at the start, or a full disk mid-run).
+                For SIGINT a ``TrainingKeyboardInterrupt`` (a ``KeyboardInterrupt`` too).
+            RunDirError: ``log.dir`` cannot be written (at the start, or a full disk mid-run);
+                ``RunDirBusy`` when another run is writing it.
             SafetrainError: ``epochs`` or ``max_steps`` out of range, or a one-shot iterator for several epochs.
         """
         cfg, started = self.cfg, time.perf_counter()
@@ -235,10 +240,10 @@ class SafeTrainer:
             latest = guard.store.latest()
             if latest is None or latest.step != c.steps:
                 guard.snapshot()
-        return TrainingInterrupted(
+        return interruption(
             f"{stop.name}: stopped after step {c.steps} (epoch {c.epoch + 1}, batch {c.batch}); "
             "resume with fit(..., resume='auto') or resume=<snapshot dir>",
-            signal=stop.signum,
+            stop.signum,
         )
 
     def _epochs(

@@ -12,10 +12,11 @@ deleted files really free their space.
 A directory may hold snapshots of several runs (each file's metadata names its ``run_id``): a
 store restores, rotates and deletes only its own run's, and a fresh run refuses a directory
 holding another run's (:meth:`SafetensorsStore.check_fresh`). One process writes a directory at
-a time: the first write takes an ``fcntl.flock`` for the directory (:mod:`.dirlock`; held until
-``close()``, a second writer gets a ``SnapshotError`` naming the directory and the holder). Only
-temporary files of this process or of a process of this host that is gone are removed
-(temporary names carry the host and the pid), when the store opens and at its first write.
+a time: the first write takes the directory's lock (:class:`safetrain.dirlock.DirLock`, the run
+directory's too; held until ``close()``, a second writer gets a ``SnapshotError`` naming the
+directory and the holder). Only temporary files of this process or of a process of this host that
+is gone are removed (:mod:`.tmpnames`: temporary names carry the host and the pid), when the store
+opens and at its first write.
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 import torch
 
+from ..dirlock import DirLock, tmp_tag
 from ..errors import SnapshotError
 from ..rundir import AtomicFile, fsync_dir
-from .dirlock import TMP_PREFIX as _TMP_PREFIX
-from .dirlock import DirLock, stale, tmp_tag
 from .fileformat import FileWriter, checksum, read_header, read_tensors
 from .state import Captured, TrainState, validate_meta
 from .store import SnapshotInfo, SnapshotStore, make_info, run_of
+from .tmpnames import TMP_PREFIX as _TMP_PREFIX
+from .tmpnames import stale
 
 __all__ = ["SafetensorsStore", "load_snapshot", "list_snapshots", "snapshot_step"]
 
@@ -125,8 +127,8 @@ class SafetensorsStore(SnapshotStore):
         self._ids: Set[Optional[str]] = {self.run_id}  # the runs whose files are this store's
         self._runs: Dict[str, Tuple[Any, Optional[str]]] = {}  # path -> (stat key, run id): headers read once
         self._checked = False  # check_fresh passed, or the store continues a run (adopt)
-        self._lock = DirLock(self.directory)  # taken at the first write, held until close()
-        if self._lock.take(wait_error=False):  # no writer now: clear what gone writers left, let go
+        self._lock = DirLock(self.directory, "snapshots", _busy)  # taken at the first write, held until close()
+        if self._take(wait_error=False):  # no writer now: clear what gone writers left, let go
             self._clean()
             self._lock.release()
         if run_id is None:
@@ -201,9 +203,14 @@ class SafetensorsStore(SnapshotStore):
 
     def _take_lock(self, wait_error: bool = True) -> None:
         """Become the directory's one writer, then clear the temporary files of gone writers."""
-        if not self._lock.take(wait_error):
-            return
-        self._clean()
+        if self._take(wait_error):
+            self._clean()
+
+    def _take(self, wait_error: bool) -> bool:
+        try:
+            return self._lock.take(wait_error)
+        except OSError as exc:
+            raise SnapshotError(f"{self.directory}: cannot open the snapshot lock: {exc.strerror or exc}") from None
 
     def _clean(self) -> None:
         for name in os.listdir(self.directory):
@@ -376,6 +383,13 @@ class SafetensorsStore(SnapshotStore):
         self._pool.shutdown(wait=True)  # finishes pending removals of rotated files
         self._staging.clear()
         self._lock.release()
+
+
+def _busy(directory: str, holder: str) -> SnapshotError:
+    return SnapshotError(
+        f"{directory}: another run is writing snapshots here ({holder}); two runs cannot share a snapshot "
+        "directory: stop the other process or give this run its own snapshot.dir"
+    )
 
 
 def load_snapshot(path: Union[str, os.PathLike], state: TrainState) -> SnapshotInfo:

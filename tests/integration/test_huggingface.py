@@ -503,3 +503,19 @@ def test_the_example_runs(tmp_path):
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert "recovered" in out.stdout, out.stdout
+
+
+def test_a_run_dir_another_run_holds_is_refused_at_once_and_let_go_after(tmp_path):
+    """Issue 26: one run per run directory, for the callback too (its RunWriters lock the run dir)."""
+    from safetrain.rundir import RunDirBusy, lock_run_dir
+
+    held = lock_run_dir(tmp_path)
+    try:
+        with pytest.raises(RunDirBusy, match=f"pid {os.getpid()} on host "):
+            train(gpt2(), tmp_path, 2)
+        assert not (tmp_path / "events.jsonl").exists(), "refused before writing the journal"
+    finally:
+        held.release()
+    cb, _, _ = train(gpt2(), tmp_path, 2)
+    assert ended(tmp_path)["action"] == "done" and cb.result.ended == "done"
+    lock_run_dir(tmp_path).release()  # the finished run let it go

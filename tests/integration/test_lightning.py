@@ -501,3 +501,21 @@ def test_manual_optimization_is_refused_naming_what_to_use_instead(tmp_path):
 def test_import_safetrain_imports_no_lightning():
     code = "import sys, safetrain; assert 'lightning' not in sys.modules and 'pytorch_lightning' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_a_run_dir_another_run_holds_is_refused_at_once_and_let_go_after(tmp_path):
+    """Issue 26: one run per run directory, for the callback too (its RunWriters lock the run dir)."""
+    import os
+
+    from safetrain.rundir import RunDirBusy, lock_run_dir
+
+    held = lock_run_dir(tmp_path)
+    try:
+        with pytest.raises(RunDirBusy, match=f"pid {os.getpid()} on host "):
+            fit(Net(), tmp_path)
+        assert not (tmp_path / "events.jsonl").exists(), "refused before writing the journal"
+    finally:
+        held.release()
+    cb = fit(Net(), tmp_path)
+    assert cb.result.ended == "done"
+    lock_run_dir(tmp_path).release()  # the finished run let it go

@@ -133,7 +133,7 @@ _WRITER = textwrap.dedent(
 def test_a_second_writer_gets_a_clear_error_and_leaves_the_first_ones_files(tmp_path):
     """Issue 16: opening a store deleted every .tmp-snapshot-* file, another process's mid-write
     one included, and nothing locked the directory."""
-    from safetrain.snapshot.dirlock import _HOST
+    from safetrain.dirlock import HOST as _HOST
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), *sys.path]))
     child = subprocess.Popen(

@@ -125,6 +125,7 @@ def test_the_lower_layers_import_no_torch_module(module):
         "safetrain.errors",
         "safetrain.events",
         "safetrain.rundir",
+        "safetrain.dirlock",
         "safetrain.runlog",
         "safetrain.records",
         "safetrain.report",
