@@ -231,7 +231,7 @@ def _lookup(data: Any, dotted: str) -> Any:
 def _field_type(dotted: str) -> Any:
     cls: Any = TrainConfig
     for part in dotted.split("."):
-        hints = typing.get_type_hints(cls)
+        hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
         if part not in hints:
             return Any
         cls = hints[part]

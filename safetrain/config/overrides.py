@@ -7,6 +7,7 @@ says so, and :func:`~safetrain.config.load_config` logs it. No torch.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Dict, Iterable, List
 
 import yaml
@@ -19,6 +20,8 @@ from .validate import show
 __all__ = ["parse_overrides", "override_notes", "check_overrides"]
 
 _EXAMPLE = "e.g. recovery.max_retries=5"
+#: Every key of the schema is a Python identifier (and so is each anomaly kind in ``recovery.actions``).
+_DOTTED = re.compile(r"^[^\W\d]\w*(\.\w+)*$")
 
 
 def check_overrides(overrides: Any) -> List[str]:
@@ -44,6 +47,10 @@ def check_overrides(overrides: Any) -> List[str]:
             raise ConfigError(
                 f"override {item!r}: the key {key!r} has an empty part; expected a dotted key, {_EXAMPLE}"
             )
+        if not _DOTTED.match(key.strip()):
+            raise ConfigError(
+                f"override {show(item)}: the key {show(key)} is not a dotted name; expected one, {_EXAMPLE}"
+            )
     return items
 
 
@@ -56,7 +63,7 @@ def parse_overrides(overrides: List[str]) -> Dict[str, Any]:
     for item in overrides:
         try:
             OmegaConf.from_dotlist([item])
-        except (OmegaConfBaseException, yaml.YAMLError, ValueError, TypeError, RecursionError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a parser of user text: any failure means a bad value
             raise ConfigError(f"override {show(item)}: cannot parse the value: {problem_of(exc)}") from None
     try:
         return OmegaConf.to_container(OmegaConf.from_dotlist(overrides))

@@ -57,12 +57,21 @@ def read_yaml(path: Path) -> Any:
         ConfigError: naming the file (and line) and what is wrong with it.
     """
     text = _read_text(path)
-    loader = yaml.SafeLoader(text)
     try:
-        node = loader.get_single_node()
-        if node is not None:
-            _refuse_duplicates(node, path)
-        data = loader.construct_document(node) if node is not None else None
+        loader = yaml.SafeLoader(text)  # refuses control characters here, before parsing
+        try:
+            node = loader.get_single_node()
+            if node is not None:
+                _refuse_duplicates(node, path)
+            data = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
+    except yaml.reader.ReaderError as exc:
+        line = text[: exc.position].count("\n") + 1
+        char = exc.character if isinstance(exc.character, int) else ord(exc.character)
+        raise ConfigError(
+            f"{path}:{line}: cannot parse YAML: character #x{char:04x} is not allowed ({exc.reason})"
+        ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
@@ -70,8 +79,6 @@ def read_yaml(path: Path) -> Any:
         raise ConfigError(f"{where}: cannot parse YAML: {problem}") from None
     except RecursionError:
         raise ConfigError(f"{path}: nested too deeply to read; expected sections of plain values") from None
-    finally:
-        loader.dispose()
     if data is None:
         return {}
     if not isinstance(data, dict):
