@@ -342,3 +342,16 @@ def test_a_dictconfig_with_an_unresolvable_interpolation_is_a_config_error(monke
         as_config(cfg)
     with pytest.raises(ConfigError, match=r"^recovery\.max_retries: cannot resolve '\$\{oc\.env:"):
         as_config({"recovery": {"max_retries": f"${{oc.env:{UNSET}}}"}})
+
+
+def test_the_demo_notes_no_repeat_of_its_own_defaults_and_reads_its_config_bounded(tmp_path, caplog):
+    """`safetrain demo snapshot.every=50` overrides the demo's default of 25: no "set twice" note;
+    and `--config /dev/zero` is refused instead of read for ever by the demo's own key scan."""
+    from safetrain.demo import demo_config
+
+    with caplog.at_level(logging.INFO, logger="safetrain"):
+        assert demo_config(None, ["snapshot.every=50"], tmp_path / "run").snapshot.every == 50
+    assert not [r for r in caplog.records if "set twice" in r.getMessage()]
+    if os.path.exists("/dev/zero"):
+        with pytest.raises(ConfigError, match=r"^/dev/zero: is over \d+ bytes"):
+            demo_config("/dev/zero", [], tmp_path / "run")
