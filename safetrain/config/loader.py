@@ -1,9 +1,10 @@
 """Loading a configuration: OmegaConf structured schema <- YAML file <- dotted overrides.
 
-The chain is ``OmegaConf.structured(TrainConfig)`` <- YAML file <- dotlist -> ``to_object`` ->
+The chain is ``OmegaConf.structured(TrainConfig)`` <- YAML file (:mod:`.yamlfile`) <- dotlist
+(:mod:`.overrides`) -> interpolations resolved (:mod:`.interpolate`) -> ``to_object`` ->
 :func:`~safetrain.config.validate` -> a read-only :class:`TrainConfig`. Unknown keys are refused
-with the closest valid one; every error names the file and line (or the override) that set the
-value. No torch.
+with the closest valid one; every error is one :class:`ConfigError` line naming the file and line
+(or the override) that set the value, never a traceback. No torch.
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ def load_config(path: Optional[Union[str, os.PathLike]] = None, overrides: Itera
         A validated, read-only :class:`TrainConfig` (lists become tuples, dicts read-only mappings).
 
     Raises:
-        ConfigError: the file is missing or unparsable (file and line named), a key is unknown
-            (closest valid key suggested), or a value has the wrong type or range.
+        ConfigError: the file is missing, unreadable, not UTF-8 or unparsable, or gives a key twice
+            (file and line named); a key is unknown (closest valid key suggested); an interpolation
+            cannot be resolved; or a value has the wrong type or range. A key set twice by the
+            overrides is no error: the last wins, with a note logged at INFO.
 
     Example::
 
