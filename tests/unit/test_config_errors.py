@@ -94,6 +94,11 @@ BAD_FILES = [
         r"2: cannot parse YAML: character #x0000 is not allowed \(special characters are not allowed\)$",
     ),
     (
+        "two_documents",
+        b"recovery:\n  max_retries: 2\n---\nlog: {}\n",
+        r"3: cannot parse YAML: but found another document$",
+    ),
+    (
         "top_level_list",
         b"- recovery\n- log\n",
         r"1: expected a mapping of sections \(detect:, guard:, \.\.\.\), got list$",
