@@ -107,7 +107,8 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser(
         "check-config",
         help="validate a YAML config (with KEY=VALUE overrides) and print the resolved result",
-        description="Validate a config file and overrides; print the resolved config, or the error and exit 2.",
+        description="Validate a config file and overrides; print the resolved config, or the error and exit 2. "
+        "An override that sets a key already set by an earlier one wins, with a note above the config.",
     )
     check.add_argument("file", help="YAML config file, e.g. configs/default.yaml")
     check.add_argument(
@@ -127,8 +128,11 @@ def _export(args: argparse.Namespace) -> int:
 
 def _check_config(args: argparse.Namespace) -> int:
     from .config import load_config, to_yaml
+    from .config.overrides import override_notes
 
     cfg = load_config(args.file, args.overrides)
+    for note in override_notes(args.overrides):  # as YAML comments, so the output still loads
+        sys.stdout.write(f"# note: {note}\n")
     sys.stdout.write(to_yaml(cfg))
     return 0
 

@@ -200,8 +200,9 @@ def demo_config(
     Raises:
         ConfigError: as :func:`safetrain.load_config`, or the run directory already holds a run.
     """
-    in_file = _keys_in(path) if path is not None else set()
-    layer = [f"{k}={v}" for k, v in DEMO_DEFAULTS.items() if k not in in_file]
+    given = _keys_in(path) if path is not None else set()
+    given |= {item.split("=", 1)[0].strip() for item in overrides if isinstance(item, str)}
+    layer = [f"{k}={v}" for k, v in DEMO_DEFAULTS.items() if k not in given]  # no "set twice" note for these
     cfg = load_config(path, [*layer, *overrides])
     data = to_dict(cfg)
     run_dir = Path(out or cfg.log.dir or _fresh(Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")))
@@ -225,12 +226,11 @@ def _fresh(path: Path) -> Path:
 
 def _keys_in(path: Union[str, os.PathLike]) -> set:
     """Dotted keys a YAML file sets (unreadable files are left for load_config to report)."""
-    try:
-        import yaml
+    from .config.yamlfile import read_yaml
 
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except Exception:  # noqa: BLE001 - load_config names the problem properly
+    try:
+        data = read_yaml(Path(path))  # bounded: /dev/zero is refused, not read for ever
+    except ConfigError:  # load_config names the problem
         return set()
     keys: set = set()
 

@@ -1,30 +1,36 @@
 """Loading a configuration: OmegaConf structured schema <- YAML file <- dotted overrides.
 
-The chain is ``OmegaConf.structured(TrainConfig)`` <- YAML file <- dotlist -> ``to_object`` ->
+The chain is ``OmegaConf.structured(TrainConfig)`` <- YAML file (:mod:`.yamlfile`) <- dotlist
+(:mod:`.overrides`) -> interpolations resolved (:mod:`.interpolate`) -> ``to_object`` ->
 :func:`~safetrain.config.validate` -> a read-only :class:`TrainConfig`. Unknown keys are refused
-with the closest valid one; every error names the file and line (or the override) that set the
-value. No torch.
+with the closest valid one; every error is one :class:`ConfigError` line naming the file and line
+(or the override) that set the value, never a traceback. No torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import os
 import types
 import typing
 from pathlib import Path
-from typing import Any, Iterable, List, Literal, Mapping, Optional, Union
+from typing import Any, Callable, Iterable, List, Literal, Mapping, Optional, Tuple, Union
 
-import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from ..errors import ConfigError
+from .interpolate import has_interpolation, resolve_interpolations
+from .overrides import check_overrides, override_notes, parse_overrides, problem_of
 from .schema import TrainConfig, to_dict
 from .validate import KeyedError, check_layer, check_size, describe, show, validate
+from .yamlfile import Located, read_yaml
 
 __all__ = ["ConfigLike", "load_config", "as_config"]
+
+_log = logging.getLogger("safetrain")
 
 ConfigLike = Union[None, str, os.PathLike, Mapping[str, Any], DictConfig, TrainConfig]
 
@@ -40,8 +46,10 @@ def load_config(path: Optional[Union[str, os.PathLike]] = None, overrides: Itera
         A validated, read-only :class:`TrainConfig` (lists become tuples, dicts read-only mappings).
 
     Raises:
-        ConfigError: the file is missing or unparsable (file and line named), a key is unknown
-            (closest valid key suggested), or a value has the wrong type or range.
+        ConfigError: the file is missing, unreadable, not UTF-8 or unparsable, or gives a key twice
+            (file and line named); a key is unknown (closest valid key suggested); an interpolation
+            cannot be resolved; or a value has the wrong type or range. A key set twice by the
+            overrides is no error: the last wins, with a note logged at INFO.
 
     Example::
 
@@ -49,13 +57,17 @@ def load_config(path: Optional[Union[str, os.PathLike]] = None, overrides: Itera
         >>> cfg.recovery.max_retries
         5
     """
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"config path: got {type(path).__name__}; expected a path to a YAML file, or None")
+    overrides = check_overrides(overrides)
     base = OmegaConf.structured(TrainConfig)
     layers: List[tuple] = []
     if path is not None:
-        layers.append((_read_yaml(Path(path)), f"{os.fspath(path)}"))
-    overrides = list(overrides)
+        layers.append((read_yaml(Path(path)), f"{os.fspath(path)}"))
     if overrides:
-        layers.append((_parse_dotlist(overrides), "override"))
+        layers.append((parse_overrides(overrides), "override"))
+    for note in override_notes(overrides):
+        _log.info("config: %s", note)
     return _build(base, layers, path)
 
 
@@ -73,63 +85,14 @@ def as_config(cfg: ConfigLike) -> TrainConfig:
     if isinstance(cfg, TrainConfig):
         return _build(OmegaConf.structured(TrainConfig), [(to_dict(cfg), "TrainConfig")], None)
     if isinstance(cfg, DictConfig):
-        data = OmegaConf.to_container(cfg, resolve=True)
+        try:
+            data = OmegaConf.to_container(cfg, resolve=True)
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"DictConfig: {_key_of(exc) or 'config'}: cannot resolve: {problem_of(exc)}") from None
         return _build(OmegaConf.structured(TrainConfig), [(data, "DictConfig")], None)
     if isinstance(cfg, Mapping):
         return _build(OmegaConf.structured(TrainConfig), [(dict(cfg), "dict")], None)
     raise ConfigError(f"config: got {type(cfg).__name__}; expected a YAML path, a dict, a DictConfig or a TrainConfig")
-
-
-def _read_yaml(path: Path) -> Any:
-    if not path.is_file():
-        raise ConfigError(f"{path}: no such config file")
-    text = path.read_text(encoding="utf-8")
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{where}: cannot parse YAML: {problem}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}:1: expected a mapping of sections (detect:, guard:, ...), got {type(data).__name__}")
-    return _Located(data, path, text)
-
-
-class _Located(dict):
-    """A dict read from a file that remembers where it came from, for error messages."""
-
-    def __init__(self, data: dict, path: Path, text: str) -> None:
-        super().__init__(data)
-        self.path = path
-        self.text = text
-
-    def line_of(self, dotted: str) -> Optional[int]:
-        """The 1-based line of a dotted key in the file, or ``None`` when it is not there."""
-        node = yaml.compose(self.text)
-        line = None
-        for part in dotted.split("."):
-            if not isinstance(node, yaml.MappingNode):
-                return line
-            for key, value in node.value:
-                if key.value == part:
-                    line, node = key.start_mark.line + 1, value
-                    break
-            else:
-                return line
-        return line
-
-
-def _parse_dotlist(overrides: List[str]) -> dict:
-    for item in overrides:
-        if "=" not in item or item.startswith("="):
-            raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. recovery.max_retries=5")
-    try:
-        return OmegaConf.to_container(OmegaConf.from_dotlist(overrides))
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"overrides {overrides}: {str(exc).splitlines()[0]}") from None
 
 
 def _build(base: DictConfig, layers: List[tuple], path: Any) -> TrainConfig:
@@ -138,34 +101,85 @@ def _build(base: DictConfig, layers: List[tuple], path: Any) -> TrainConfig:
         check_size(data, _where(data, source, ""))
         _check_keys(data, TrainConfig, "", source)
         _yaml_off(data, TrainConfig)
-        try:
-            check_layer(data)
-        except KeyedError as exc:
-            raise ConfigError(f"{_where(data, source, exc.key)}{exc}") from None
-        try:
-            merged = OmegaConf.merge(merged, OmegaConf.create(dict(data)))
-        except ValidationError as exc:
-            key = exc.full_key
-            value = _lookup(data, key)
-            raise ConfigError(
-                f"{_where(data, source, key)}{key}: got {show(value)}; expected {describe(_field_type(key))}"
-            ) from None
-        except (OmegaConfBaseException, TypeError, ValueError) as exc:
-            raise ConfigError(f"{source}: {' '.join(str(exc).split())[:200]}") from None
-    obj = OmegaConf.to_object(merged)
+        _refuse_missing(data, source)
+        merged = _merge(merged, data, lambda key, d=data, s=source: (_where(d, s, key), ""), source)
+    if any(has_interpolation(data) for data, _ in layers):
+        resolved = resolve_interpolations(merged, TrainConfig, lambda key: _source_of(key, layers))
+        merged = _merge(OmegaConf.structured(TrainConfig), resolved, lambda key: _resolved_where(key, layers), "config")
+    try:
+        obj = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:  # not expected once interpolations are resolved
+        raise ConfigError(f"config: {_key_of(exc) or 'config'}: {problem_of(exc)}") from None
     try:
         validate(obj)
     except KeyedError as exc:
         # Name the layer (file and line, or override) that set the bad value.
-        for data, source in reversed(layers):
-            if _lookup(data, exc.key) is not None:
-                raise ConfigError(f"{_where(data, source, exc.key)}{exc}") from None
-        raise
+        if not any(_lookup(data, exc.key) is not None for data, _ in layers):
+            raise
+        where, note = _resolved_where(exc.key, layers)
+        raise ConfigError(f"{where}{exc}{note}") from None
     return _freeze(obj)
 
 
+def _merge(merged: DictConfig, data: Any, locate: Callable[[str], Tuple[str, str]], source: str) -> DictConfig:
+    """Check the types of one layer, then merge it; an error about ``key`` is framed by ``locate(key)``."""
+    try:
+        check_layer(data)
+    except KeyedError as exc:
+        where, note = locate(exc.key)
+        raise ConfigError(f"{where}{exc}{note}") from None
+    try:
+        return OmegaConf.merge(merged, OmegaConf.create(dict(data)))
+    except ValidationError as exc:
+        key = exc.full_key
+        (where, note), value = locate(key), _lookup(data, key)
+        raise ConfigError(f"{where}{key}: got {show(value)}; expected {describe(_field_type(key))}{note}") from None
+    except (OmegaConfBaseException, TypeError, ValueError) as exc:
+        key = _key_of(exc)
+        where, note = locate(key) if key else ("", "")
+        raise ConfigError(f"{where or source + ': '}{key + ': ' if key else ''}{problem_of(exc)}{note}") from None
+
+
+def _resolved_where(key: str, layers: List[tuple]) -> Tuple[str, str]:
+    """Where the last layer set ``key``, and a note naming the interpolation it wrote there, if any."""
+    where, raw = _source_of(key, layers)
+    return where, (f" (the value of {show(raw)})" if isinstance(raw, str) and "${" in raw else "")
+
+
+def _refuse_missing(data: Any, source: str, root: Any = None, prefix: str = "") -> None:
+    """OmegaConf's ``???`` (a value to be given later) silently keeps the default when merged: refuse it."""
+    root = data if root is None else root
+    if not isinstance(data, Mapping):
+        return
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, str) and value.strip() == "???":
+            raise ConfigError(
+                f"{_where(root, source, dotted)}{dotted}: got '???' (OmegaConf's mark for a value still to be "
+                f"given); expected {describe(_field_type(dotted))}, or no {dotted} at all for the default"
+            )
+        _refuse_missing(value, source, root, dotted + ".")
+
+
+def _key_of(exc: BaseException) -> str:
+    return str(getattr(exc, "full_key", None) or "")
+
+
+def _source_of(key: str, layers: List[tuple]) -> tuple:
+    """(where, raw value) of the last layer that set ``key`` (``a.b[2]`` is item 2 of ``a.b``)."""
+    dotted, _, index = key.partition("[")
+    for data, source in reversed(layers):
+        raw = _lookup(data, dotted)
+        if raw is None:
+            continue
+        if index and isinstance(raw, (list, tuple)) and index[:-1].isdigit() and int(index[:-1]) < len(raw):
+            raw = raw[int(index[:-1])]
+        return _where(data, source, dotted), raw
+    return "", None
+
+
 def _where(data: Any, source: str, key: str) -> str:
-    if isinstance(data, _Located):
+    if isinstance(data, Located):
         line = data.line_of(key)
         return f"{data.path}:{line}: " if line else f"{data.path}: "
     return f"{source}: " if source == "override" else ""
@@ -220,7 +234,7 @@ def _lookup(data: Any, dotted: str) -> Any:
 def _field_type(dotted: str) -> Any:
     cls: Any = TrainConfig
     for part in dotted.split("."):
-        hints = typing.get_type_hints(cls)
+        hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
         if part not in hints:
             return Any
         cls = hints[part]

@@ -108,6 +108,8 @@ def check_layer(data: Any, cls: type = TrainConfig, prefix: str = "") -> None:
 
 
 def _raw_ok(tp: Any, value: Any) -> bool:
+    if isinstance(value, str) and "${" in value:
+        return True  # an interpolation: its resolved value is checked after the merge
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (Union, types.UnionType) and type(None) in args:
         if value is None:
@@ -117,7 +119,7 @@ def _raw_ok(tp: Any, value: Any) -> bool:
     if origin in (list, List, tuple):
         return isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
     if origin in (dict, Dict):
-        return isinstance(value, Mapping) and all(isinstance(v, str) for v in value.values())
+        return isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
     if isinstance(value, (Mapping, list, tuple)):
         return False
     if tp is bool:

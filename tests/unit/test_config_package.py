@@ -24,6 +24,7 @@ parent = types.ModuleType("safetrain")
 parent.__path__ = [{str(PACKAGE)!r}]
 sys.modules["safetrain"] = parent
 for name in ("safetrain.kinds", "safetrain.config", "safetrain.config.schema", "safetrain.config.validate",
+             "safetrain.config.yamlfile", "safetrain.config.overrides", "safetrain.config.interpolate",
              "safetrain.config.loader"):
     importlib.import_module(name)
 cfg = sys.modules["safetrain.config"].load_config(None, ["recovery.max_retries=3"])
@@ -44,6 +45,9 @@ def test_config_imports_no_torch():
         "safetrain.config",
         "safetrain.config.schema",
         "safetrain.config.validate",
+        "safetrain.config.yamlfile",
+        "safetrain.config.overrides",
+        "safetrain.config.interpolate",
         "safetrain.config.loader",
     }, loaded
 
