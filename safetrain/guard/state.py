@@ -93,8 +93,11 @@ class RecoveryState:
           the losses of weights it ruined, is no start; the first loss, the model as it came,
           always counts; twice the margin, so that a first loss low by chance leaves the others in.
         * The run's **noise** ``sigma`` is the geometric mean of its spread at the start (of those
-          start losses, when there are 3) and at the end (of the last 16), each 1.4826 x a median
-          absolute deviation, floored at float resolution. The end's alone hides a run whose
+          start losses) and at the end (of the last 16), each 1.4826 x a median absolute deviation,
+          floored at float resolution. When fewer than 3 of the first 5 are a start (the first
+          update blew the run up: a batch in the wrong unit at step 2, an LR x1000 at step 1; no
+          invariant rule can call that a spike with one loss before it), the start has no spread:
+          an end above the start level by more than float rounding is worse. The end's alone hides a run whose
           noise grew with its level (an LR left x1000 makes the losses 15x higher and 40x noisier);
           the start's alone, from 5 losses, is too often small by chance.
 
@@ -118,7 +121,7 @@ class RecoveryState:
         at_end = _robust_sigma(tail)
         starts = [x for x in self.first_losses if x - first <= 2 * margin * at_end]
         start = statistics.median(starts)
-        at_start = _robust_sigma(starts) if len(starts) >= 3 else at_end
+        at_start = _robust_sigma(starts) if len(starts) >= 3 else 0.0  # the first steps blew up: no spread
         sigma = max(math.sqrt(at_start * at_end), spread_floor(end))
         if end - start <= margin * sigma:
             return None
