@@ -164,7 +164,9 @@ class DivergenceDetector:
         """Whether a climb may be under way: the last two (or more) healthy losses in a row were
         each a new high of the window before them (the first loss of an empty window is one), each
         increment after the first at least ``growth`` times the one before it (the second loss of a
-        run has no increment before it: a rise there counts).
+        run has no increment before it: any rise there counts, since with one loss before it no
+        invariant rule can tell a wobble from an LR far too high, and vouching for the snapshot
+        it read would let a restore land inside the climb).
 
         One integer comparison: the guard asks it on every healthy step."""
         return self._highs >= 2
@@ -261,9 +263,9 @@ class DivergenceDetector:
     def _push(self, loss: float) -> None:
         peaks, h = self._peaks, self._losses
         if not peaks or loss > peaks[0][1]:  # a new high of the window (peaks[0]: its max)
-            grew = len(h) < 2 or loss - h[-1] >= self.growth * (
-                h[-1] - h[-2]
-            )  # increments; the 2nd loss has none before
+            # the increment grew; the second loss of a run has none before it: a rise there may be a
+            # climb (an LR far too high: 669, then 9.2e4), so no snapshot is vouched for by it
+            grew = len(h) < 2 or loss - h[-1] >= self.growth * (h[-1] - h[-2])
             self._highs = self._highs + 1 if self._highs and grew else 1
         else:
             self._highs = 0
