@@ -97,9 +97,8 @@ class SpikeDetector:
         self.run_min = math.inf  # the lowest
         self._losses: deque = deque(maxlen=window)
         self._over: deque = deque(maxlen=window)  # each loss's excess over the floor it came to
-        # The window's highest and lowest, kept as monotonic queues of (add count, loss): O(1)
-        # amortized per step. max() over the window read 128 floats scattered over the heap at every step.
-        self._peaks: deque = deque()  # of the losses
+        # The window's lowest loss and largest excess, kept as monotonic queues of (add count, value):
+        # O(1) amortized per step. min() over the window read 128 floats scattered over the heap at every step.
         self._lows: deque = deque()
         self._excess: deque = deque()  # of each loss's excess over the window's lowest when it came
         self._added = 0
@@ -112,8 +111,8 @@ class SpikeDetector:
             return None
         hard = False
         if self.hard_ratio is not None and n >= HARD_MIN_HISTORY - 1:
-            ratio = self.hard_ratio if n >= HARD_MIN_HISTORY else self.hard_ratio**2
-            run_range = max(self.run_max - self.run_min, spread_floor(self.run_max))
+            ratio = self.hard_ratio if n >= HARD_MIN_HISTORY else self.hard_ratio * self.hard_ratio
+            run_range = max(self.run_max - self.run_min, spread_floor(self.run_max))  # under it: float rounding
             hard = loss - self.run_min >= ratio * run_range
         if not hard:
             if n < self.min_history:
@@ -139,20 +138,30 @@ class SpikeDetector:
         """Record a healthy loss (``over``: its excess over the floor it came to, when put back from a state)."""
         if math.isfinite(loss):
             loss = float(loss)
-            peaks, lows, excess = self._peaks, self._lows, self._excess
+            lows, excess = self._lows, self._excess
             if over is None:
-                over = max(loss - lows[0][1], 0.0) if lows else 0.0
+                over = loss - lows[0][1] if lows else 0.0
+                if over < 0.0:
+                    over = 0.0
             self._losses.append(loss)
             self._over.append(over)
-            self.run_max, self.run_min = max(self.run_max, loss), min(self.run_min, loss)
-            for queue, value, sign in ((peaks, loss, 1), (lows, loss, -1), (excess, over, 1)):
-                while queue and sign * queue[-1][1] <= sign * value:
-                    queue.pop()
-                queue.append((self._added, value))
-            self._added += 1
-            for queue in (peaks, lows, excess):
-                if queue[0][0] < self._added - self.window:  # left the window
-                    queue.popleft()
+            if loss > self.run_max:
+                self.run_max = loss
+            if loss < self.run_min:
+                self.run_min = loss
+            n = self._added
+            while lows and lows[-1][1] >= loss:
+                lows.pop()
+            lows.append((n, loss))
+            while excess and excess[-1][1] <= over:
+                excess.pop()
+            excess.append((n, over))
+            self._added = n = n + 1
+            gone = n - self.window  # entries added before this left the window
+            if lows[0][0] < gone:
+                lows.popleft()
+            if excess[0][0] < gone:
+                excess.popleft()
 
     def state_dict(self) -> Dict[str, Any]:
         """``{"losses": [...], "excess": [...], "run_max": float | None, "run_min": float | None}``, JSON-ready."""
@@ -168,7 +177,6 @@ class SpikeDetector:
         from snapshots of earlier versions: the excesses are recomputed from the window, the window's
         extremes stand in for the run's)."""
         self._losses, self._over = deque(maxlen=self.window), deque(maxlen=self.window)
-        self._peaks.clear()
         self._lows.clear()
         self._excess.clear()
         self.run_max, self.run_min = -math.inf, math.inf

@@ -144,3 +144,13 @@ def test_a_jump_back_above_the_start_of_a_falling_run_is_a_spike():
         d.add(2.0 + 1.9 * 0.9**i + rng.gauss(0, 0.01))
     assert d.check(5.5) is not None
     assert d.check(2.3) is None
+
+
+def test_a_run_of_exact_zeros_has_the_smallest_spread_not_none():
+    """A loss that is exactly 0 at every step (a hinge loss with every margin met) has no range:
+    the hard rule measures a rise in the absolute floor (1e-12), and 0 again is no spike."""
+    d = SpikeDetector(min_history=20, hard_ratio=100.0)
+    for _ in range(5):
+        d.add(0.0)
+    assert d.check(0.0) is None
+    assert d.check(1.0)["rule"] == "hard_ratio"
