@@ -29,7 +29,7 @@ the end of a climb in which each loss was a new high of the window before it, an
 A single jump (a bad batch) is neither: it has no rise before it, and is left to the spike
 detector. The new highs keep a converged, heavy-tailed run quiet: its noisy batches seldom pass
 every loss of the last 128, let alone several times in a row (measured on a synthetic curve of
-lognormal batches around 1e-4 with one in 16 up to 0.05: no trip in 30 x 6000 steps). With two
+lognormal batches around 1e-4 with one in 16 up to 0.05: no trip in 5 x 6000 steps, the unit test). With two
 healthy losses only (a climb from the first step) no spread is known and the first increment is
 the scale: an LR ~10x too high (the loss x100 a step) is caught at the 4th loss, where a ratio to
 the first loss caught it at the 3rd.

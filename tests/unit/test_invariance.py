@@ -22,6 +22,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from safetrain import ConfigError, load_config
 from safetrain.config import RecoveryConfig
 from safetrain.divergence import DivergenceDetector
 from safetrain.guard.state import RecoveryState
@@ -189,3 +190,17 @@ def test_end_check_needs_five_losses_at_both_ends_and_loads_old_snapshots():
     state.load_state_dict(old)  # a snapshot before issue 23 kept the last 5 losses only
     assert state.ended_worse(4.0) is not None and len(state.last_losses) == 5
     assert math.isfinite(state.epoch_loss[0])
+
+
+@pytest.mark.parametrize("where", ["override", "yaml"])
+def test_the_old_end_loss_ratio_key_says_what_replaced_it(where, tmp_path):
+    """A ratio to the first loss means nothing for a negative or offset loss: a config that still
+    sets guard.end_loss_ratio is refused, naming guard.end_margin, not "unknown key"."""
+    with pytest.raises(ConfigError, match=r"guard\.end_loss_ratio.*replaced by guard\.end_margin"):
+        if where == "override":
+            load_config(None, ["guard.end_loss_ratio=3"])
+        else:
+            path = tmp_path / "old.yaml"
+            path.write_text("guard:\n  end_loss_ratio: 3.0\n")
+            load_config(path)
+    assert load_config(None, ["guard.end_margin=null"]).guard.end_margin is None
