@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from ..errors import ConfigError
-from .schema import TrainConfig, to_dict
+from .schema import REPLACED_KEYS, TrainConfig, to_dict
 from .validate import KeyedError, check_layer, check_size, describe, show, validate
 
 __all__ = ["ConfigLike", "load_config", "as_config"]
@@ -185,6 +185,8 @@ def _check_keys(data: Any, cls: type, prefix: str, source: str, root: Any = None
     names = [f.name for f in dataclasses.fields(cls)]
     for key, value in data.items():
         dotted = f"{prefix}{key}"
+        if key not in names and dotted in REPLACED_KEYS:
+            raise ConfigError(f"{_where(root, source, dotted)}'{dotted}' was {REPLACED_KEYS[dotted]}")
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
             hint = f"did you mean '{prefix}{close[0]}'? " if close else ""

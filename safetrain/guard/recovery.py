@@ -156,7 +156,7 @@ class Recovery:
 
     def check_end(self, seen: int, trained: int) -> None:
         """The end of ``fit``: a run never ends "done" with no trained step, with non-finite
-        parameters, or with its last trained losses ``guard.end_loss_ratio`` times its first (slow
+        parameters, or with its last trained losses ``guard.end_margin`` standard deviations above its first (slow
         path: one host sync, once per run). Each aborts, the model put back at the last good snapshot.
 
         Args:
@@ -189,12 +189,12 @@ class Recovery:
                 (f"run: none of the {seen} steps trained ({c.skipped_batches} skipped, {c.restores} restores)"),
             )
             reason = with_hint(reason, Kind.TARGET, None, self.masked_targets, seen)
-        elif seen > 0 and (worse := self.state.ended_worse(self.cfg.guard.end_loss_ratio)):
+        elif seen > 0 and (worse := self.state.ended_worse(self.cfg.guard.end_margin)):
             kind, reason = (
                 "run",
                 (
                     f"run: {worse}; fix: a smaller learning rate (or LR warmup), targets and inputs in the units "
-                    "the model expects; for a run whose loss may rise by design (a GAN, RL), guard.end_loss_ratio: null"
+                    "the model expects; for a run whose loss may rise by design (a GAN, RL), guard.end_margin: null"
                 ),
             )
         else:
