@@ -23,12 +23,17 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence, Tuple
 
-__all__ = ["SpikeDetector", "HARD_MIN_HISTORY"]
+__all__ = ["SpikeDetector", "HARD_MIN_HISTORY", "START_RATIO"]
 
 #: Healthy losses the ``hard_ratio`` rule needs before it judges (it judges the 4th step on).
 HARD_MIN_HISTORY = 3
+#: Before the first healthy loss, a loss whose excess over the start model's losses is this many
+#: times their spread is a spike (``hard_ratio`` squared: two start losses are a thin sample).
+START_RATIO = 1e4
+#: Relative float32 rounding: spreads below it of a loss's level are rounding, not signal.
+_ROUNDING = 1e-6
 
 
 class SpikeDetector:
@@ -63,6 +68,7 @@ class SpikeDetector:
         self.window, self.min_history, self.zscore, self.enabled = window, min_history, zscore, enabled
         self.min_ratio, self.hard_ratio = min_ratio, hard_ratio
         self.run_max = -math.inf  # the largest healthy loss of the run
+        self.start: Tuple[float, ...] = ()  # the start model's losses, until the first healthy one
         self._losses: deque = deque(maxlen=window)
         # The window's maximum, kept as a decreasing queue of (add count, loss): O(1) amortized
         # per step. max() over the window read 128 floats scattered over the heap at every step.
@@ -73,8 +79,10 @@ class SpikeDetector:
         """Return the evidence (median, sigma, z; ``rule``: ``zscore`` or ``hard_ratio``) when
         ``loss`` is a spike, else ``None``."""
         n = len(self._losses)
-        if not self.enabled or n == 0 or not math.isfinite(loss):
+        if not self.enabled or not math.isfinite(loss):
             return None
+        if n == 0:  # nothing trained yet: only the start model's losses can judge it
+            return self._against_start(loss) if self.start else None
         ratio = self.hard_ratio if n >= HARD_MIN_HISTORY or self.hard_ratio is None else self.hard_ratio**2
         hard = ratio is not None and 0 < self.run_max and loss >= ratio * self.run_max
         if not hard and (n < self.min_history or loss < self.min_ratio * self._peaks[0][1]):
@@ -90,9 +98,35 @@ class SpikeDetector:
             return {"loss": loss, "median": median, "sigma": sigma, "z": z, "threshold": self.zscore, "rule": "zscore"}
         return None
 
+    def begin(self, losses: Sequence[float]) -> None:
+        """Take the start model's losses on batches the run has not trained on (two or more):
+        until the first healthy loss is added, a loss is judged against them (:data:`START_RATIO`)."""
+        self.start = tuple(float(x) for x in losses if math.isfinite(x))
+
+    def _against_start(self, loss: float) -> Optional[Dict[str, float]]:
+        """A loss before any healthy one: a spike when its excess over the largest start loss is
+        more than ``START_RATIO`` times the spread of the start losses (at least a float32 rounding
+        of their level, so that identical start losses, a zero-initialized head, call no spike).
+        Offset- and scale-invariant up to that rounding floor."""
+        top, low = max(self.start), min(self.start)
+        spread = max(top - low, _ROUNDING * max(abs(top), abs(low)), 1e-30)
+        if len(self.start) < 2 or loss - top < START_RATIO * spread:
+            return None
+        median = statistics.median(self.start)
+        return {
+            "loss": loss,
+            "median": median,
+            "sigma": spread,
+            "z": (loss - median) / spread,
+            "threshold": START_RATIO,
+            "rule": "start",
+            "start": list(self.start),
+        }
+
     def add(self, loss: float) -> None:
-        """Record a healthy loss."""
+        """Record a healthy loss (the first one ends the judging against the start losses)."""
         if math.isfinite(loss):
+            self.start = ()
             loss = float(loss)
             self._losses.append(loss)
             self.run_max = max(self.run_max, loss)
@@ -105,8 +139,12 @@ class SpikeDetector:
                 peaks.popleft()
 
     def state_dict(self) -> Dict[str, Any]:
-        """``{"losses": [...], "run_max": float | None}``, JSON-ready."""
-        return {"losses": list(self._losses), "run_max": self.run_max if math.isfinite(self.run_max) else None}
+        """``{"losses": [...], "run_max": float | None, "start": [...]}``, JSON-ready."""
+        return {
+            "losses": list(self._losses),
+            "run_max": self.run_max if math.isfinite(self.run_max) else None,
+            "start": list(self.start),
+        }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Put back the window of healthy losses."""
@@ -117,3 +155,4 @@ class SpikeDetector:
             self.add(float(x))
         if state.get("run_max") is not None:  # absent from snapshots of earlier versions
             self.run_max = max(self.run_max, float(state["run_max"]))
+        self.start = tuple(float(x) for x in state.get("start", ()))  # (absent from earlier ones too)

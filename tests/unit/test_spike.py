@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -111,3 +112,28 @@ def test_hard_ratio_keeps_the_run_max_through_a_state_round_trip():
     e = SpikeDetector(window=4, min_history=20, hard_ratio=100.0)
     e.load_state_dict(d.state_dict())
     assert e.run_max == 50.0 and e.check(4000.0) is None and e.check(6000.0) is not None
+
+
+@pytest.mark.parametrize("c,a", [(0.0, 1.0), (100.0, 1.0), (-100.0, 1.0), (0.0, 0.01), (-7.0, 100.0)])
+def test_the_start_rule_judges_the_first_loss_the_same_for_any_offset_and_scale(c, a):
+    """Before any healthy loss, a loss is judged against the start model's losses: a spike when its
+    excess over the largest is 1e4 times their spread, whatever the loss's offset and scale."""
+
+    def decide(first: float) -> bool:
+        d = SpikeDetector(hard_ratio=100.0)
+        d.begin([a * 0.8 + c, a * 0.9 + c])
+        return d.check(a * first + c) is not None
+
+    assert decide(0.9 + 0.1 * 2e4) and not decide(0.9 + 0.1 * 0.5e4) and not decide(0.7)
+
+
+def test_the_start_losses_judge_until_the_first_healthy_loss_and_survive_a_round_trip():
+    d = SpikeDetector()
+    d.begin([1.0, 1.1])
+    e = SpikeDetector()
+    e.load_state_dict(d.state_dict())
+    assert e.check(5000.0)["rule"] == "start" and e.check(1.2) is None
+    e.add(1.2)
+    assert e.start == () and e.check(5000.0) is None  # one healthy loss: the early rules' business
+    d.begin([2.0, 2.0])  # identical start losses (a zero-initialized head): rounding is no spread
+    assert d.check(2.0 + 1e-6) is None
