@@ -24,7 +24,15 @@ from ..detect import ActivationMonitor
 from .forward import Forward
 from .plumbing import Plumbing
 
-__all__ = ["start_losses"]
+__all__ = ["start_losses", "measuring"]
+
+_active = [False]
+
+
+def measuring() -> bool:
+    """Whether the start measurement's forwards are running now: they are no step's forwards, so
+    :mod:`safetrain.testing`'s injectors neither count nor spoil them."""
+    return _active[0]
 
 
 def start_losses(
@@ -48,6 +56,7 @@ def start_losses(
     saved = [b.detach().clone() for b in buffers]
     held = monitor.set_aside()
     losses = []
+    _active[0] = True
     try:
         with torch.no_grad(), distributed.keep_rng(), distributed.local(named):
             for batch in batches:
@@ -55,6 +64,7 @@ def start_losses(
                 with plumbing.autocast():
                     losses.append(forward.eager_loss(batch).detach().float().reshape(()))
     finally:
+        _active[0] = False
         monitor.set_aside()  # these forwards' records are no step's
         monitor.put_back(held)
         with torch.no_grad():
