@@ -26,7 +26,7 @@ from typing import Any, Callable, Collection, Iterable, Iterator, List, Literal,
 import torch
 from torch.utils.data import Dataset
 
-from .guard.start import measuring
+from .guard.measure import measuring
 
 __all__ = [
     "SyncCounter",

@@ -28,10 +28,10 @@ from ..wrappers import plain_namer, unwrap_compiled
 from .caller import CallerSteps, without_reruns
 from .forward import Forward
 from .judge import Judge
+from .measure import start_losses
 from .own import OwnSteps
 from .plumbing import Plumbing
 from .recovery import Recovery, Rerun, Verdict
-from .start import start_losses
 from .state import RecoveryState
 from .update import Updates
 
