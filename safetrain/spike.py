@@ -30,8 +30,13 @@ x10^8) can ruin the model. So a loss whose excess over the run's lowest healthy 
 as ``HARD_MIN_HISTORY`` (3) healthy losses are known: from the 4th healthy step on; with two, the
 range is the difference of those two and the ratio is ``hard_ratio`` squared (x10^4), to stay quiet
 on a range that is small by chance. With one healthy loss there is no scale at all (an invariant
-rule of two losses sees only the sign of their difference), so nothing is judged at the 2nd step. A
-loss growing 100x a step (an LR far too high) is left to the divergence detector. The run's range
+rule of two losses sees only the sign of their difference). That is what the **start losses** are
+for: before a fresh run's first step, ``SafeTrainer.fit`` measures the start model's loss on the two
+batches after the first step's (:meth:`~safetrain.Guard.measure_start`, :meth:`begin`). Until
+``HARD_MIN_HISTORY`` healthy losses are known, they join the healthy ones as the reference, with
+``hard_ratio`` squared: the first step's loss is judged against two losses of the same model (a
+first batch in the wrong unit is a spike, skipped before its update), the second's against three.
+A loss growing 100x a step (an LR far too high) is left to the divergence detector. The run's range
 is usually its first descent, so a healthy run never comes near.
 
 The healthy path is O(1) amortized: the window's lowest and highest losses are kept as monotonic
@@ -43,7 +48,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 __all__ = ["SpikeDetector", "HARD_MIN_HISTORY", "RESOLUTION"]
 
@@ -58,6 +63,11 @@ RESOLUTION = 1e-6
 def spread_floor(level: float) -> float:
     """The smallest spread the rules take as real at a loss ``level``: float rounding (``RESOLUTION``)."""
     return max(RESOLUTION * abs(level), 1e-12)
+
+
+def _spread(ordered: Sequence[float]) -> float:
+    """The range of sorted losses, at least float rounding (a zero-initialized head gives equal ones)."""
+    return max(ordered[-1] - ordered[0], spread_floor(ordered[-1]))
 
 
 class SpikeDetector:
@@ -95,6 +105,7 @@ class SpikeDetector:
         self.min_ratio, self.hard_ratio = min_ratio, hard_ratio
         self.run_max = -math.inf  # the highest healthy loss of the run
         self.run_min = math.inf  # the lowest
+        self.start: Tuple[float, ...] = ()  # the start model's losses (begin), until HARD_MIN_HISTORY healthy ones
         self._losses: deque = deque(maxlen=window)
         self._over: deque = deque(maxlen=window)  # each loss's excess over the floor it came to
         # The window's lowest loss and largest excess, kept as monotonic queues of (add count, value):
@@ -107,7 +118,11 @@ class SpikeDetector:
         """Return the evidence (median, sigma, z; ``rule``: ``zscore`` or ``hard_ratio``) when
         ``loss`` is a spike, else ``None``."""
         n = len(self._losses)
-        if not self.enabled or n == 0 or not math.isfinite(loss):
+        if not self.enabled or not math.isfinite(loss):
+            return None
+        if self.start and n < HARD_MIN_HISTORY:
+            return self._early(loss)
+        if n == 0:
             return None
         hard = False
         if self.hard_ratio is not None and n >= HARD_MIN_HISTORY - 1:
@@ -134,9 +149,46 @@ class SpikeDetector:
             return evidence
         return None
 
+    def begin(self, losses: Sequence[float]) -> None:
+        """Take the start model's losses on batches the run has not trained on (two or more, finite):
+        until :data:`HARD_MIN_HISTORY` healthy losses are known, they join the reference of the hard rule."""
+        start = tuple(float(x) for x in losses if math.isfinite(x))
+        self.start = start if len(start) >= 2 else ()
+
+    def _early(self, loss: float) -> Optional[Dict[str, Any]]:
+        """The hard rule while the start losses stand in for a history: a spike when ``loss``'s excess
+        over the lowest of the start and healthy losses is ``hard_ratio`` squared times their range."""
+        if self.hard_ratio is None:
+            return None
+        ratio = self.hard_ratio * self.hard_ratio
+        # A start batch may itself be in the wrong unit: with three or more distinct losses, the
+        # highest is left out while it stands hard_ratio cubed times the others' range above them
+        # (a margin that two close losses by chance do not reach; a batch measured ahead and then
+        # trained by the same model, after a skipped first step, gives the same loss twice: one).
+        reference = sorted(set(self.start + tuple(self._losses)))
+        while len(reference) >= 3 and reference[-1] - reference[0] >= ratio * self.hard_ratio * _spread(reference[:-1]):
+            reference.pop()
+        low, spread = reference[0], _spread(reference)
+        if loss - low < ratio * spread:
+            return None
+        median = statistics.median(reference)
+        return {
+            "loss": loss,
+            "median": median,
+            "sigma": spread,
+            "z": (loss - median) / spread,
+            "threshold": self.hard_ratio * self.hard_ratio,
+            "rule": "start",
+            "ratio": (loss - low) / spread,
+            "start": list(self.start),
+            "trained": len(self._losses),
+        }
+
     def add(self, loss: float, over: Optional[float] = None) -> None:
         """Record a healthy loss (``over``: its excess over the floor it came to, when put back from a state)."""
         if math.isfinite(loss):
+            if self.start and len(self._losses) + 1 >= HARD_MIN_HISTORY:
+                self.start = ()  # the run has a history of its own now
             loss = float(loss)
             lows, excess = self._lows, self._excess
             if over is None:
@@ -164,12 +216,14 @@ class SpikeDetector:
                 excess.popleft()
 
     def state_dict(self) -> Dict[str, Any]:
-        """``{"losses": [...], "excess": [...], "run_max": float | None, "run_min": float | None}``, JSON-ready."""
+        """``{"losses": [...], "excess": [...], "run_max": float | None, "run_min": float | None, "start": [...]}``,
+        JSON-ready."""
         return {
             "losses": list(self._losses),
             "excess": list(self._over),
             "run_max": self.run_max if math.isfinite(self.run_max) else None,
             "run_min": self.run_min if math.isfinite(self.run_min) else None,
+            "start": list(self.start),
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -189,3 +243,4 @@ class SpikeDetector:
             self.run_max = max(self.run_max, float(state["run_max"]))
         if state.get("run_min") is not None:
             self.run_min = min(self.run_min, float(state["run_min"]))
+        self.start = tuple(float(x) for x in state.get("start", ()))  # absent from earlier snapshots

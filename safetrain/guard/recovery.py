@@ -387,6 +387,12 @@ def summary(kind: str, detail: Mapping[str, Any]) -> str:
     rows = detail.get("rows")
     if isinstance(rows, list) and rows and hasattr(rows[0], "describe"):  # bad input or target rows
         return "; ".join(f.describe() for f in rows[:4])
+    if kind == "spike" and detail.get("rule") == "start":
+        start = ", ".join(f"{x:.4g}" for x in detail["start"])
+        return (
+            f"loss {detail['loss']:.4g} after {detail['trained']} trained step(s) is {detail['ratio']:.3g} ranges "
+            f"above the lowest of the start model's losses on the batches ahead ({start}) and the trained ones"
+        )
     if kind == "spike":
         return f"loss {detail['loss']:.4g} is {detail['z']:.1f} robust sigmas above the median {detail['median']:.4g}"
     if kind == "loss":

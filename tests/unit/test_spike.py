@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -154,3 +155,46 @@ def test_a_run_of_exact_zeros_has_the_smallest_spread_not_none():
         d.add(0.0)
     assert d.check(0.0) is None
     assert d.check(1.0)["rule"] == "hard_ratio"
+
+
+@pytest.mark.parametrize("c,a", [(0.0, 1.0), (100.0, 1.0), (-100.0, 1.0), (0.0, 0.01), (-7.0, 100.0)])
+def test_the_start_losses_judge_the_first_loss_the_same_for_any_offset_and_scale(c, a):
+    """Before any healthy loss, a loss is judged against the start model's losses: a spike when its
+    excess over the lowest is hard_ratio squared times their range, whatever the loss's offset and scale."""
+
+    def decide(first: float) -> bool:
+        d = SpikeDetector(hard_ratio=100.0)
+        d.begin([a * 0.8 + c, a * 0.9 + c])
+        return d.check(a * first + c) is not None
+
+    assert decide(0.8 + 0.1 * 1.01e4) and not decide(0.8 + 0.1 * 0.99e4) and not decide(0.7)
+
+
+def test_the_start_losses_judge_until_the_history_is_long_enough_and_survive_a_round_trip():
+    """The start losses stand in for a history until HARD_MIN_HISTORY healthy losses are known (the
+    2nd and 3rd steps are judged against them and the trained ones), then the run's own range judges."""
+    d = SpikeDetector(hard_ratio=100.0)
+    d.begin([1.0, 1.1])
+    e = SpikeDetector(hard_ratio=100.0)
+    e.load_state_dict(d.state_dict())
+    assert e.check(5000.0)["rule"] == "start" and e.check(1.2) is None
+    e.add(1.2)
+    assert e.check(5000.0)["rule"] == "start"  # 2 start + 1 trained: range 0.2, 1e4 x 0.2 = 2000
+    e.add(1.15)
+    e.add(1.05)
+    assert e.start == () and e.check(5000.0)["rule"] == "hard_ratio"  # the run's own range now
+    d.begin([2.0, 2.0])  # identical start losses (a zero-initialized head): rounding is no spread
+    assert d.check(2.0 + 1e-6) is None
+    d.begin([2.0])  # one start loss is no spread at all
+    assert d.start == () and d.check(1e9) is None
+
+
+def test_a_start_batch_in_the_wrong_unit_is_left_out_of_the_reference():
+    """One of the batches measured ahead is itself in the wrong unit (x1e8): the first step's
+    healthy loss is not a spike, and once it is known the bad start loss is left out, so the same
+    batch trained at the 2nd step is one."""
+    d = SpikeDetector(hard_ratio=100.0)
+    d.begin([0.9e8, 0.95])
+    assert d.check(0.9) is None
+    d.add(0.9)
+    assert d.check(0.92e8)["rule"] == "start" and d.check(1.2) is None
