@@ -222,11 +222,12 @@ class ShardedStore(SnapshotStore):
         self._require_open("save")
         self.drain()
         captured = state.capture(counters, extra, extra_tensors)
-        bad = nonfinite((n, captured.tensors[n]) for n in captured.checked)  # host sync: snapshot steps only
+        bad = nonfinite(((n, captured.tensors[n]) for n in captured.checked), captured.accepted)  # host sync: snapshots
         refused = self._vote(len(bad))
         step = captured.meta["counters"]["step"]
         if any(refused):
             where = [r for r, n in enumerate(refused) if n]
+            self.refused = tuple(bad) or ("(on another rank)",)
             logger.warning("snapshot refused at step %d: non-finite state on rank(s) %s; keeping the previous one",
                            step, where)  # fmt: skip
             return None

@@ -207,7 +207,7 @@ class Buffers:
             for name, live, saved in zip(self.names, self._live, self._saved):
                 if live.shape != saved.shape or live.dtype != saved.dtype:
                     continue
-                if not torch.equal(live, saved):  # host sync: slow path (NaN differs from itself: put back)
+                if not _same(live, saved):  # host sync: slow path
                     live.copy_(saved)
                     changed.append(name)
         if changed:
@@ -230,3 +230,11 @@ class Buffers:
         with torch.no_grad():
             finite = torch.stack([torch.isfinite(b).all() for _, b in named]).tolist()  # host sync: once
         return [nb for nb, ok in zip(named, finite) if ok]
+
+
+def _same(live: torch.Tensor, saved: torch.Tensor) -> bool:
+    """Whether a buffer is as it was kept; NaN where it was NaN counts as unchanged (a buffer
+    non-finite by design), so only a real change is put back and journaled."""
+    if torch.equal(live, saved):
+        return True
+    return live.is_floating_point() and bool(torch.isclose(live, saved, rtol=0.0, atol=0.0, equal_nan=True).all())

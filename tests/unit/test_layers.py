@@ -111,13 +111,14 @@ def test_the_circle_finder_finds_one():
     assert _cycle({"a": {"b"}, "b": set()}) == []
 
 
-@pytest.mark.parametrize("module", ["kinds", "policy", "faults", "history", "config", "rundir", "report"])
+@pytest.mark.parametrize("module", ["kinds", "policy", "fallbacks", "faults", "history", "config", "rundir", "report"])
 def test_the_lower_layers_import_no_torch_module(module):
     """The layers below the guard that promise no torch import none of the torch-using layers."""
     graph = import_graph()
     pure = {
         "safetrain.kinds",
         "safetrain.policy",
+        "safetrain.fallbacks",
         "safetrain.faults",
         "safetrain.history",
         "safetrain.errors",
