@@ -231,16 +231,14 @@ class Guard(OwnSteps, CallerSteps):
     # ----------------------------------------------------------------- the step
     def _arrive(self, batch: Any) -> None:
         """A (micro-)batch arrives: the run's first takes the forced snapshot (sound by definition),
-        and a run whose parameters or optimizer state are non-finite already stops (:mod:`.start`)."""
-        first, bad = not self._started, []
+        and a run whose parameters or optimizer state are non-finite already stops (:mod:`.start`):
+        the snapshot's own check says so (no read of its own). A resumed run's state comes from a
+        snapshot, which is never taken of a non-finite state."""
+        first = not self._started
         self._started = True
         if self.counters.steps == 0 and self.phase is Phase.READY and len(self.store) == 0:
-            if self.snapshot(force=True).action == "refused" and first:  # its own check said why
-                bad = list(self.store.refused)
-        elif first:  # a resumed run: host sync: once per run
-            bad = start.broken_state(self._all_params, self.optimizer)
-        if bad:
-            self._broken_start(bad, batch)
+            if self.snapshot(force=True).action == "refused" and first and self.store.refused:
+                self._broken_start(list(self.store.refused), batch)
         self.counters.batch += 1
 
     def _broken_start(self, bad: List[str], batch: Any) -> None:

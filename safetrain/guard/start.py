@@ -7,9 +7,9 @@ half precision"). Nothing can restore such a run (its first snapshot is refused:
 state to go back to), so it stops at once with ``TrainingAborted`` naming the tensors, the first
 modules whose output goes non-finite on the first batch, and the fix.
 
-Slow path only: the guard asks :func:`broken_state` once, at the first batch of a run (a fresh
-run's refused first snapshot already says it, with no read of its own), and explains with
-:func:`first_nonfinite_modules` only when the state is broken.
+Slow path only: the run's refused first snapshot says which tensors are non-finite (its own
+check, no read of its own); the guard then explains with :func:`first_nonfinite_modules` and
+:func:`broken_start_reason`.
 """
 
 from __future__ import annotations
@@ -19,9 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..snapshot import nonfinite
-
-__all__ = ["broken_state", "first_nonfinite_modules", "broken_start_reason", "state_names"]
+__all__ = ["first_nonfinite_modules", "broken_start_reason", "state_names"]
 
 logger = logging.getLogger("safetrain")
 
@@ -36,26 +34,6 @@ def state_names(params: Sequence[Tuple[str, torch.Tensor]], optimizer: torch.opt
         for key in optimizer.state.get(p, {}):
             out[f"optim/state/{i}/{key}"] = f"{by_id.get(id(p), f'param {i}')} (optimizer {key})"
     return out
-
-
-def broken_state(params: Sequence[Tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer) -> List[str]:
-    """The parameters and optimizer state tensors that hold NaN/Inf, by snapshot name (one host read).
-
-    Example::
-
-        >>> m = torch.nn.Linear(2, 1)
-        >>> with torch.no_grad():
-        ...     m.weight[0, 0] = float("nan")
-        >>> broken_state(list(m.named_parameters()), torch.optim.SGD(m.parameters(), lr=0.1))
-        ['model/weight']
-    """
-    named = [(f"model/{n}", _local(p)) for n, p in params]
-    order = [p for g in optimizer.param_groups for p in g["params"]]
-    for i, p in enumerate(order):
-        for key, t in optimizer.state.get(p, {}).items():
-            if isinstance(t, torch.Tensor) and t.dim() > 0:
-                named.append((f"optim/state/{i}/{key}", _local(t)))
-    return nonfinite(named)
 
 
 def first_nonfinite_modules(model: torch.nn.Module, run: Callable[[], Any], most: int = 3) -> Optional[List[str]]:
@@ -123,7 +101,3 @@ def _any_nonfinite(output: Any) -> bool:
     if isinstance(output, dict):
         return any(_any_nonfinite(o) for o in output.values())
     return False
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
