@@ -8,6 +8,7 @@ profiler range ``Optimizer.zero_grad`` opens, the scaler's values read as device
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import Any, Callable, ContextManager, List, Optional, Tuple
 
@@ -16,6 +17,7 @@ from torch.amp.grad_scaler import OptState
 
 from ..batches import pageable_tensors, to_device
 from ..config import AmpConfig
+from ..snapshot.accepted import matches
 
 __all__ = ["Plumbing", "Buffers"]
 
@@ -213,6 +215,19 @@ class Buffers:
         if changed:
             logger.info("put back %d buffer(s) the step had changed: %s", len(changed), ", ".join(changed[:6]))
         return tuple(changed)
+
+    def patterned(self, state: Any, kept: bool = False) -> List[Tuple[str, torch.Tensor, Callable[..., Any]]]:
+        """The buffers accepted as non-finite by design (``state.accepted``, read at each check so a
+        resume's patterns count), each with a check that is NaN when its non-finite pattern changed
+        (:mod:`safetrain.snapshot.accepted`); ``kept``: the copies kept before the step."""
+        tensors = self._saved if kept else self._live
+
+        def check(t: torch.Tensor, key: str) -> torch.Tensor:
+            want = state.accepted.get(key)
+            return matches(t, want) if want is not None else torch.zeros((), device=t.device)
+
+        keys = [(n, t, f"model/{n}") for n, t in zip(self.names, tensors)]
+        return [(n, t, functools.partial(check, key=k)) for n, t, k in keys if k in state.accepted]
 
     def checked(self, kept: bool = False) -> List[Tuple[str, torch.Tensor]]:
         """The floating buffers finite now, by name, for the weight checks (a buffer that holds

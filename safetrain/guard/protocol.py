@@ -142,14 +142,17 @@ class Guard(OwnSteps, CallerSteps):
         self.rank = sync.rank  # stamped on every event
         flags, k = detect.StepFlags(reduce=sync.reduce), c.guard.accumulate_steps
         self.forward = fwd = Forward(flags, grads, model, named, monitor, pipes, c.sanitize, k, loss_fn, step_fn)
-        bufs = fwd.buffers.checked()  # the weight checks cover floating buffers (BatchNorm statistics)
-        self.weights = detect.WeightCheck(params + bufs, c.detect.check_weights_every, enabled=c.detect.mode != "off")
+        # The weight checks cover floating buffers (BatchNorm statistics), and a mask's -inf by its pattern.
+        bufs, probes = fwd.buffers.checked(), fwd.buffers.patterned(state)
+        on = c.detect.mode != "off"
+        self.weights = detect.WeightCheck(params + bufs, c.detect.check_weights_every, enabled=on, probes=probes)
         self.store = store = distributed.make_store(layout, c.snapshot, run_dir, sync)
         self.diagnoser = diag = Diagnoser(named, monitor, c.detect.replay, state=state, params=params,
                                           loss_of=fwd.eager_loss, autocast=pipes.autocast, prepare=fwd.scan,
                                           accumulate=k, clip=c.guard.clip_grad_norm)  # fmt: skip
         diag.wrap_step_replay(lambda replay: sync.wrap_replayer(replay, named))
-        all_weights = detect.WeightCheck(all_params + fwd.buffers.checked(kept=True), 0)  # as before the step
+        kept = fwd.buffers.checked(kept=True), fwd.buffers.patterned(state, kept=True)  # as before the step
+        all_weights = detect.WeightCheck(all_params + kept[0], 0, probes=kept[1])
         self.judge = Judge(c, counters, monitor, grads, all_weights, self.spike, pipes, sync, fwd.confirm,
                            divergence=self.divergence, lrs=lambda: backoff.unscaled)  # fmt: skip
         self.updates = Updates(c.guard, pipes, grads, counters, scheduler, backoff, diag.record_update, caller_steps)

@@ -133,3 +133,25 @@ def test_a_buffer_that_turns_nonfinite_during_training_is_a_weights_fault():
         kinds = [(e.kind, e.action) for e in result.events]
         assert ("weights", "restore") in kinds, kinds
         assert torch.isfinite(model.scale).all()
+
+
+@pytest.mark.parametrize("change", ["new_inf", "nan"])
+def test_a_mask_that_changes_mid_run_is_a_weights_fault_and_is_put_back(change):
+    """One more -inf (the outputs stay finite: only the weight check sees it) or a NaN in the mask
+    between steps: the periodic weight check finds it by its pattern, names it, and the restore puts
+    the mask back as it was."""
+    model = CausalEncoder()
+    with Guard(model, torch.optim.SGD(model.parameters(), lr=0.01), load_config(None, QUIET), loss_fn=F.mse_loss) as g:
+        batches = data(6)
+        for batch in batches[:3]:
+            assert g.step(batch).trained
+        with torch.no_grad():
+            model.mask[T - 1, 0] = -math.inf if change == "new_inf" else math.nan
+        result = g.step(batches[3])
+        kinds = [(e.kind, e.action) for e in result.events]
+        assert ("weights", "restore") in kinds, kinds
+        finding = next(e for e in result.events if e.kind == "weights").detail["finding"]
+        assert finding["nonfinite"] == ["mask"], finding
+        assert torch.equal(model.mask, torch.nn.Transformer.generate_square_subsequent_mask(T))
+        for batch in batches[4:]:
+            assert g.step(batch).trained
