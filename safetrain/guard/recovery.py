@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NoReturn, Optional, Tuple
 
 import torch
 
@@ -140,7 +140,7 @@ class Recovery:
             self.abort(kind, with_hint(decision.reason, kind, diagnosis, self.masked_targets, self.counters.steps))
         return Outcome(action, tuple(events))
 
-    def abort(self, kind: str, reason: str) -> None:
+    def abort(self, kind: str, reason: str) -> NoReturn:
         """Journal the abort and raise; the state is already at the last good snapshot.
 
         Raises:
