@@ -10,14 +10,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from typing import Any, Callable, ContextManager, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 from torch.amp.grad_scaler import OptState
 
 from ..batches import pageable_tensors, to_device
 from ..config import AmpConfig
-from ..snapshot.accepted import matches
+from ..snapshot.accepted import matches, pattern_tensor
 
 __all__ = ["Plumbing", "Buffers"]
 
@@ -221,10 +221,15 @@ class Buffers:
         resume's patterns count), each with a check that is NaN when its non-finite pattern changed
         (:mod:`safetrain.snapshot.accepted`); ``kept``: the copies kept before the step."""
         tensors = self._saved if kept else self._live
+        on_device: Dict[str, Tuple[Any, torch.Tensor]] = {}  # key -> (pattern, its device copy): no copy per check
 
         def check(t: torch.Tensor, key: str) -> torch.Tensor:
             want = state.accepted.get(key)
-            return matches(t, want) if want is not None else torch.zeros((), device=t.device)
+            if want is None:
+                return torch.zeros((), device=t.device)
+            if key not in on_device or on_device[key][0] != want:
+                on_device[key] = (want, pattern_tensor(want, t.device))
+            return matches(t, on_device[key][1])
 
         keys = [(n, t, f"model/{n}") for n, t in zip(self.names, tensors)]
         return [(n, t, functools.partial(check, key=k)) for n, t, k in keys if k in state.accepted]

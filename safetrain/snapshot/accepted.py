@@ -16,11 +16,11 @@ resumed run keeps the acceptance. Slow path only (a snapshot, the start of a run
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Mapping, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["Pattern", "pattern", "patterns_of", "matches", "describe", "check_patterns"]
+__all__ = ["Pattern", "pattern", "patterns_of", "matches", "pattern_tensor", "describe", "check_patterns"]
 
 #: ``(nan, posinf, neginf, position hash)`` of a tensor's non-finite entries.
 Pattern = Tuple[int, int, int, int]
@@ -65,10 +65,19 @@ def patterns_of(named: Iterable[Tuple[str, torch.Tensor]]) -> Dict[str, Pattern]
     return {n: _as_pattern(pattern(t).tolist()) for (n, t), ok in zip(items, finite) if not ok}
 
 
-def matches(t: torch.Tensor, expected: Sequence[int]) -> torch.Tensor:
-    """A 0-d float32 device value: 0 when ``t`` has the ``expected`` pattern, NaN when not (no host sync)."""
-    want = torch.tensor(list(expected), dtype=torch.int64, device=t.device)
+def matches(t: torch.Tensor, expected: Union[Sequence[int], torch.Tensor]) -> torch.Tensor:
+    """A 0-d float32 device value: 0 when ``t`` has the ``expected`` pattern, NaN when not.
+
+    ``expected`` as a tensor on ``t``'s device (:func:`pattern_tensor`) costs no host sync; as
+    numbers it is copied to the device first (on CUDA a blocking copy: snapshot steps only).
+    """
+    want = expected if isinstance(expected, torch.Tensor) else pattern_tensor(expected, t.device)
     return torch.where((pattern(t) == want).all(), 0.0, float("nan")).to(torch.float32)
+
+
+def pattern_tensor(expected: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``expected`` as the int64 device tensor :func:`matches` compares with (make it once, reuse it)."""
+    return torch.tensor(list(expected), dtype=torch.int64, device=device)
 
 
 def describe(patterns: Mapping[str, Sequence[int]], prefix: str = "model/") -> str:

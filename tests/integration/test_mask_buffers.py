@@ -155,3 +155,18 @@ def test_a_mask_that_changes_mid_run_is_a_weights_fault_and_is_put_back(change):
         assert torch.equal(model.mask, torch.nn.Transformer.generate_square_subsequent_mask(T))
         for batch in batches[4:]:
             assert g.step(batch).trained
+
+
+def test_a_masked_model_reads_the_host_once_per_healthy_step_with_its_weight_check():
+    """The mask's pattern probe is folded into the weight check's value: no read of its own."""
+    from safetrain.testing import count_host_syncs
+
+    model = CausalEncoder()
+    cfg = load_config(None, ["log.progress=false", "snapshot.every=1000", "detect.check_weights_every=1"])
+    with Guard(model, torch.optim.SGD(model.parameters(), lr=0.01), cfg, loss_fn=F.mse_loss) as g:
+        batches = data(5)
+        g.step(batches[0])  # the first step's snapshot reads the host too
+        with count_host_syncs() as syncs:
+            for batch in batches[1:]:
+                assert g.step(batch).trained
+        assert syncs.count == 4
