@@ -58,7 +58,7 @@ def patterns_of(named: Iterable[Tuple[str, torch.Tensor]]) -> Dict[str, Pattern]
         >>> patterns_of([("w", torch.ones(2)), ("mask", torch.tensor([0.0, float("-inf")]))])["mask"][:3]
         (0, 0, 1)
     """
-    items = [(n, t.detach()) for n, t in named if t.is_floating_point() and t.numel()]
+    items = [(n, t.detach()) for n, t in named if t.is_floating_point() and t.numel() and not t.is_meta]
     if not items:
         return {}
     finite = torch.stack([torch.isfinite(t).all() for _, t in items]).tolist()  # host sync: start of a run

@@ -96,7 +96,8 @@ class TrainState:
         """
         plain = plain_namer(self.model)
         params = {plain(n) for n, _ in self.model.named_parameters(remove_duplicate=False)}
-        buffers = [(f"model/{n}", t) for n, t in self._model_state().items() if n not in params]
+        state = self._model_state().items()  # (extra state that is not a tensor is refused by capture)
+        buffers = [(f"model/{n}", t) for n, t in state if n not in params and isinstance(t, torch.Tensor)]
         self.accepted = patterns_of(buffers)
         return dict(self.accepted)
 
