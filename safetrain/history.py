@@ -51,6 +51,8 @@ class History:
         recurrences: how many times in a row ``fault`` came back right after a restore.
         reset_from: the rung the last ladder reset cleared, while the healthy streak that made
             it lasts (a ``weights`` fault that takes those healthy steps back puts it back).
+        has_snapshot: a usable snapshot exists to restore (``False``: none taken yet, or every one
+            refused as non-finite); the guard sets it before each decision; not part of a snapshot.
     """
 
     consecutive: int = 0
@@ -64,6 +66,7 @@ class History:
     restored: bool = False
     recurrences: int = 0
     reset_from: int = 0
+    has_snapshot: bool = True
 
     def to_dict(self) -> Dict[str, Any]:
         """JSON-ready form, for snapshots and the journal."""

@@ -28,6 +28,7 @@ beyond any recovery action (an optimizer ``eps`` the dtype cannot hold), else af
 Rules beside the ladder: an fp16 overflow is normal (skip the step) until the scale would fall
 below ``amp.min_scale`` or ``amp.max_overflows`` come in a row (then it is a ``scaler`` anomaly);
 a forward, loss or gradient fault whose replay was finite (transient) is retried once; a restore
+with no usable snapshot (``History.has_snapshot``) falls back as :mod:`safetrain.fallbacks` says; a restore
 passes over the newest snapshot (it is kept, never restored) when no healthy step has vouched for
 it since it was taken and the fault may lie in the weights its update made:
 
@@ -54,6 +55,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Tuple
 
+from .fallbacks import without_snapshot
 from .faults import broken_for, persistent_reason, signature_of
 from .history import MIN_SKIP_STEPS, History, skip_denominator
 from .kinds import DATA_KINDS, NON_CLIMBING, REPLAYED_KINDS, RESTORING, TRAINING_ACTIONS, Action, Kind
@@ -287,6 +289,8 @@ def _climb(
     persistent = persistent_reason(signature, recurrences, diagnosis) if signature is not None else ""
     if persistent and action is not Action.ABORT:
         action, reason = Action.ABORT, persistent
+    if action in (Action.RESTORE, Action.SCALE_LR) and not history.has_snapshot:
+        action, reason = without_snapshot(kind, action, reason)
 
     lr_scale, since = history.lr_scale, history.since_lr_change
     if action is Action.SCALE_LR:
@@ -304,7 +308,7 @@ def _climb(
             f"recovery.max_skip_fraction={recovery.max_skip_fraction}"
         )
         trains = False
-    restoring = action in RESTORING
+    restoring = action in RESTORING and history.has_snapshot
     new = replace(
         history,
         consecutive=n if climbs else history.consecutive,
@@ -322,7 +326,7 @@ def _climb(
         kind=kind,
         action=action,
         rung=n,
-        restore=action in (Action.RESTORE, Action.SCALE_LR),
+        restore=action in (Action.RESTORE, Action.SCALE_LR) and history.has_snapshot,
         lr_scale=lr_scale,
         trains=trains,
         reason=reason,

@@ -65,7 +65,7 @@ class CallerSteps:
         self._check_caller("begin_batch")
         if self._verdict is not None:  # the last step's optimizer step was not reported
             self.after_optimizer_step()
-        self._arrive()
+        self._arrive(batch)
         if self.phase is Phase.READY:  # the data that led into a restore is skipped after its backward
             self._skipping = self.recovery_state.skip_after_restore > 0
         batch, p = self._add_micro(batch, indices)

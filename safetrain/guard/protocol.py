@@ -19,12 +19,14 @@ from ..config import ConfigLike, TrainConfig, as_config
 from ..diagnose import Diagnoser, Diagnosis
 from ..divergence import DivergenceDetector
 from ..events import AnomalyFound, Event, EventBus, SnapshotTaken
-from ..kinds import Action
+from ..kinds import Action, Kind
 from ..lr import LRBackoff
 from ..policy import Anomaly, History, Rules, decide, newest_taken, raises, read_clean, vouch
+from ..snapshot.accepted import describe as describe_accepted
 from ..spike import SpikeDetector
 from ..steps import Counters, Pending, Phase, StepResult
 from ..wrappers import plain_namer, unwrap_compiled
+from . import start
 from .caller import CallerSteps, without_reruns
 from .forward import Forward
 from .judge import Judge
@@ -121,9 +123,12 @@ class Guard(OwnSteps, CallerSteps):
         self.spike = SpikeDetector(sp.window, sp.min_history, sp.zscore, sp.enabled, sp.min_ratio, sp.hard_ratio)
         self.divergence = DivergenceDetector.from_config(c.guard.divergence, recover_after=c.recovery.reset_after)
         self.state = state = distributed.train_state(layout, named, optimizer, scheduler=scheduler, scaler=self.scaler)
+        # Buffers non-finite by design (a -inf causal mask) are part of the model: snapshots take them
+        # while their pattern is unchanged (host sync: once, at the start).
+        state.accept_nonfinite_buffers()
         plain = plain_namer(named)
         # Every parameter, frozen ones too, for the exact check after a trip (a snapshot restores them).
-        all_params = [(plain(n), p) for n, p in named.named_parameters()]
+        self._all_params = all_params = [(plain(n), p) for n, p in named.named_parameters()]
         self._params = params = [(n, p) for n, p in all_params if p.requires_grad]
         # Two parameters looked at per step for gradients left by someone else (O(1), not O(P)).
         self._probe = (params[0][1], params[-1][1]) if params else ()
@@ -138,14 +143,17 @@ class Guard(OwnSteps, CallerSteps):
         self.rank = sync.rank  # stamped on every event
         flags, k = detect.StepFlags(reduce=sync.reduce), c.guard.accumulate_steps
         self.forward = fwd = Forward(flags, grads, model, named, monitor, pipes, c.sanitize, k, loss_fn, step_fn)
-        bufs = fwd.buffers.checked()  # the weight checks cover floating buffers (BatchNorm statistics)
-        self.weights = detect.WeightCheck(params + bufs, c.detect.check_weights_every, enabled=c.detect.mode != "off")
+        # The weight checks cover floating buffers (BatchNorm statistics), and a mask's -inf by its pattern.
+        bufs, probes = fwd.buffers.checked(), fwd.buffers.patterned(state)
+        on = c.detect.mode != "off"
+        self.weights = detect.WeightCheck(params + bufs, c.detect.check_weights_every, enabled=on, probes=probes)
         self.store = store = distributed.make_store(layout, c.snapshot, run_dir, sync)
         self.diagnoser = diag = Diagnoser(named, monitor, c.detect.replay, state=state, params=params,
                                           loss_of=fwd.eager_loss, autocast=pipes.autocast, prepare=fwd.scan,
                                           accumulate=k, clip=c.guard.clip_grad_norm)  # fmt: skip
         diag.wrap_step_replay(lambda replay: sync.wrap_replayer(replay, named))
-        all_weights = detect.WeightCheck(all_params + fwd.buffers.checked(kept=True), 0)  # as before the step
+        kept = fwd.buffers.checked(kept=True), fwd.buffers.patterned(state, kept=True)  # as before the step
+        all_weights = detect.WeightCheck(all_params + kept[0], 0, probes=kept[1])
         self.judge = Judge(c, counters, monitor, grads, all_weights, self.spike, pipes, sync, fwd.confirm,
                            divergence=self.divergence, lrs=lambda: backoff.unscaled)  # fmt: skip
         self.updates = Updates(c.guard, pipes, grads, counters, scheduler, backoff, diag.record_update, caller_steps)
@@ -155,6 +163,8 @@ class Guard(OwnSteps, CallerSteps):
                                  self._emit, self._not_applied, self._after_restore, sync,
                                  put_back=fwd.buffers.put_back)  # fmt: skip
         self.phase = Phase.READY
+        self._started = False  # the first batch checks that the run does not start broken
+        self._accepted_named = False  # the first snapshot's event names the accepted buffers
         self._pending = Pending()
         self.epoch_rng: Optional[torch.Tensor] = None  # torch RNG at the start of the current epoch
         self.last_loss = math.nan
@@ -246,11 +256,25 @@ class Guard(OwnSteps, CallerSteps):
         return total / n if n else None
 
     # ----------------------------------------------------------------- the step
-    def _arrive(self) -> None:
-        """A (micro-)batch arrives: the run's first takes the forced snapshot (sound by definition)."""
+    def _arrive(self, batch: Any) -> None:
+        """A (micro-)batch arrives: the run's first takes the forced snapshot (sound by definition),
+        and a run whose parameters or optimizer state are non-finite already stops (:mod:`.start`):
+        the snapshot's own check says so (no read of its own). A resumed run's state comes from a
+        snapshot, which is never taken of a non-finite state."""
+        first = not self._started
+        self._started = True
         if self.counters.steps == 0 and self.phase is Phase.READY and len(self.store) == 0:
-            self.snapshot(force=True)
+            if self.snapshot(force=True).action == "refused" and first and self.store.refused:
+                self._broken_start(list(self.store.refused), batch)
         self.counters.batch += 1
+
+    def _broken_start(self, bad: List[str], batch: Any) -> None:
+        """Stop a run that starts with non-finite state: nothing could restore it (slow path)."""
+        if self.plumbing.moves:
+            batch = self.plumbing.move(batch)
+        modules = start.first_nonfinite_modules(self._named, lambda: self.forward.eager_loss(batch))
+        reason = start.broken_start_reason(bad, start.state_names(self._all_params, self.optimizer), modules)
+        self.recovery.abort(Kind.WEIGHTS, reason)
 
     def _add_micro(self, batch: Any, indices: Optional[Sequence[int]]) -> Tuple[Any, Pending]:
         """The batch on the model's device, added to the pending step (a new one when none is)."""
@@ -293,7 +317,9 @@ class Guard(OwnSteps, CallerSteps):
             if raises(anomaly.kind, self.rules):
                 self.recovery.reject_rows(anomaly)
             diagnosis = self._explain(anomaly) if self.diagnoser.explains(anomaly.kind) else None
-            decision, self.history = decide(anomaly, self.history, self.rules, diagnosis)
+            # A typed fact for the policy: is there a snapshot to restore (slow path: lists a directory)?
+            history = dataclasses.replace(self.history, has_snapshot=bool(len(self.store)))
+            decision, self.history = decide(anomaly, history, self.rules, diagnosis)
             outcome = self.recovery.carry_out(anomaly, decision, read, self._pending, diagnosis)
             events += outcome.events
             if outcome.rerun is None:
@@ -390,8 +416,13 @@ class Guard(OwnSteps, CallerSteps):
         # taken after an update: unverified until the next step reads clean (a forced one is sound)
         rs.history = newest_taken(rs.history) if not force else vouch(rs.history)
         self.diagnoser.clear(c.steps)
-        detail = {"path": str(info.path) if info.path else None, "forced": force}
-        return self._emit(SnapshotTaken, "snapshot", "saved", f"snapshot of step {c.steps}", detail)
+        detail: Dict[str, Any] = {"path": str(info.path) if info.path else None, "forced": force}
+        message = f"snapshot of step {c.steps}"
+        if self.state.accepted and not self._accepted_named:  # named once, in the first snapshot's event
+            self._accepted_named = True
+            detail["accepted_buffers"] = accepted = describe_accepted(self.state.accepted)
+            message += f"; accepted non-finite buffers present at the start: {accepted}"
+        return self._emit(SnapshotTaken, "snapshot", "saved", message, detail)
 
     def state_dict(self) -> Dict[str, Any]:
         """The guard's own state, JSON-ready: counters, policy history (with the fp16 overflow

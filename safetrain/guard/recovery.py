@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NoReturn, Optional, Tuple
 
 import torch
 
@@ -19,9 +19,9 @@ from ..batches import without_rows
 from ..config import TrainConfig
 from ..detect import batch_error
 from ..diagnose.optim_numerics import explain_optimizer
-from ..errors import TrainingAborted
+from ..errors import SnapshotError, TrainingAborted
 from ..events import Aborted, AnomalyFound, Event, LRChanged, Restored
-from ..kinds import DATA_KINDS, RESTORING, Action, Kind
+from ..kinds import DATA_KINDS, Action, Kind
 from ..lr import LRBackoff
 from ..policy import Anomaly, Decision, mark_last_skipped, record_step
 from ..steps import Counters, Pending
@@ -130,8 +130,9 @@ class Recovery:
                 total_norm=total if total is not None and math.isfinite(total) else None,
             )
         self.not_applied()
-        if action in RESTORING:
-            events.append(self.restore(decision))
+        if decision.restore or (action is Action.ABORT and len(self.store)):  # an abort goes back too, if it can
+            restored = self.restore(decision)
+            events += [restored] if restored is not None else []
         if action is Action.SCALE_LR:
             self.counters.lr_backoffs += 1
             events.append(self.lr_changed(decision.lr_scale, f"backoff after {kind}"))
@@ -139,7 +140,7 @@ class Recovery:
             self.abort(kind, with_hint(decision.reason, kind, diagnosis, self.masked_targets, self.counters.steps))
         return Outcome(action, tuple(events))
 
-    def abort(self, kind: str, reason: str) -> None:
+    def abort(self, kind: str, reason: str) -> NoReturn:
         """Journal the abort and raise; the state is already at the last good snapshot.
 
         Raises:
@@ -149,7 +150,8 @@ class Recovery:
             Aborted,
             kind,
             Action.ABORT,
-            f"training aborted: {reason}; model and optimizer left at the last good snapshot",
+            f"training aborted: {reason}; model and optimizer left "
+            + ("at the last good snapshot" if len(self.store) else "as they were (no snapshot to go back to)"),
             {"reason": reason},
         )
         raise TrainingAborted(reason, result=None, event=aborted)
@@ -201,8 +203,11 @@ class Recovery:
             self._settle_last_step(seen)
             return
         if len(self.store):
-            self.store.restore(self.train_state)
-            self.counters.restores += 1
+            try:
+                self.store.restore(self.train_state)
+                self.counters.restores += 1
+            except SnapshotError as exc:  # the abort below says why the run stops; this is why it stays put
+                logger.warning("the last good snapshot could not be put back: %s", exc)
         self.abort(kind, reason)
 
     def _settle_last_step(self, seen: int) -> None:
@@ -288,16 +293,34 @@ class Recovery:
         changed = self.put_back()
         return {**detail, "buffers_put_back": list(changed)} if changed else dict(detail)
 
-    def restore(self, decision: Decision, why: str = "") -> Event:
+    def restore(self, decision: Decision, why: str = "") -> Optional[Event]:
         """Put the last good snapshot back, keeping the LR scale and policy history in force now
-        (``why``: the journal's reason, by default the decision's kind)."""
+        (``why``: the journal's reason, by default the decision's kind).
+
+        Returns:
+            The ``Restored`` event; ``None`` when an ``abort`` found no usable snapshot (it stops anyway).
+
+        Raises:
+            TrainingAborted: no snapshot is usable (each damaged or not fitting the model): never a
+                ``SnapshotError`` out of the step; the reason lists why each one was not usable.
+        """
         passed = None
         if decision.pass_over_newest:
             # No healthy step has run since the newest snapshot and the fault implicates the weights:
             # it may hold the update that broke the run (an LR blow-up leaves finite but ruined
             # weights). Go one further back; the file is kept (rotation drops it in its time).
             passed = self.store.pass_over_newest()
-        info = self.store.restore(self.train_state)
+        try:
+            info = self.store.restore(self.train_state)
+        except SnapshotError as exc:
+            if decision.action is Action.ABORT:
+                logger.warning("the last good snapshot could not be put back: %s", exc)
+                return None
+            self.abort(
+                decision.kind,
+                f"{decision.kind}: {decision.action} found no usable snapshot ({exc}); model and optimizer left as "
+                "they were; fix: check the snapshot directory (disk full, files damaged or from another model)",
+            )
         self.after_restore(info.step)
         self.backoff.load_state_dict({"unscaled": info.extra["lr"]["unscaled"]})
         self.counters.restores += 1
