@@ -96,7 +96,8 @@ def fit(
 
     def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = base(out, y)
-        losses.append(loss.item())
+        if torch.is_grad_enabled():  # a trained loss (the start measurement runs without gradients)
+            losses.append(loss.item())
         return loss
 
     loader = DataLoader(data(task, ROWS * steps, noisy_every, seed), batch_size=ROWS, shuffle=False)
