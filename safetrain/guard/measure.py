@@ -14,6 +14,7 @@ would have without them; one host read.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, List, Sequence
 
@@ -21,10 +22,13 @@ import torch
 
 from .. import distributed
 from ..detect import ActivationMonitor
+from ..spike import SpikeDetector
 from .forward import Forward
 from .plumbing import Plumbing
 
-__all__ = ["start_losses", "measuring"]
+logger = logging.getLogger("safetrain")
+
+__all__ = ["measure", "start_losses", "measuring"]
 
 _active = [False]
 
@@ -33,6 +37,32 @@ def measuring() -> bool:
     """Whether the start measurement's forwards are running now: they are no step's forwards, so
     :mod:`safetrain.testing`'s injectors neither count nor spoil them."""
     return _active[0]
+
+
+def measure(
+    forward: Forward,
+    plumbing: Plumbing,
+    monitor: ActivationMonitor,
+    named: torch.nn.Module,
+    spike: SpikeDetector,
+    batches: Sequence[Any],
+) -> List[float]:
+    """Measure the start model's losses on ``batches`` (:func:`start_losses`) and hand two or more
+    finite ones to the spike detector as the first steps' reference (:meth:`SpikeDetector.begin`).
+
+    A loop of your own calls it as ``guard.measure_start([next_batch, the_one_after])`` before its
+    first step. Nothing is trained and nothing changes; one host read, once per run.
+
+    Returns:
+        The finite losses measured.
+    """
+    losses = start_losses(forward, plumbing, monitor, named, batches) if len(batches) >= 2 else []
+    if len(losses) >= 2:
+        spike.begin(losses)
+        logger.info(
+            "the start model's loss on %d batches ahead: %s", len(losses), ", ".join(f"{x:.4g}" for x in losses)
+        )
+    return losses
 
 
 def start_losses(

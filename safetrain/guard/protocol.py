@@ -30,7 +30,7 @@ from . import start
 from .caller import CallerSteps, without_reruns
 from .forward import Forward
 from .judge import Judge
-from .measure import start_losses
+from .measure import measure
 from .own import OwnSteps
 from .plumbing import Plumbing
 from .recovery import Recovery, Rerun, Verdict
@@ -227,27 +227,13 @@ class Guard(OwnSteps, CallerSteps):
             self.recovery_state.epoch_loss = (0.0, 0)
 
     def measure_start(self, batches: Sequence[Any]) -> List[float]:
-        """Before the run's first step, measure the start model's loss on ``batches`` (two or more
-        that the first step does not train on): the level and spread the first step's loss is
-        judged against, so a first batch in the wrong unit is a spike, not the run's level.
-
-        ``SafeTrainer.fit`` calls it with the two batches after the first step's; a loop of your
-        own may (with the next two batches of its loader). Nothing is trained and nothing changes
-        (RNG, buffers and the monitor's records are put back); one host read, once per run. A
-        no-op after the first step, and under DDP or FSDP (each rank would measure its own data).
-
-        Returns:
-            The finite losses measured (empty when nothing was measured).
-        """
-        if self.counters.steps or self.phase is not Phase.READY or not self.sync.steps_alone or len(batches) < 2:
+        """Before the run's first step, the start model's loss on ``batches`` (two or more the first
+        step does not train on) becomes the first steps' reference (:mod:`.measure`); ``fit`` passes
+        the two after the first step's. A no-op after the first step and under DDP or FSDP. Returns
+        the finite losses measured."""
+        if self.counters.steps or self.phase is not Phase.READY or not self.sync.steps_alone:
             return []
-        losses = start_losses(self.forward, self.plumbing, self.monitor, self._named, batches)
-        if len(losses) >= 2:
-            self.spike.begin(losses)
-            logger.info(
-                "the start model's loss on %d batches ahead: %s", len(losses), ", ".join(f"{x:.4g}" for x in losses)
-            )
-        return losses
+        return measure(self.forward, self.plumbing, self.monitor, self._named, self.spike, batches)
 
     @property
     def epoch_loss(self) -> Optional[float]:
