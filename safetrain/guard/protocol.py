@@ -237,6 +237,7 @@ class Guard(OwnSteps, CallerSteps):
         p = self._pending
         p.micro.append(batch)
         p.indices.append(list(indices) if indices is not None else [])
+        p.places.append((self.counters.epoch, self.counters.batch - 1))  # its own place, for its events
         return batch, p
 
     def _start_step(self) -> None:
@@ -292,7 +293,9 @@ class Guard(OwnSteps, CallerSteps):
         """The slow path's replay: the step's (its parameters were finite: the judge checked), or
         for weights the updates' since the newest snapshot."""
         p = self._pending
-        return self.diagnoser.explain(anomaly.kind, micro=p.micro, indices=p.indices, store=self.store)
+        diagnosis = self.diagnoser.explain(anomaly.kind, micro=p.micro, indices=p.indices, store=self.store)
+        where = p.place(diagnosis.micro)  # the micro-batch it reproduced in: its events name that batch
+        return dataclasses.replace(diagnosis, epoch=where[0], batch_index=where[1]) if where else diagnosis
 
     def _run_again(self, rerun: Rerun, read: detect.StepRead) -> detect.StepRead:
         """The next turn's read: the step run again on ``rerun.batches`` (its gradients dropped
@@ -307,6 +310,7 @@ class Guard(OwnSteps, CallerSteps):
         for i, batch in enumerate(rerun.batches):
             p.micro.append(batch)
             p.indices.append(rerun.indices[i] if rerun.indices else [])
+            p.places.append(rerun.places[i] if rerun.places else (self.counters.epoch, self.counters.batch - 1))
             self.forward.run(batch, p)
         return self._read()
 
@@ -386,15 +390,26 @@ class Guard(OwnSteps, CallerSteps):
         self.judge.load_state_dict(state)
         self.recovery_state.load_state_dict(state)
 
-    def _emit(self, cls: type, kind: str, action: str, message: str, detail: Mapping[str, Any]) -> Event:
+    def _emit(
+        self,
+        cls: type,
+        kind: str,
+        action: str,
+        message: str,
+        detail: Mapping[str, Any],
+        at: Optional[Tuple[int, int]] = None,
+    ) -> Event:
+        """Journal an event at the step; ``at``: the ``(epoch, batch index)`` of the micro-batch it
+        is about (an accumulated step's micro-batches each have their own), else the step's last batch."""
         c, kind = self.counters, str(kind)  # the journal holds plain strings
         if cls is AnomalyFound:  # under DDP: which ranks' own values tripped
             detail = self.sync.annotate(detail, kind)
+        epoch, batch = at if at is not None else (c.epoch, c.batch - 1)
         return self.bus.emit(
             cls(
                 step=c.steps,
-                epoch=c.epoch,
-                batch=c.batch - 1,
+                epoch=epoch,
+                batch=batch,
                 kind=kind,
                 action=str(action),
                 message=message,
