@@ -18,10 +18,10 @@ from .. import detect, distributed, snapshot
 from ..config import ConfigLike, TrainConfig, as_config
 from ..diagnose import Diagnoser, Diagnosis
 from ..divergence import DivergenceDetector
-from ..events import AnomalyFound, Event, EventBus, SnapshotTaken
+from ..events import AnomalyFound, Event, EventBus, LRChanged, SnapshotTaken
 from ..kinds import Action
 from ..lr import LRBackoff
-from ..policy import Anomaly, History, Rules, decide, newest_taken, raises, read_clean, vouch
+from ..policy import VOUCH_READS, Anomaly, History, Rules, decide, newest_taken, raises, read_clean
 from ..spike import SpikeDetector
 from ..steps import Counters, Pending, Phase, StepResult
 from ..wrappers import plain_namer, unwrap_compiled
@@ -115,7 +115,8 @@ class Guard(OwnSteps, CallerSteps):
         self.recovery_state = RecoveryState(c.recovery)
         self.plumbing = pipes = Plumbing(model, optimizer, c.amp, scaler, c.guard.to_device, caller_steps)
         self.device, self.scaler = pipes.device, pipes.scaler
-        self.backoff = backoff = LRBackoff(optimizer, c.recovery.min_lr)
+        self.backoff = backoff = LRBackoff(optimizer, c.recovery.min_lr, release_after=c.recovery.reset_after)
+        backoff.on_hold = lambda message, detail: self._emit(LRChanged, "lr", Action.SCALE_LR, message, detail)
         sp = c.guard.spike
         self.spike = SpikeDetector(sp.window, sp.min_history, sp.zscore, sp.enabled, sp.min_ratio, sp.hard_ratio)
         self.divergence = DivergenceDetector.from_config(c.guard.divergence, recover_after=c.recovery.reset_after)
@@ -277,6 +278,8 @@ class Guard(OwnSteps, CallerSteps):
                 return Verdict(read, events, rerun_action, outcome)
             rerun_action, retried = str(outcome.action), retried or decision.action is Action.RETRY
             read = self._run_again(outcome.rerun, read)
+        if not self.divergence.climbing:  # (mid-climb a read vouches for nothing)
+            self.backoff.read_clean()  # the last update's LRs are trusted: a restore holds the schedule to them
         return Verdict(read, events, rerun_action)
 
     def _close_step(self, verdict: Verdict) -> StepResult:
@@ -330,7 +333,7 @@ class Guard(OwnSteps, CallerSteps):
         rs.count_loss(self.last_loss)  # before the snapshot below, which keeps the epoch's losses
         self.judge.observe(self.last_loss)
         # Mid-climb (divergence.climbing) a read vouches for no snapshot and none is taken: a restore lands before it.
-        keep_unverified = (climbing := self.divergence.climbing) and rs.history.unverified
+        owed = rs.history.unverified if (climbing := self.divergence.climbing) else 0
         if rerun_action:
             rs.history = read_clean(rs.history)  # vouches for the newest snapshot, ends an fp16 overflow run
         else:
@@ -338,8 +341,8 @@ class Guard(OwnSteps, CallerSteps):
             new_scale = rs.healthy()  # also vouches for the newest snapshot
             if new_scale is not None:  # the climb is an event at its step
                 events.append(self.recovery.lr_changed(new_scale, "healthy run: LR scale climbs back one notch"))
-        if keep_unverified:
-            rs.history = newest_taken(rs.history)
+        if owed:
+            rs.history = newest_taken(rs.history, owed)
         rs.since_snapshot += 1
         if rs.since_snapshot >= self.cfg.snapshot.every and not climbing:
             events.append(self.snapshot())
@@ -367,8 +370,9 @@ class Guard(OwnSteps, CallerSteps):
         if info is None:
             why = "snapshot refused: the state is not finite; the previous one stays"
             return self._emit(SnapshotTaken, "snapshot", "refused", why, {})
-        # taken after an update: unverified until the next step reads clean (a forced one is sound)
-        rs.history = newest_taken(rs.history) if not force else vouch(rs.history)
+        # taken after an update: unverified until two steps read clean, the second the effect of the
+        # update that used its optimizer state and LR (policy.VOUCH_READS); a forced one is sound
+        rs.history = newest_taken(rs.history, 0 if force else VOUCH_READS)
         self.diagnoser.clear(c.steps)
         detail = {"path": str(info.path) if info.path else None, "forced": force}
         return self._emit(SnapshotTaken, "snapshot", "saved", f"snapshot of step {c.steps}", detail)

@@ -217,7 +217,7 @@ class Recovery:
             return
         kind = Kind(h.fault.kind) if h.fault is not None else Kind.LOSS  # the last fault on the ladder
         decision = Decision(kind, Action.RESTORE, 0, True, h.lr_scale, False, "the run ended on an anomalous step",
-                            pass_over_newest=h.unverified)  # fmt: skip
+                            pass_over_newest=h.unverified > 0)  # fmt: skip
         self.restore(decision, why=f"{kind}: the run ended on an anomalous step, on weights nothing vouched for")
         self.state.skip_after_restore = 0  # nothing is left to skip
 
@@ -309,7 +309,7 @@ class Recovery:
         self.counters.restores += 1
         self.state.since_snapshot = 0
         self.state.skip_after_restore = self.cfg.recovery.skip_batches_after_restore
-        return self.emit(
+        event = self.emit(
             Restored,
             decision.kind,
             decision.action,
@@ -317,6 +317,8 @@ class Recovery:
             + (f", passing over the newest ({passed}): no healthy step vouched for it" if passed else ""),
             {"snapshot_step": info.step, "path": str(info.path) if info.path else None, "passed_over": passed},
         )
+        self.backoff.hold()  # no LR above the last healthy update's, however often the schedule sets it
+        return event
 
     def skip_data(self, step_scheduler: Callable[[], None]) -> Optional[Event]:
         """Skip the data that led into a restore, a whole step (``accumulate_steps`` micro-batches)
