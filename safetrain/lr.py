@@ -74,14 +74,15 @@ class LRBackoff:
         self.scheduler = ""  # the class of the scheduler last stepped, for the journal
         self._held_reads = 0
 
-    def _effective(self) -> List[float]:
-        """The schedule's LRs under the hold (the unscaled LRs the optimizer's are a scale of)."""
+    def effective(self) -> List[float]:
+        """The schedule's LRs under the hold (the unscaled LRs the optimizer's are a scale of): the
+        schedule's own while no hold is in force."""
         if self.ceiling is None:
             return self.unscaled
         return [min(lr, cap) for lr, cap in zip(self.unscaled, self.ceiling)]
 
     def _apply(self) -> None:
-        for group, lr in zip(self.optimizer.param_groups, self._effective()):
+        for group, lr in zip(self.optimizer.param_groups, self.effective()):
             group["lr"] = lr if self.scale == 1.0 else max(lr * self.scale, min(self.min_lr, lr))
 
     def set_scale(self, scale: float) -> None:
@@ -108,7 +109,7 @@ class LRBackoff:
     # ------------------------------------------------------------------ the hold after a restore
     def mark_used(self) -> None:
         """An update is about to be applied with the LRs in force now (no copy, no sync)."""
-        self.used = self._effective()
+        self.used = self.effective()
 
     def read_clean(self) -> None:
         """A step read clean: the update before it (its LRs) is trusted; a hold counts toward its release."""

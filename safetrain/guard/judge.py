@@ -49,7 +49,8 @@ class Judge:
         sync: agreement across ranks on the slow path (a no-op in one process).
         confirm: ``confirm(micro)`` runs the step's forwards again exactly (confirms an activation flag).
         divergence: the divergence detector (``None``: off); ``lrs()`` gives the schedule's LRs
-            its evidence carries, for the policy's ``recovery.min_lr`` limit and abort message.
+            (the held ones under an LR hold) its evidence carries, for the policy's
+            ``recovery.min_lr`` limit and abort message.
     """
 
     def __init__(

@@ -147,7 +147,7 @@ class Guard(OwnSteps, CallerSteps):
         diag.wrap_step_replay(lambda replay: sync.wrap_replayer(replay, named))
         all_weights = detect.WeightCheck(all_params + fwd.buffers.checked(kept=True), 0)  # as before the step
         self.judge = Judge(c, counters, monitor, grads, all_weights, self.spike, pipes, sync, fwd.confirm,
-                           divergence=self.divergence, lrs=lambda: backoff.unscaled)  # fmt: skip
+                           divergence=self.divergence, lrs=backoff.effective)  # fmt: skip
         self.updates = Updates(c.guard, pipes, grads, counters, scheduler, backoff, diag.record_update, caller_steps)
         if caller_steps and scheduler is not None:
             self.updates.follow(scheduler)
