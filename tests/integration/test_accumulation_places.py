@@ -149,3 +149,17 @@ def test_the_caller_owned_verbs_name_the_micro_batch():
     events = [e for decided, _ in results for e in decided.events]
     (event,) = _about(events, "input")
     assert (event.epoch, event.batch) == (0, 5), event
+
+
+def test_an_empty_micro_batch_names_its_own_batch():
+    """An empty batch (0 rows) at batch 5 is left out of the window 4..7; its event says batch 5."""
+    batches = list(loader(regression_data(), shuffle=False))[:8]
+    x, y = batches[5]
+    batches[5] = (x[:0], y[:0])
+    model = mlp()
+    with Guard(model, torch.optim.SGD(model.parameters(), lr=0.02), load_config(None, BASE), loss_fn=F.mse_loss) as g:
+        g.begin_epoch(0)
+        for batch in batches:
+            g.step(batch)
+    (event,) = _about(g.bus.events, "input")
+    assert (event.epoch, event.batch, event.detail["rows"]) == (0, 5, 0), event
