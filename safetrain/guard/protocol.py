@@ -280,6 +280,7 @@ class Guard(OwnSteps, CallerSteps):
             read = self._run_again(outcome.rerun, read)
         if not self.divergence.climbing:  # (mid-climb a read vouches for nothing)
             self.backoff.read_clean()  # the last update's LRs are trusted: a restore holds the schedule to them
+            self.recovery_state.clean_reads.append(self.counters.steps)
         return Verdict(read, events, rerun_action)
 
     def _close_step(self, verdict: Verdict) -> StepResult:

@@ -303,6 +303,12 @@ class Recovery:
             # it may hold the update that broke the run (an LR blow-up leaves finite but ruined
             # weights). Go one further back; the file is kept (rotation drops it in its time).
             passed = self.store.pass_over_newest()
+            # The one before may owe a clean read too (snapshot.every: 1; policy.VOUCH_READS).
+            while passed and (older := self.store.latest()) is not None and not self.state.vouched(older.step):
+                more = self.store.pass_over_newest()
+                if more is None:
+                    break
+                passed = f"{passed}, {more}"
         info = self.store.restore(self.train_state)
         self.after_restore(info.step)
         self.backoff.load_state_dict({"unscaled": info.extra["lr"]["unscaled"]})

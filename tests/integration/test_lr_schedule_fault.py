@@ -70,3 +70,17 @@ def test_the_caller_owned_verbs_hold_a_followed_scheduler():
     assert sum(lr > 0.05 * 1.001 for lr in trained) == 1, trained
     assert guard.counters.restores >= 1 and guard.backoff.scale == 1.0
     assert any(e.name == "lr_changed" and "LambdaLR" in e.message for e in guard.bus.events)
+
+
+def test_with_a_snapshot_every_step_the_restore_passes_over_every_snapshot_not_vouched_for():
+    """snapshot.every=1: the snapshot of step 9 holds the weights update 9 ruined, that of step 8
+    the LR that ruined them (read clean once, by step 9); step 7's is the newest two clean reads
+    vouch for. The restore passes over both and lands on it."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    cfg = load_config(None, ["log.progress=false", "guard.spike.min_history=8", "snapshot.every=1", "snapshot.keep=4"])
+    result = SafeTrainer(model, opt, cfg, loss_fn=F.mse_loss, scheduler=spiky(opt, 8)).fit(loader(regression_data()))
+    restored = [e for e in result.events if e.name == "restored" and e.action == "restore"]
+    assert [e.detail["snapshot_step"] for e in restored] == [7], [e.message for e in restored]
+    assert "step 9" in restored[0].detail["passed_over"] and "step 8" in restored[0].detail["passed_over"]
+    assert result.ended == "done" and result.lr_scale == 1.0
