@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Tuple
 
 from .fallbacks import without_snapshot
 from .faults import broken_for, persistent_reason, signature_of
-from .history import MIN_SKIP_STEPS, History, skip_denominator
+from .history import MIN_SKIP_STEPS, VOUCH_READS, History, newest_taken, read_clean, skip_denominator, vouch
 from .kinds import DATA_KINDS, NON_CLIMBING, REPLAYED_KINDS, RESTORING, TRAINING_ACTIONS, Action, Kind
 
 if TYPE_CHECKING:  # config imports no torch either; only its types are needed here
@@ -78,6 +78,7 @@ __all__ = [
     "read_clean",
     "newest_taken",
     "MIN_SKIP_STEPS",
+    "VOUCH_READS",
 ]
 
 
@@ -316,7 +317,7 @@ def _climb(
         recent=recent,
         lr_scale=lr_scale,
         since_lr_change=since,
-        unverified=history.unverified and not restoring,
+        unverified=0 if restoring else history.unverified,
         fault=signature if climbs else history.fault,
         restored=restoring if climbs else history.restored,
         recurrences=recurrences if climbs else history.recurrences,
@@ -330,7 +331,7 @@ def _climb(
         lr_scale=lr_scale,
         trains=trains,
         reason=reason,
-        pass_over_newest=restoring and history.unverified and _implicates_weights(kind, diagnosis),
+        pass_over_newest=restoring and history.unverified > 0 and _implicates_weights(kind, diagnosis),
     )
     return decision, new
 
@@ -407,6 +408,7 @@ def observe_healthy(history: History, recovery: "RecoveryConfig", steps: int = 1
         restored=False if forget else history.restored,
         recurrences=0 if forget else history.recurrences,
         reset_from=reset_from,
+        unverified=max(0, history.unverified - steps),
     )
     return new, changed
 
@@ -429,19 +431,3 @@ def record_step(history: History, recovery: "RecoveryConfig", skipped: bool) -> 
 def mark_last_skipped(history: History) -> History:
     """The step :func:`decide` recorded as trained was not (``drop_rows`` found every row bad)."""
     return replace(history, recent=history.recent[:-1] + (1,)) if history.recent else history
-
-
-def vouch(history: History) -> History:
-    """A step read clean (a re-run of an anomalous step included): the newest snapshot is sound."""
-    return replace(history, unverified=False) if history.unverified else history
-
-
-def read_clean(history: History) -> History:
-    """A re-run of an anomalous step read clean: it vouches for the newest snapshot and, having
-    passed the scaler's check, ends an fp16 overflow run (it does not count as a healthy step)."""
-    return replace(history, unverified=False, overflows=0)
-
-
-def newest_taken(history: History) -> History:
-    """A snapshot was taken after an update: unverified until the next step reads clean."""
-    return replace(history, unverified=True)

@@ -275,7 +275,8 @@ class SafeTrainer:
             seen = 0
             for batch in iterator:
                 seen += 1
-                step = guard.step(batch, keeper.indices_for(batch))
+                at = (guard.counters.epoch, guard.counters.batch)  # the batch's place, once it arrives
+                step = guard.step(batch, keeper.indices_for(batch, at))
                 if step is None:
                     continue
                 run.record(guard, step)

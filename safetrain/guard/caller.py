@@ -76,6 +76,7 @@ class CallerSteps:
         """The loss of the micro-batch begun last, as the model computed it (not divided by the
         gradient accumulation); no host sync."""
         self._check_caller("record_loss")
+        self._pending.calls.append(self.monitor.recorded)  # which micro-batch a forward finding is in
         self.forward.add_loss(loss, self._pending)
 
     def before_optimizer_step(self: Any) -> StepResult:

@@ -18,10 +18,10 @@ from .. import detect, distributed, snapshot
 from ..config import ConfigLike, TrainConfig, as_config
 from ..diagnose import Diagnoser, Diagnosis
 from ..divergence import DivergenceDetector
-from ..events import AnomalyFound, Event, EventBus, SnapshotTaken
+from ..events import AnomalyFound, Event, EventBus, LRChanged, SnapshotTaken
 from ..kinds import Action, Kind
 from ..lr import LRBackoff
-from ..policy import Anomaly, History, Rules, decide, newest_taken, raises, read_clean, vouch
+from ..policy import VOUCH_READS, Anomaly, History, Rules, decide, newest_taken, raises, read_clean
 from ..snapshot.accepted import describe as describe_accepted
 from ..spike import SpikeDetector
 from ..steps import Counters, Pending, Phase, StepResult
@@ -118,7 +118,8 @@ class Guard(OwnSteps, CallerSteps):
         self.recovery_state = RecoveryState(c.recovery)
         self.plumbing = pipes = Plumbing(model, optimizer, c.amp, scaler, c.guard.to_device, caller_steps)
         self.device, self.scaler = pipes.device, pipes.scaler
-        self.backoff = backoff = LRBackoff(optimizer, c.recovery.min_lr)
+        self.backoff = backoff = LRBackoff(optimizer, c.recovery.min_lr, release_after=c.recovery.reset_after)
+        backoff.on_hold = lambda message, detail: self._emit(LRChanged, "lr", Action.SCALE_LR, message, detail)
         sp = c.guard.spike
         self.spike = SpikeDetector(sp.window, sp.min_history, sp.zscore, sp.enabled, sp.min_ratio, sp.hard_ratio)
         self.divergence = DivergenceDetector.from_config(c.guard.divergence, recover_after=c.recovery.reset_after)
@@ -155,7 +156,7 @@ class Guard(OwnSteps, CallerSteps):
         kept = fwd.buffers.checked(kept=True), fwd.buffers.patterned(state, kept=True)  # as before the step
         all_weights = detect.WeightCheck(all_params + kept[0], 0, probes=kept[1])
         self.judge = Judge(c, counters, monitor, grads, all_weights, self.spike, pipes, sync, fwd.confirm,
-                           divergence=self.divergence, lrs=lambda: backoff.unscaled)  # fmt: skip
+                           divergence=self.divergence, lrs=backoff.effective)  # fmt: skip
         self.updates = Updates(c.guard, pipes, grads, counters, scheduler, backoff, diag.record_update, caller_steps)
         if caller_steps and scheduler is not None:
             self.updates.follow(scheduler)
@@ -271,6 +272,7 @@ class Guard(OwnSteps, CallerSteps):
         p = self._pending
         p.micro.append(batch)
         p.indices.append(list(indices) if indices is not None else [])
+        p.places.append((self.counters.epoch, self.counters.batch - 1))  # its own place, for its events
         return batch, p
 
     def _start_step(self) -> None:
@@ -312,6 +314,9 @@ class Guard(OwnSteps, CallerSteps):
                 return Verdict(read, events, rerun_action, outcome)
             rerun_action, retried = str(outcome.action), retried or decision.action is Action.RETRY
             read = self._run_again(outcome.rerun, read)
+        if not self.divergence.climbing:  # (mid-climb a read vouches for nothing)
+            self.backoff.read_clean()  # the last update's LRs are trusted: a restore holds the schedule to them
+            self.recovery_state.clean_reads.append(self.counters.steps)
         return Verdict(read, events, rerun_action)
 
     def _close_step(self, verdict: Verdict) -> StepResult:
@@ -328,7 +333,9 @@ class Guard(OwnSteps, CallerSteps):
         """The slow path's replay: the step's (its parameters were finite: the judge checked), or
         for weights the updates' since the newest snapshot."""
         p = self._pending
-        return self.diagnoser.explain(anomaly.kind, micro=p.micro, indices=p.indices, store=self.store)
+        diagnosis = self.diagnoser.explain(anomaly.kind, micro=p.micro, indices=p.indices, store=self.store)
+        where = p.place(diagnosis.micro)  # the micro-batch it reproduced in: its events name that batch
+        return dataclasses.replace(diagnosis, epoch=where[0], batch_index=where[1]) if where else diagnosis
 
     def _run_again(self, rerun: Rerun, read: detect.StepRead) -> detect.StepRead:
         """The next turn's read: the step run again on ``rerun.batches`` (its gradients dropped
@@ -343,6 +350,7 @@ class Guard(OwnSteps, CallerSteps):
         for i, batch in enumerate(rerun.batches):
             p.micro.append(batch)
             p.indices.append(rerun.indices[i] if rerun.indices else [])
+            p.places.append(rerun.places[i] if rerun.places else (self.counters.epoch, self.counters.batch - 1))
             self.forward.run(batch, p)
         return self._read()
 
@@ -362,7 +370,7 @@ class Guard(OwnSteps, CallerSteps):
         rs.count_loss(self.last_loss)  # before the snapshot below, which keeps the epoch's losses
         self.judge.observe(self.last_loss)
         # Mid-climb (divergence.climbing) a read vouches for no snapshot and none is taken: a restore lands before it.
-        keep_unverified = (climbing := self.divergence.climbing) and rs.history.unverified
+        owed = rs.history.unverified if (climbing := self.divergence.climbing) else 0
         if rerun_action:
             rs.history = read_clean(rs.history)  # vouches for the newest snapshot, ends an fp16 overflow run
         else:
@@ -370,8 +378,8 @@ class Guard(OwnSteps, CallerSteps):
             new_scale = rs.healthy()  # also vouches for the newest snapshot
             if new_scale is not None:  # the climb is an event at its step
                 events.append(self.recovery.lr_changed(new_scale, "healthy run: LR scale climbs back one notch"))
-        if keep_unverified:
-            rs.history = newest_taken(rs.history)
+        if owed:
+            rs.history = newest_taken(rs.history, owed)
         rs.since_snapshot += 1
         if rs.since_snapshot >= self.cfg.snapshot.every and not climbing:
             events.append(self.snapshot())
@@ -399,8 +407,9 @@ class Guard(OwnSteps, CallerSteps):
         if info is None:
             why = "snapshot refused: the state is not finite; the previous one stays"
             return self._emit(SnapshotTaken, "snapshot", "refused", why, {})
-        # taken after an update: unverified until the next step reads clean (a forced one is sound)
-        rs.history = newest_taken(rs.history) if not force else vouch(rs.history)
+        # taken after an update: unverified until two steps read clean, the second the effect of the
+        # update that used its optimizer state and LR (policy.VOUCH_READS); a forced one is sound
+        rs.history = newest_taken(rs.history, 0 if force else VOUCH_READS)
         self.diagnoser.clear(c.steps)
         detail: Dict[str, Any] = {"path": str(info.path) if info.path else None, "forced": force}
         message = f"snapshot of step {c.steps}"
@@ -427,15 +436,26 @@ class Guard(OwnSteps, CallerSteps):
         self.judge.load_state_dict(state)
         self.recovery_state.load_state_dict(state)
 
-    def _emit(self, cls: type, kind: str, action: str, message: str, detail: Mapping[str, Any]) -> Event:
+    def _emit(
+        self,
+        cls: type,
+        kind: str,
+        action: str,
+        message: str,
+        detail: Mapping[str, Any],
+        at: Optional[Tuple[int, int]] = None,
+    ) -> Event:
+        """Journal an event at the step; ``at``: the ``(epoch, batch index)`` of the micro-batch it
+        is about (an accumulated step's micro-batches each have their own), else the step's last batch."""
         c, kind = self.counters, str(kind)  # the journal holds plain strings
         if cls is AnomalyFound:  # under DDP: which ranks' own values tripped
             detail = self.sync.annotate(detail, kind)
+        epoch, batch = at if at is not None else (c.epoch, c.batch - 1)
         return self.bus.emit(
             cls(
                 step=c.steps,
-                epoch=c.epoch,
-                batch=c.batch - 1,
+                epoch=epoch,
+                batch=batch,
                 kind=kind,
                 action=str(action),
                 message=message,

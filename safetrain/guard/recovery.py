@@ -33,8 +33,9 @@ __all__ = ["Recovery", "Outcome", "Rerun", "Verdict", "Emit", "with_hint"]
 
 logger = logging.getLogger("safetrain")
 
-#: How the executor journals: ``emit(event_class, kind, action, message, detail) -> event``.
-Emit = Callable[[type, str, str, str, Mapping[str, Any]], Event]
+#: How the executor journals: ``emit(event_class, kind, action, message, detail, at=None) -> event``;
+#: ``at``: the ``(epoch, batch index)`` of the micro-batch the event is about (``None``: the step's).
+Emit = Callable[..., Event]
 
 
 @dataclass
@@ -91,8 +92,10 @@ class Recovery:
                 f"{kind} anomaly: {summary(kind, anomaly.detail)} -> "
                 "transient (the replay from the same state was finite): retrying the step once",
                 self._put_back(_payload(anomaly.detail, diagnosis)),  # the re-run updates them once
+                at=place_of(anomaly.detail, diagnosis),
             )
-            return Outcome(action, (event,), rerun=Rerun(list(pending.micro), list(pending.indices)))
+            rerun = Rerun(list(pending.micro), list(pending.indices), list(pending.places))
+            return Outcome(action, (event,), rerun=rerun)
         if anomaly.kind is Kind.OVERFLOW and kind is Kind.OVERFLOW:  # normal in fp16: the scaler backs off
             self.not_applied()
             self.counters.scaler_skips += 1
@@ -117,7 +120,7 @@ class Recovery:
         payload = {**_payload(detail, diagnosis), "rung": decision.rung}
         if not decision.trains:  # not applied: the step's buffer updates go too
             payload = self._put_back(payload)
-        events: List[Event] = [self.emit(AnomalyFound, kind, action, message, payload)]
+        events: List[Event] = [self.emit(AnomalyFound, kind, action, message, payload, at=place_of(detail, diagnosis))]
         if decision.trains:  # warn, zero_grads (the data kinds' trained actions were handled above)
             self.counters.warnings += action is Action.WARN
             total = read.total_norm
@@ -219,7 +222,7 @@ class Recovery:
             return
         kind = Kind(h.fault.kind) if h.fault is not None else Kind.LOSS  # the last fault on the ladder
         decision = Decision(kind, Action.RESTORE, 0, True, h.lr_scale, False, "the run ended on an anomalous step",
-                            pass_over_newest=h.unverified)  # fmt: skip
+                            pass_over_newest=h.unverified > 0)  # fmt: skip
         self.restore(decision, why=f"{kind}: the run ended on an anomalous step, on weights nothing vouched for")
         self.state.skip_after_restore = 0  # nothing is left to skip
 
@@ -230,7 +233,7 @@ class Recovery:
         rows = anomaly.detail["rows"]
         error = batch_error(rows)
         detail = self._put_back({"rows": [f.to_dict() for f in rows]})
-        self.emit(AnomalyFound, anomaly.kind, Action.RAISE, str(error), detail)
+        self.emit(AnomalyFound, anomaly.kind, Action.RAISE, str(error), detail, at=place_of(anomaly.detail))
         raise error
 
     def empty_batch(self, whole_step: bool, step_scheduler: Callable[[], None]) -> Event:
@@ -263,11 +266,13 @@ class Recovery:
         action = decision.action
         n_rows = len({(_micro_batch(f.path), r) for f in rows for r in f.rows})
         kept: List[Any] = []
+        places: List[Tuple[int, int]] = []
         if action is Action.DROP_ROWS:  # each micro-batch without its bad rows, to run the step again
             cleaned = [
                 without_rows(b, found) for b, found in zip(pending.micro, micro_rows(pending.micro, self.cfg.sanitize))
             ]
             kept = [b for b, _ in cleaned if b is not None]
+            places = [where for (b, _), where in zip(cleaned, pending.places) if b is not None]
             if not self.sync.same_count(len(kept)) or not kept:  # all ranks or none
                 action, kept = Action.SKIP_BATCH, []
                 self.state.history = mark_last_skipped(self.state.history)
@@ -278,14 +283,15 @@ class Recovery:
         detail = {"rows": [f.to_dict() for f in rows], "count": n_rows, "rung": decision.rung}
         if action is not Action.REPLACE:  # skipped, or run again on the kept rows: buffers updated once
             detail = self._put_back(detail)
-        event = self.emit(AnomalyFound, kind, action, f"non-finite {kind} rows: {where} -> {action}{why}", detail)
+        message = f"non-finite {kind} rows: {where} -> {action}{why}"
+        event = self.emit(AnomalyFound, kind, action, message, detail, at=place_of({"rows": rows}))
         if action is Action.SKIP_BATCH:
             self.not_applied()
             return Outcome(action, (event,))
         if action is Action.REPLACE:
             self.counters.replaced_rows += n_rows
             return Outcome(action, (event,), rerun=Rerun())
-        return Outcome(action, (event,), rerun=Rerun(kept))
+        return Outcome(action, (event,), rerun=Rerun(kept, places=places if len(places) == len(kept) else None))
 
     def _put_back(self, detail: Mapping[str, Any]) -> Dict[str, Any]:
         """Put the buffers back as they were before the step; ``detail`` with the names of those
@@ -310,6 +316,12 @@ class Recovery:
             # it may hold the update that broke the run (an LR blow-up leaves finite but ruined
             # weights). Go one further back; the file is kept (rotation drops it in its time).
             passed = self.store.pass_over_newest()
+            # The one before may owe a clean read too (snapshot.every: 1; policy.VOUCH_READS).
+            while passed and (older := self.store.latest()) is not None and not self.state.vouched(older.step):
+                more = self.store.pass_over_newest()
+                if more is None:
+                    break
+                passed = f"{passed}, {more}"
         try:
             info = self.store.restore(self.train_state)
         except SnapshotError as exc:
@@ -326,7 +338,7 @@ class Recovery:
         self.counters.restores += 1
         self.state.since_snapshot = 0
         self.state.skip_after_restore = self.cfg.recovery.skip_batches_after_restore
-        return self.emit(
+        event = self.emit(
             Restored,
             decision.kind,
             decision.action,
@@ -334,6 +346,8 @@ class Recovery:
             + (f", passing over the newest ({passed}): no healthy step vouched for it" if passed else ""),
             {"snapshot_step": info.step, "path": str(info.path) if info.path else None, "passed_over": passed},
         )
+        self.backoff.hold()  # no LR above the last healthy update's, however often the schedule sets it
+        return event
 
     def skip_data(self, step_scheduler: Callable[[], None]) -> Optional[Event]:
         """Skip the data that led into a restore, a whole step (``accumulate_steps`` micro-batches)
@@ -387,6 +401,17 @@ def with_hint(reason: str, kind: str, diagnosis: Any, masked_targets: int, steps
         )
     known = str(getattr(diagnosis, "numerics", "") or "")
     return f"{reason}; {known}" if known and known not in reason else reason
+
+
+def place_of(detail: Mapping[str, Any], diagnosis: Any = None) -> Optional[Tuple[int, int]]:
+    """The ``(epoch, batch index)`` an anomaly's event names: the micro-batch a replay pinned it on,
+    else its finding's (a forward finding in one micro-batch, the first micro-batch with bad rows,
+    the step's own for a finding about the whole step); ``None``: the step's."""
+    for found in (diagnosis, detail.get("finding"), (detail.get("rows") or [None])[0]):
+        epoch, batch = getattr(found, "epoch", None), getattr(found, "batch_index", None)
+        if epoch is not None and batch is not None:
+            return int(epoch), int(batch)
+    return None
 
 
 def _micro_batch(path: str) -> str:

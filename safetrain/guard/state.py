@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Mapping, Optional, Tuple
 
 from ..config import RecoveryConfig
-from ..policy import History, climb_pending, observe_healthy
+from ..policy import VOUCH_READS, History, climb_pending, observe_healthy
 from ..spike import spread_floor
 
 __all__ = ["RecoveryState"]
@@ -39,6 +39,8 @@ class RecoveryState:
         since_snapshot: healthy steps since the last snapshot.
         epoch_loss: sum and count of this epoch's trained steps' finite losses (the epoch metric of
             an epoch-interval scheduler; part of the snapshot, so a resume mid-epoch keeps it).
+        clean_reads: the steps of the last :data:`~safetrain.policy.VOUCH_READS` reads that were
+            clean (a restore passes over every snapshot they do not vouch for).
     """
 
     recovery: RecoveryConfig
@@ -48,6 +50,7 @@ class RecoveryState:
     epoch_loss: Tuple[float, int] = (0.0, 0)
     first_losses: List[float] = field(default_factory=list)  # the run's first trained, finite losses
     last_losses: Deque[float] = field(default_factory=lambda: deque(maxlen=_TAIL))  # its last ones
+    clean_reads: Deque[int] = field(default_factory=lambda: deque(maxlen=VOUCH_READS))  # their steps
     _history: History = History()
     _healthy_run: int = 0  # healthy steps not yet applied to the history
 
@@ -62,6 +65,11 @@ class RecoveryState:
     @history.setter
     def history(self, value: History) -> None:
         self._history, self._healthy_run = value, 0
+
+    def vouched(self, step: int) -> bool:
+        """Whether a snapshot of ``step`` is vouched for: :data:`~safetrain.policy.VOUCH_READS`
+        steps after it read clean (the last of them the update that used its state and LR)."""
+        return len(self.clean_reads) == VOUCH_READS and self.clean_reads[0] > step
 
     def healthy(self) -> Optional[float]:
         """Count a healthy step; returns the new LR scale when it climbs back a notch (an event at

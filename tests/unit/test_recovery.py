@@ -80,11 +80,12 @@ class Rig:
             LocalSync(),
         )
 
-    def emit(self, cls, kind, action, message, detail):
+    def emit(self, cls, kind, action, message, detail, at=None):
+        epoch, batch = at if at is not None else (0, 4)
         event = cls(
             step=self.counters.steps,
-            epoch=0,
-            batch=4,
+            epoch=epoch,
+            batch=batch,
             kind=str(kind),
             action=str(action),
             message=message,
