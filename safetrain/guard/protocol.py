@@ -18,11 +18,10 @@ from .. import detect, distributed, snapshot
 from ..config import ConfigLike, TrainConfig, as_config
 from ..diagnose import Diagnoser, Diagnosis
 from ..divergence import DivergenceDetector
-from ..events import AnomalyFound, Event, EventBus, LRChanged, SnapshotTaken
+from ..events import AnomalyFound, Event, EventBus, LRChanged
 from ..kinds import Action, Kind
 from ..lr import LRBackoff
-from ..policy import VOUCH_READS, Anomaly, History, Rules, decide, newest_taken, raises, read_clean
-from ..snapshot.accepted import describe as describe_accepted
+from ..policy import Anomaly, History, Rules, decide, newest_taken, raises, read_clean
 from ..spike import SpikeDetector
 from ..steps import Counters, Pending, Phase, StepResult
 from ..wrappers import plain_namer, unwrap_compiled
@@ -34,6 +33,7 @@ from .measure import measure
 from .own import OwnSteps
 from .plumbing import Plumbing
 from .recovery import Recovery, Rerun, Verdict
+from .snapshots import Snapshots
 from .state import RecoveryState
 from .update import Updates
 
@@ -83,6 +83,7 @@ class Guard(OwnSteps, CallerSteps):
     updates: Updates  # applies a step's update, or drops it; the scheduler
     state: snapshot.TrainState  # the whole training state, for snapshots
     store: Any  # where snapshots go
+    snapshots: Snapshots  # takes them, and records what each owes before it is vouched for
     backoff: LRBackoff  # the LR scale on top of the schedule
     sync: Any  # distributed.LocalSync or DistributedSync
 
@@ -163,9 +164,9 @@ class Guard(OwnSteps, CallerSteps):
         self.recovery = Recovery(c, counters, self.recovery_state, store, state, backoff, grads, dict(params),
                                  self._emit, self._not_applied, self._after_restore, sync,
                                  put_back=fwd.buffers.put_back)  # fmt: skip
+        self.snapshots = Snapshots(store, state, counters, self.recovery_state, diag.clear, self._emit)
         self.phase = Phase.READY
         self._started = False  # the first batch checks that the run does not start broken
-        self._accepted_named = False  # the first snapshot's event names the accepted buffers
         self._pending = Pending()
         self.epoch_rng: Optional[torch.Tensor] = None  # torch RNG at the start of the current epoch
         self.last_loss = math.nan
@@ -399,25 +400,7 @@ class Guard(OwnSteps, CallerSteps):
         Returns:
             The :class:`SnapshotTaken` event (``action`` ``"saved"`` or ``"refused"`` when not finite).
         """
-        c, rs = self.counters, self.recovery_state
-        rs.since_snapshot = 0
-        tensors = {"epoch_rng": self.epoch_rng} if self.epoch_rng is not None else {}
-        counters = {"step": c.steps, **vars(c)}
-        info = self.store.save(self.state, counters=counters, extra=self.state_dict(), extra_tensors=tensors)
-        if info is None:
-            why = "snapshot refused: the state is not finite; the previous one stays"
-            return self._emit(SnapshotTaken, "snapshot", "refused", why, {})
-        # taken after an update: unverified until two steps read clean, the second the effect of the
-        # update that used its optimizer state and LR (policy.VOUCH_READS); a forced one is sound
-        rs.history = newest_taken(rs.history, 0 if force else VOUCH_READS)
-        self.diagnoser.clear(c.steps)
-        detail: Dict[str, Any] = {"path": str(info.path) if info.path else None, "forced": force}
-        message = f"snapshot of step {c.steps}"
-        if self.state.accepted and not self._accepted_named:  # named once, in the first snapshot's event
-            self._accepted_named = True
-            detail["accepted_buffers"] = accepted = describe_accepted(self.state.accepted)
-            message += f"; accepted non-finite buffers present at the start: {accepted}"
-        return self._emit(SnapshotTaken, "snapshot", "saved", message, detail)
+        return self.snapshots.take(self.state_dict(), self.epoch_rng, force)
 
     def state_dict(self) -> Dict[str, Any]:
         """The guard's own state, JSON-ready: counters, policy history (with the fp16 overflow
