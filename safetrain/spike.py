@@ -78,7 +78,7 @@ class SpikeDetector:
         min_history: no spike is called before this many.
         zscore: threshold in robust standard deviations above the median.
         min_ratio: a spike's excess over the window's lowest loss is also at least this many times
-            the window's range (its highest loss minus its lowest).
+            the window's largest excess (each window loss over the window's lowest when it came).
         enabled: ``False`` makes :meth:`check` always return ``None``.
         hard_ratio: a loss whose excess over the run's lowest healthy loss is this many times the
             run's range is a spike after :data:`HARD_MIN_HISTORY` healthy losses, whatever

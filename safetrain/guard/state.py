@@ -102,18 +102,19 @@ class RecoveryState:
           always counts; twice the margin, so that a first loss low by chance leaves the others in.
         * The run's **noise** ``sigma`` is the geometric mean of its spread at the start (of those
           start losses) and at the end (of the last 16), each 1.4826 x a median absolute deviation,
-          floored at float resolution. When fewer than 3 of the first 5 are a start (the first
-          update blew the run up: a batch in the wrong unit at step 2, an LR x1000 at step 1; no
-          invariant rule can call that a spike with one loss before it), the start has no spread:
-          an end above the start level by more than float rounding is worse. The end's alone hides a run whose
-          noise grew with its level (an LR left x1000 makes the losses 15x higher and 40x noisier);
-          the start's alone, from 5 losses, is too often small by chance.
+          floored at float resolution. The end's alone hides a run whose noise grew with its level
+          (an LR left x1000 makes the losses 15x higher and 40x noisier); the start's alone, from 5
+          losses, is too often small by chance. When fewer than 3 of the first 5 are a start (the
+          first updates blew the run up), the start has no spread: an end above the start level by
+          more than float rounding is worse.
 
         The run ends worse when its end level is more than ``margin`` sigmas above its start level.
         Measured on 2000 flat, untrained runs of 10-300 steps each of Gaussian, lognormal and
-        heavy-tailed noise at margin 4: at most 0.1% false alarms (Gaussian; none for the others,
-        none for falling runs); a run ruined at its 5th step to 15x its start level with noise
-        proportional to it: 95% caught; the issue's case (3.9 to 2.0, then 5.5 with noise 0.25): 97%.
+        heavy-tailed noise at margin 4: at most 0.1% false alarms (Gaussian and lognormal; none for
+        the heavy-tailed ones, none for falling runs); a run ruined at its 5th step to 15x its start
+        level with noise proportional to it: 95% caught; the issue's case (3.9, then 2.0, then 5.5,
+        noise 0.25): 97%. Not caught: weights ruined by the first update, whose losses' noise grows
+        with their level (one sound loss gives the start no spread to tell them from a flat run).
 
         Every quantity is a difference or a spread, so the decision is the same for ``loss``,
         ``loss + c`` and ``a * loss`` (``a > 0``), up to float rounding: a negative or offset loss is
