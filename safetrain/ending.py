@@ -173,15 +173,20 @@ class RunWriters:
         if lock is not None:
             lock.release()
 
-    def _emit(self, cls: type, action: str, message: str, detail: Dict[str, Any], kind: str = "run") -> None:
+    def _emit(
+        self, cls: type, action: str, message: str, detail: Dict[str, Any], kind: str = "run", at: Any = None
+    ) -> None:
         c = getattr(self.guard, "counters", None)
         step, epoch, batch = (c.steps, c.epoch, c.batch - 1) if c is not None else (0, 0, -1)
+        if at is not None:  # the (epoch, batch index) of the batch the event is about
+            epoch, batch = at
         self.bus.emit(cls(step=step, epoch=epoch, batch=batch, kind=kind, rank=self.rank,
                           action=action, message=message, detail=detail))  # fmt: skip
 
-    def quarantined(self, action: str, message: str, detail: Dict[str, Any]) -> None:
-        """Journal a quarantine action (the :class:`QuarantineKeeper`'s callback)."""
-        self._emit(Quarantined, action, message, detail, kind="quarantine")
+    def quarantined(self, action: str, message: str, detail: Dict[str, Any], at: Any = None) -> None:
+        """Journal a quarantine action (the :class:`QuarantineKeeper`'s callback); ``at``: the
+        ``(epoch, batch index)`` of the batch it is about, else the step's."""
+        self._emit(Quarantined, action, message, detail, kind="quarantine", at=at)
 
     def close(self, result: Any, started: float, error: Optional[BaseException]) -> None:
         """Close everything, each part even if another fails; the journal's last word says how the run ended.

@@ -28,6 +28,7 @@ beyond any recovery action (an optimizer ``eps`` the dtype cannot hold), else af
 Rules beside the ladder: an fp16 overflow is normal (skip the step) until the scale would fall
 below ``amp.min_scale`` or ``amp.max_overflows`` come in a row (then it is a ``scaler`` anomaly);
 a forward, loss or gradient fault whose replay was finite (transient) is retried once; a restore
+with no usable snapshot (``History.has_snapshot``) falls back as :mod:`safetrain.fallbacks` says; a restore
 passes over the newest snapshot (it is kept, never restored) when no healthy step has vouched for
 it since it was taken and the fault may lie in the weights its update made:
 
@@ -54,8 +55,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Tuple
 
+from .fallbacks import without_snapshot
 from .faults import broken_for, persistent_reason, signature_of
-from .history import MIN_SKIP_STEPS, History, skip_denominator
+from .history import MIN_SKIP_STEPS, VOUCH_READS, History, newest_taken, read_clean, skip_denominator, vouch
 from .kinds import DATA_KINDS, NON_CLIMBING, REPLAYED_KINDS, RESTORING, TRAINING_ACTIONS, Action, Kind
 
 if TYPE_CHECKING:  # config imports no torch either; only its types are needed here
@@ -76,6 +78,7 @@ __all__ = [
     "read_clean",
     "newest_taken",
     "MIN_SKIP_STEPS",
+    "VOUCH_READS",
 ]
 
 
@@ -287,6 +290,8 @@ def _climb(
     persistent = persistent_reason(signature, recurrences, diagnosis) if signature is not None else ""
     if persistent and action is not Action.ABORT:
         action, reason = Action.ABORT, persistent
+    if action in (Action.RESTORE, Action.SCALE_LR) and not history.has_snapshot:
+        action, reason = without_snapshot(kind, action, reason)
 
     lr_scale, since = history.lr_scale, history.since_lr_change
     if action is Action.SCALE_LR:
@@ -304,7 +309,7 @@ def _climb(
             f"recovery.max_skip_fraction={recovery.max_skip_fraction}"
         )
         trains = False
-    restoring = action in RESTORING
+    restoring = action in RESTORING and history.has_snapshot
     new = replace(
         history,
         consecutive=n if climbs else history.consecutive,
@@ -312,7 +317,7 @@ def _climb(
         recent=recent,
         lr_scale=lr_scale,
         since_lr_change=since,
-        unverified=history.unverified and not restoring,
+        unverified=0 if restoring else history.unverified,
         fault=signature if climbs else history.fault,
         restored=restoring if climbs else history.restored,
         recurrences=recurrences if climbs else history.recurrences,
@@ -322,11 +327,11 @@ def _climb(
         kind=kind,
         action=action,
         rung=n,
-        restore=action in (Action.RESTORE, Action.SCALE_LR),
+        restore=action in (Action.RESTORE, Action.SCALE_LR) and history.has_snapshot,
         lr_scale=lr_scale,
         trains=trains,
         reason=reason,
-        pass_over_newest=restoring and history.unverified and _implicates_weights(kind, diagnosis),
+        pass_over_newest=restoring and history.unverified > 0 and _implicates_weights(kind, diagnosis),
     )
     return decision, new
 
@@ -403,6 +408,7 @@ def observe_healthy(history: History, recovery: "RecoveryConfig", steps: int = 1
         restored=False if forget else history.restored,
         recurrences=0 if forget else history.recurrences,
         reset_from=reset_from,
+        unverified=max(0, history.unverified - steps),
     )
     return new, changed
 
@@ -425,19 +431,3 @@ def record_step(history: History, recovery: "RecoveryConfig", skipped: bool) -> 
 def mark_last_skipped(history: History) -> History:
     """The step :func:`decide` recorded as trained was not (``drop_rows`` found every row bad)."""
     return replace(history, recent=history.recent[:-1] + (1,)) if history.recent else history
-
-
-def vouch(history: History) -> History:
-    """A step read clean (a re-run of an anomalous step included): the newest snapshot is sound."""
-    return replace(history, unverified=False) if history.unverified else history
-
-
-def read_clean(history: History) -> History:
-    """A re-run of an anomalous step read clean: it vouches for the newest snapshot and, having
-    passed the scaler's check, ends an fp16 overflow run (it does not count as a healthy step)."""
-    return replace(history, unverified=False, overflows=0)
-
-
-def newest_taken(history: History) -> History:
-    """A snapshot was taken after an update: unverified until the next step reads clean."""
-    return replace(history, unverified=True)

@@ -1,21 +1,46 @@
 """Loss-spike detection on robust statistics of recent healthy losses; pure Python, no torch.
 
+Every rule here is **invariant**: it gives the same decision for ``loss``, ``loss + c`` and
+``a * loss`` (``a > 0``), so a loss that is negative or offset (``mse - 1``, a Gaussian NLL with a
+learned variance, ``-log p``, ``-PSNR``, an entropy bonus) is judged like any other. It is built
+from differences only: the excess of a loss over a **floor** (the lowest healthy loss of the window,
+or of the run) and spreads (the median absolute deviation, the range between the lowest and the
+highest loss). The positive quantities are those spreads, never a loss itself. Float rounding is
+the only difference (the sigma floor below, ``1e-6 x |median|``, bites only at float32 precision,
+on a window where more than half the losses are equal).
+
 A spike is a finite loss more than ``zscore`` robust standard deviations above the median of the
-last ``window`` healthy losses (robust sigma = 1.4826 x median absolute deviation, floored at 1% of
-the median so that a flat loss curve does not make every wiggle a spike) AND at least ``min_ratio``
-times the largest healthy loss in the window. The ratio keeps a converged run quiet: near a loss of
-0.005 the per-batch losses are heavy-tailed (one misclassified sample in 64 gives 0.05), so such a
-batch is many sigmas out without being a blow-up; measured on a converged 4-class MLP run, the
-z-score alone called 37 false spikes in 768 steps, ``2 x median`` 37, ``2 x window max`` none. Nothing is judged
-before ``min_history`` healthy losses. The defaults (128, 20, 6) follow OLMo-core's loss z-score rule.
+last ``window`` healthy losses (robust sigma = 1.4826 x median absolute deviation) AND whose excess
+over the window's floor is at least ``min_ratio`` times the largest **excess** of the window: each
+healthy loss's excess over the floor of the window when it came. That keeps a converged run quiet:
+near a loss of 0.005 the per-batch losses are heavy-tailed (one misclassified sample in 64 gives
+0.05), so such a batch is many sigmas out without being a blow-up; measured on a converged 4-class
+MLP run, the z-score alone called 37 false spikes in 768 steps, ``2 x median`` 37, ``2 x window
+max`` none (the floor of such a run is flat and near 0, so its largest excess is the old window
+max). And it does not compare a jump with the early, high losses of a falling run still in the
+window: each of those was near the floor of its own time, so the excesses are the run's noise
+around its trend, not its descent (a jump from 2.0 back to 5.5 in a run that fell from 3.9 is a
+spike; ``2 x window max`` asked for 7.8).
+Nothing is judged before ``min_history`` healthy losses. The defaults (128, 20, 6) follow
+OLMo-core's loss z-score rule.
 
 Early in a run the z-score has no history, yet one batch in the wrong unit (targets x10^4, a loss
-x10^8) can ruin the model. So a loss at least ``hard_ratio`` times the largest healthy loss of the
-whole run is a spike as soon as ``HARD_MIN_HISTORY`` (3) healthy losses are known: from the 4th
-healthy step on; from the 2nd, a loss ``hard_ratio`` squared times (x10^4) the first is one already
-(a batch in the wrong unit at step 2 or 3; a loss growing 100x a step, an LR far too high, is
-left to the divergence detector). The run's largest loss is usually its first, so a healthy run
-never comes near.
+x10^8) can ruin the model. So a loss whose excess over the run's lowest healthy loss is at least
+``hard_ratio`` times the run's range (its highest healthy loss above its lowest) is a spike as soon
+as ``HARD_MIN_HISTORY`` (3) healthy losses are known: from the 4th healthy step on; with two, the
+range is the difference of those two and the ratio is ``hard_ratio`` squared (x10^4), to stay quiet
+on a range that is small by chance. With one healthy loss there is no scale at all (an invariant
+rule of two losses sees only the sign of their difference). That is what the **start losses** are
+for: before a fresh run's first step, ``SafeTrainer.fit`` measures the start model's loss on the two
+batches after the first step's (:meth:`~safetrain.Guard.measure_start`, :meth:`begin`). Until
+``HARD_MIN_HISTORY`` healthy losses are known, they join the healthy ones as the reference, with
+``hard_ratio`` squared: the first step's loss is judged against two losses of the same model (a
+first batch in the wrong unit is a spike, skipped before its update), the second's against three.
+A loss growing 100x a step (an LR far too high) is left to the divergence detector. The run's range
+is usually its first descent, so a healthy run never comes near.
+
+The healthy path is O(1) amortized: the window's lowest and highest losses are kept as monotonic
+queues, and the median and MAD are computed only for a loss that passed the cheap gates.
 """
 
 from __future__ import annotations
@@ -23,25 +48,41 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence, Tuple
 
-__all__ = ["SpikeDetector", "HARD_MIN_HISTORY"]
+__all__ = ["SpikeDetector", "HARD_MIN_HISTORY", "RESOLUTION"]
 
 #: Healthy losses the ``hard_ratio`` rule needs before it judges (it judges the 4th step on).
 HARD_MIN_HISTORY = 3
+#: The relative float resolution a spread is floored at (a few float32 ulps): a spread smaller
+#: than this times the loss's magnitude is rounding, not information. The only place the rules
+#: depend on where zero is.
+RESOLUTION = 1e-6
+
+
+def spread_floor(level: float) -> float:
+    """The smallest spread the rules take as real at a loss ``level``: float rounding (``RESOLUTION``)."""
+    return max(RESOLUTION * abs(level), 1e-12)
+
+
+def _spread(ordered: Sequence[float]) -> float:
+    """The range of sorted losses, at least float rounding (a zero-initialized head gives equal ones)."""
+    return max(ordered[-1] - ordered[0], spread_floor(ordered[-1]))
 
 
 class SpikeDetector:
-    """Judge each loss against the window of recent healthy ones.
+    """Judge each loss against the window of recent healthy ones (invariant to the loss's offset and scale).
 
     Args:
         window: number of healthy losses kept.
         min_history: no spike is called before this many.
         zscore: threshold in robust standard deviations above the median.
-        min_ratio: a spike is also at least this many times the largest loss in the window.
+        min_ratio: a spike's excess over the window's lowest loss is also at least this many times
+            the window's largest excess (each window loss over the window's lowest when it came).
         enabled: ``False`` makes :meth:`check` always return ``None``.
-        hard_ratio: a loss this many times the run's largest healthy loss is a spike after
-            :data:`HARD_MIN_HISTORY` healthy losses, whatever ``min_history`` says (``None``: off).
+        hard_ratio: a loss whose excess over the run's lowest healthy loss is this many times the
+            run's range is a spike after :data:`HARD_MIN_HISTORY` healthy losses, whatever
+            ``min_history`` says; its square after two (``None``: off).
 
     Example::
 
@@ -62,58 +103,144 @@ class SpikeDetector:
     ) -> None:
         self.window, self.min_history, self.zscore, self.enabled = window, min_history, zscore, enabled
         self.min_ratio, self.hard_ratio = min_ratio, hard_ratio
-        self.run_max = -math.inf  # the largest healthy loss of the run
+        self.run_max = -math.inf  # the highest healthy loss of the run
+        self.run_min = math.inf  # the lowest
+        self.start: Tuple[float, ...] = ()  # the start model's losses (begin), until HARD_MIN_HISTORY healthy ones
         self._losses: deque = deque(maxlen=window)
-        # The window's maximum, kept as a decreasing queue of (add count, loss): O(1) amortized
-        # per step. max() over the window read 128 floats scattered over the heap at every step.
-        self._peaks: deque = deque()
+        self._over: deque = deque(maxlen=window)  # each loss's excess over the floor it came to
+        # The window's lowest loss and largest excess, kept as monotonic queues of (add count, value):
+        # O(1) amortized per step. min() over the window read 128 floats scattered over the heap at every step.
+        self._lows: deque = deque()
+        self._excess: deque = deque()  # of each loss's excess over the window's lowest when it came
         self._added = 0
 
     def check(self, loss: float) -> Optional[Dict[str, float]]:
         """Return the evidence (median, sigma, z; ``rule``: ``zscore`` or ``hard_ratio``) when
         ``loss`` is a spike, else ``None``."""
         n = len(self._losses)
-        if not self.enabled or n == 0 or not math.isfinite(loss):
+        if not self.enabled or not math.isfinite(loss):
             return None
-        ratio = self.hard_ratio if n >= HARD_MIN_HISTORY or self.hard_ratio is None else self.hard_ratio**2
-        hard = ratio is not None and 0 < self.run_max and loss >= ratio * self.run_max
-        if not hard and (n < self.min_history or loss < self.min_ratio * self._peaks[0][1]):
-            return None  # the cheap tests first (the window max): most steps end here
+        if self.start and n < HARD_MIN_HISTORY:
+            return self._early(loss)
+        if n == 0:
+            return None
+        hard = False
+        if self.hard_ratio is not None and n >= HARD_MIN_HISTORY - 1:
+            ratio = self.hard_ratio if n >= HARD_MIN_HISTORY else self.hard_ratio * self.hard_ratio
+            run_range = max(self.run_max - self.run_min, spread_floor(self.run_max))  # under it: float rounding
+            hard = loss - self.run_min >= ratio * run_range
+        if not hard:
+            if n < self.min_history:
+                return None
+            floor = self._lows[0][1]  # the cheap test first (the window's largest excess): most steps end here
+            if loss - floor < self.min_ratio * self._excess[0][1] or loss <= floor:
+                return None
         median = statistics.median(self._losses)
         mad = statistics.median(abs(x - median) for x in self._losses)
-        sigma = max(1.4826 * mad, 0.01 * abs(median), 1e-12)
+        sigma = max(1.4826 * mad, spread_floor(median))
         z = (loss - median) / sigma
+        evidence = {"loss": loss, "median": median, "sigma": sigma, "z": z, "threshold": self.zscore}
         if hard:
-            return {"loss": loss, "median": median, "sigma": sigma, "z": z, "threshold": self.zscore,
-                    "rule": "hard_ratio", "ratio": loss / self.run_max, "run_max": self.run_max}  # fmt: skip
+            excess_ratio = (loss - self.run_min) / max(self.run_max - self.run_min, 1e-300)
+            evidence.update(rule="hard_ratio", ratio=excess_ratio, run_max=self.run_max, run_min=self.run_min)
+            return evidence
         if z > self.zscore:
-            return {"loss": loss, "median": median, "sigma": sigma, "z": z, "threshold": self.zscore, "rule": "zscore"}
+            evidence["rule"] = "zscore"
+            return evidence
         return None
 
-    def add(self, loss: float) -> None:
-        """Record a healthy loss."""
+    def begin(self, losses: Sequence[float]) -> None:
+        """Take the start model's losses on batches the run has not trained on (two or more, finite):
+        until :data:`HARD_MIN_HISTORY` healthy losses are known, they join the reference of the hard rule."""
+        start = tuple(float(x) for x in losses if math.isfinite(x))
+        self.start = start if len(start) >= 2 else ()
+
+    def _early(self, loss: float) -> Optional[Dict[str, Any]]:
+        """The hard rule while the start losses stand in for a history: a spike when ``loss``'s excess
+        over the lowest of the start and healthy losses is ``hard_ratio`` squared times their range."""
+        if self.hard_ratio is None:
+            return None
+        ratio = self.hard_ratio * self.hard_ratio
+        # A start batch may itself be in the wrong unit: with three or more distinct losses, the
+        # highest is left out while it stands hard_ratio cubed times the others' range above them
+        # (a margin that two close losses by chance do not reach; a batch measured ahead and then
+        # trained by the same model, after a skipped first step, gives the same loss twice: one).
+        reference = sorted(set(self.start + tuple(self._losses)))
+        while len(reference) >= 3 and reference[-1] - reference[0] >= ratio * self.hard_ratio * _spread(reference[:-1]):
+            reference.pop()
+        low, spread = reference[0], _spread(reference)
+        if loss - low < ratio * spread:
+            return None
+        median = statistics.median(reference)
+        return {
+            "loss": loss,
+            "median": median,
+            "sigma": spread,
+            "z": (loss - median) / spread,
+            "threshold": self.hard_ratio * self.hard_ratio,
+            "rule": "start",
+            "ratio": (loss - low) / spread,
+            "start": list(self.start),
+            "trained": len(self._losses),
+        }
+
+    def add(self, loss: float, over: Optional[float] = None) -> None:
+        """Record a healthy loss (``over``: its excess over the floor it came to, when put back from a state)."""
         if math.isfinite(loss):
+            if self.start and len(self._losses) + 1 >= HARD_MIN_HISTORY:
+                self.start = ()  # the run has a history of its own now
             loss = float(loss)
+            lows, excess = self._lows, self._excess
+            if over is None:
+                over = loss - lows[0][1] if lows else 0.0
+                if over < 0.0:
+                    over = 0.0
             self._losses.append(loss)
-            self.run_max = max(self.run_max, loss)
-            peaks = self._peaks
-            while peaks and peaks[-1][1] <= loss:
-                peaks.pop()
-            peaks.append((self._added, loss))
-            self._added += 1
-            if peaks[0][0] < self._added - self.window:  # left the window
-                peaks.popleft()
+            self._over.append(over)
+            if loss > self.run_max:
+                self.run_max = loss
+            if loss < self.run_min:
+                self.run_min = loss
+            n = self._added
+            while lows and lows[-1][1] >= loss:
+                lows.pop()
+            lows.append((n, loss))
+            while excess and excess[-1][1] <= over:
+                excess.pop()
+            excess.append((n, over))
+            self._added = n = n + 1
+            gone = n - self.window  # entries added before this left the window
+            if lows[0][0] < gone:
+                lows.popleft()
+            if excess[0][0] < gone:
+                excess.popleft()
 
     def state_dict(self) -> Dict[str, Any]:
-        """``{"losses": [...], "run_max": float | None}``, JSON-ready."""
-        return {"losses": list(self._losses), "run_max": self.run_max if math.isfinite(self.run_max) else None}
+        """``{"losses": [...], "excess": [...], "run_max": float | None, "run_min": float | None, "start": [...]}``,
+        JSON-ready."""
+        return {
+            "losses": list(self._losses),
+            "excess": list(self._over),
+            "run_max": self.run_max if math.isfinite(self.run_max) else None,
+            "run_min": self.run_min if math.isfinite(self.run_min) else None,
+            "start": list(self.start),
+        }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Put back the window of healthy losses."""
-        self._losses = deque(maxlen=self.window)
-        self._peaks.clear()
-        self.run_max = -math.inf
-        for x in state["losses"]:
-            self.add(float(x))
-        if state.get("run_max") is not None:  # absent from snapshots of earlier versions
+        """Put back the window of healthy losses (``excess``, ``run_max`` and ``run_min`` are absent
+        from snapshots of earlier versions: the excesses are recomputed from the window, the window's
+        extremes stand in for the run's)."""
+        self._losses, self._over = deque(maxlen=self.window), deque(maxlen=self.window)
+        self._lows.clear()
+        self._excess.clear()
+        self.run_max, self.run_min = -math.inf, math.inf
+        losses, excess = state["losses"], state.get("excess")
+        if excess is None or len(excess) != len(losses):
+            excess = [None] * len(losses)
+        for x, e in zip(losses, excess):
+            self.add(float(x), None if e is None else float(e))
+        if state.get("run_max") is not None:
             self.run_max = max(self.run_max, float(state["run_max"]))
+        if state.get("run_min") is not None:
+            self.run_min = min(self.run_min, float(state["run_min"]))
+        self.start = tuple(float(x) for x in state.get("start", ()))  # absent from earlier snapshots

@@ -100,11 +100,30 @@ COUNTED_BY: Dict[Action, str] = {
 
 @dataclass
 class Pending:
-    """Device-side values of the step being accumulated; read in the single sync."""
+    """Device-side values of the step being accumulated; read in the single sync.
+
+    Attributes:
+        micro: the step's micro-batches, as trained.
+        indices: each micro-batch's dataset indices (an empty list when unknown).
+        places: each micro-batch's own ``(epoch, batch index)``: an event about one micro-batch
+            of an accumulated step names it, not the step's last batch.
+        calls: the forward hooks' records made up to the end of each micro-batch's forward (a
+            finding at record ``k`` is in the first micro-batch whose count exceeds ``k``).
+    """
 
     micro: List[Any] = field(default_factory=list)
     indices: List[List[int]] = field(default_factory=list)
+    places: List[Tuple[int, int]] = field(default_factory=list)
+    calls: List[int] = field(default_factory=list)
     loss: Optional[torch.Tensor] = None
     input_values: List[torch.Tensor] = field(default_factory=list)
     target_values: List[torch.Tensor] = field(default_factory=list)
     weights: Optional[torch.Tensor] = None  # the periodic weight check's value, when it ran
+
+    def place(self, micro: Optional[int]) -> Optional[Tuple[int, int]]:
+        """The ``(epoch, batch index)`` of micro-batch ``micro`` (``None``: not known)."""
+        return self.places[micro] if micro is not None and 0 <= micro < len(self.places) else None
+
+    def micro_of_call(self, position: int) -> Optional[int]:
+        """Which micro-batch's forward made monitored call ``position`` of the step (``None``: not known)."""
+        return next((i for i, end in enumerate(self.calls) if position < end), None)

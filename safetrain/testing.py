@@ -26,6 +26,8 @@ from typing import Any, Callable, Collection, Iterable, Iterator, List, Literal,
 import torch
 from torch.utils.data import Dataset
 
+from .guard.measure import measuring
+
 __all__ = [
     "SyncCounter",
     "count_host_syncs",
@@ -240,6 +242,7 @@ class OutputFault(_Fault):
     Args:
         module: the module whose output is spoiled.
         calls: 1-based forward calls to spoil (``range(k, 10**9)``: from the k-th on); ``None``: every call.
+            Replays count; the start measurement (:meth:`~safetrain.Guard.measure_start`) does not.
         value: NaN, Inf or a factor.
 
     Attributes:
@@ -259,6 +262,8 @@ class OutputFault(_Fault):
         self._handles = (module.register_forward_hook(self),)
 
     def __call__(self, module: torch.nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        if measuring():  # the start model's loss measured before a run's first step: no step's forward
+            return out
         self.count += 1
         if self.calls is None or self.count in self.calls:
             return _spoil(out, self.value)

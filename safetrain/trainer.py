@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections.abc
+import itertools
 import logging
 import math
 import os
@@ -10,7 +11,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Union
 
 import torch
 
@@ -274,10 +275,13 @@ class SafeTrainer:
             else:
                 guard.begin_epoch(epoch)
                 iterator = iter(run.loader)
+                if guard.counters.steps == 0:  # a fresh run: the start level, before its first step
+                    iterator = _measure_start(guard, iterator, cfg.guard.accumulate_steps)
             seen = 0
             for batch in iterator:
                 seen += 1
-                step = guard.step(batch, keeper.indices_for(batch))
+                at = (guard.counters.epoch, guard.counters.batch)  # the batch's place, once it arrives
+                step = guard.step(batch, keeper.indices_for(batch, at))
                 if step is None:
                     continue
                 run.record(guard, step)
@@ -294,6 +298,15 @@ class SafeTrainer:
             keeper.end_epoch()
             if self.scheduler is not None and cfg.guard.scheduler_interval == "epoch":
                 guard.backoff.step(self.scheduler, guard.epoch_loss)  # the whole epoch's, across a resume
+
+
+def _measure_start(guard: Guard, iterator: Iterator[Any], accumulate: int) -> Iterator[Any]:
+    """The first epoch's iterator, after the guard measured the start model's loss on the two
+    batches after the first step's (:meth:`Guard.measure_start`); the batches come in the same order."""
+    head = list(itertools.islice(iterator, accumulate + 2))
+    if len(head) == accumulate + 2:
+        guard.measure_start(head[accumulate:])
+    return itertools.chain(head, iterator)
 
 
 @dataclass

@@ -24,7 +24,7 @@ from omegaconf.errors import OmegaConfBaseException, ValidationError
 from ..errors import ConfigError
 from .interpolate import has_interpolation, resolve_interpolations
 from .overrides import check_overrides, override_notes, parse_overrides, problem_of
-from .schema import TrainConfig, to_dict
+from .schema import REPLACED_KEYS, TrainConfig, to_dict
 from .validate import KeyedError, check_layer, check_size, describe, show, validate
 from .yamlfile import Located, read_yaml
 
@@ -199,6 +199,8 @@ def _check_keys(data: Any, cls: type, prefix: str, source: str, root: Any = None
     names = [f.name for f in dataclasses.fields(cls)]
     for key, value in data.items():
         dotted = f"{prefix}{key}"
+        if key not in names and dotted in REPLACED_KEYS:
+            raise ConfigError(f"{_where(root, source, dotted)}'{dotted}' was {REPLACED_KEYS[dotted]}")
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
             hint = f"did you mean '{prefix}{close[0]}'? " if close else ""

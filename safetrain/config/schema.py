@@ -30,6 +30,7 @@ __all__ = [
     "SnapshotConfig",
     "LogConfig",
     "SanitizeAction",
+    "REPLACED_KEYS",
     "iter_fields",
     "to_dict",
     "to_yaml",
@@ -38,6 +39,16 @@ __all__ = [
 #: What ``sanitize.inputs`` / ``sanitize.targets`` may say: :data:`safetrain.kinds.SANITIZE_ACTIONS`
 #: (spelled out so type checkers see the choices; a test keeps the two equal).
 SanitizeAction = Literal["skip_batch", "drop_rows", "replace", "raise", "off"]
+
+#: Keys of earlier versions whose meaning changed: a config that still sets one is refused with
+#: what replaced it (a ratio to a loss means nothing for a loss that may be negative or offset).
+REPLACED_KEYS: Dict[str, str] = {
+    "guard.end_loss_ratio": (
+        "replaced by guard.end_margin: the end of a run is judged in its own noise (robust standard "
+        "deviations of its losses), not as a ratio to its first loss, which may be negative or near zero; "
+        "guard.end_margin: null turns the check off"
+    ),
+}
 
 
 def _f(default: Any = dataclasses.MISSING, doc: str = "", factory: Any = None, **rules: Any) -> Any:
@@ -119,19 +130,22 @@ class SanitizeConfig:
 
 @dataclass(frozen=True)
 class SpikeConfig:
-    """Loss-spike detection on robust statistics of recent healthy losses."""
+    """Loss-spike detection on robust statistics of recent healthy losses (invariant to the loss's offset and scale)."""
 
     enabled: bool = _f(True, "catch loss blow-ups that are still finite")
     window: int = _f(128, "number of recent healthy losses the median and MAD are taken over", ge=2)
     min_history: int = _f(20, "no spike is called before this many healthy losses are in the window", ge=2)
     zscore: float = _f(6.0, "a loss more than this many robust standard deviations above the median is a spike", gt=0)
     min_ratio: float = _f(
-        2.0, "...and at least this many times the largest recent healthy loss (keeps converged runs quiet)", ge=1
+        2.0,
+        "...and above the window's lowest loss by this many times the largest excess of a window loss over the "
+        "lowest when it came (keeps converged runs quiet)",
+        ge=1,
     )
     hard_ratio: Optional[float] = _f(
         100.0,
-        "a loss at least this many times the largest healthy loss of the run is a spike from the 4th healthy "
-        "step on, before min_history, and its square from the 2nd (null: off)",
+        "a loss at least this many times the run's range (highest minus lowest healthy loss) above the run's lowest "
+        "is a spike from the 4th healthy step on, before min_history, and its square from the 3rd (null: off)",
         gt=1,
         finite=True,
     )
@@ -139,15 +153,18 @@ class SpikeConfig:
 
 @dataclass(frozen=True)
 class DivergenceConfig:
-    """Divergence: a finite loss growing geometrically over consecutive steps, judged from the first step."""
+    """Divergence: a finite loss growing geometrically over consecutive steps, judged from the first step
+    (invariant to the loss's offset and scale: increments and rises measured in the run's own spread)."""
 
     enabled: bool = _f(True, "catch a loss that keeps growing geometrically (an LR too high), with no warm-up")
-    growth: float = _f(2.0, "a step that multiplies the loss by at least this counts toward steps", gt=1, finite=True)
-    steps: int = _f(3, "this many such steps in a row, to a new high of the recent losses, are divergence", ge=2)
+    growth: float = _f(
+        2.0, "a step whose increment is at least this many times the one before counts toward steps", gt=1, finite=True
+    )
+    steps: int = _f(3, "this many such increments in a row, to new highs of the recent losses, are divergence", ge=2)
     ratio: float = _f(
         100.0,
-        "...or a climb begun before this step that reaches this many times the loss where it began "
-        "(or the level before the last divergence)",
+        "...or a climb begun before this step that rises this many scales (the spread before it, or its first "
+        "increment) above where it began (or the level before the last divergence)",
         gt=1,
         finite=True,
     )
@@ -161,11 +178,11 @@ class GuardConfig:
     grad_norm_threshold: Optional[float] = _f(
         None, "a total gradient norm above this is a grad_norm anomaly; parameters above it are named (null: off)", gt=0
     )
-    end_loss_ratio: Optional[float] = _f(
-        3.0,
-        "a run whose last trained losses (median of 5) end above this many times the largest of its first 5 "
-        "aborts instead of finishing worse than it started (null: off)",
-        gt=1,
+    end_margin: Optional[float] = _f(
+        4.0,
+        "a run whose last trained losses (lower quartile of 16) end more than this many robust standard deviations "
+        "of its losses above its first (median of 5) aborts instead of finishing worse than it started (null: off)",
+        gt=0,
         finite=True,
     )
     spike: SpikeConfig = _f(doc="loss-spike detection", factory=SpikeConfig)

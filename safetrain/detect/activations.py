@@ -251,6 +251,11 @@ class ActivationMonitor:
         return tuple(out)
 
     @property
+    def recorded(self) -> int:
+        """How many calls were recorded so far this step (a host-side count: no sync)."""
+        return len(self._ids)
+
+    @property
     def records(self) -> List[Tensor]:
         """This step's per-call 0-dim values, live (aligned with :attr:`calls`); put this list on
         :class:`~safetrain.detect.flags.StepFlags` as ``forward``: it joins the read's single stack."""

@@ -14,7 +14,7 @@ host, from the kept norm vector, only after the step's single read shows a probl
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -31,6 +31,7 @@ _FLOATS = (torch.float32, torch.float64)
 #: elements here; 64K leaves small models on the single fused call).
 _DOT_MIN = 1 << 16
 NamedParams = Union[nn.Module, Iterable[Tuple[str, Tensor]]]
+Probes = Sequence[Tuple[str, Tensor, Callable[[Tensor], Tensor]]]
 
 
 try:  # FSDP2 shards parameters and gradients as DTensors: the checks look at each rank's shard
@@ -359,10 +360,13 @@ class WeightCheck:
         >>> value = check.maybe_run(step=200)   # 0-dim device value (NaN/Inf: poisoned), or None
     """
 
-    def __init__(self, params: NamedParams, every: int = 100, *, enabled: bool = True) -> None:
+    def __init__(self, params: NamedParams, every: int = 100, *, enabled: bool = True, probes: Probes = ()) -> None:
         named = _named(params)
         self.names = tuple(n for n, _ in named)
         self._params = [p for _, p in named]
+        # (name, tensor, check): check(tensor) is 0, or NaN when the tensor is broken (a buffer
+        # non-finite by design whose non-finite pattern changed); added to the check's value.
+        self._probes = tuple(probes)
         self.every = every
         self.enabled = enabled and every > 0 and bool(self._params)
         self._dots = _DotPlan([_local(p) for p in self._params])
@@ -388,7 +392,8 @@ class WeightCheck:
         with torch.no_grad():
             params = [_local(p).detach() for p in self._params]
             norms = self._dots.norms(params)
-            return _stack(norms if norms is not None else fused_norms(params)).sum()
+            value = _stack(norms if norms is not None else fused_norms(params)).sum()
+            return value + sum(check(t) for _, t, check in self._probes) if self._probes else value
 
     def maybe_run(self, step: int) -> Optional[Tensor]:
         """:meth:`run` when :meth:`due`, else ``None``.
@@ -421,6 +426,9 @@ class WeightCheck:
                 nan, inf = torch.stack([torch.isnan(p).sum(), torch.isinf(p).sum()]).tolist()  # host sync: slow path
                 if nan or inf:
                     counts.append((name, int(nan), int(inf)))
+            for name, t, check in self._probes:
+                if not math.isfinite(float(check(t))):  # host sync: slow path
+                    counts.append((name, int(torch.isnan(t).sum()), int(torch.isinf(t).sum())))
         if not counts:
             return None
         return WeightFinding(

@@ -49,6 +49,9 @@ class Diagnosis:
         numerics: a known optimizer numerics fault behind a ``weights`` fault, with its fix
             (``Adam eps=0: ... = NaN in the update ...; fix: ...``), ``""`` when none is known
             (:mod:`.optim_numerics`): no restore or LR backoff changes it.
+        micro: which micro-batch of the step the step replay found non-finite (0-based).
+        epoch: that micro-batch's epoch (the guard fills it in; ``None``: not known).
+        batch_index: that micro-batch's batch index in its epoch (the guard fills it in).
     """
 
     reproducible: bool
@@ -70,6 +73,9 @@ class Diagnosis:
     seconds: float = 0.0
     note: str = ""
     numerics: str = ""
+    micro: Optional[int] = None
+    epoch: Optional[int] = None
+    batch_index: Optional[int] = None
 
     def to_dict(self) -> Dict[str, Any]:
         """JSON-ready form for the journal."""

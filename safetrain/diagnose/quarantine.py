@@ -11,7 +11,7 @@ import logging
 import os
 from collections import deque
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sized, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sized, Tuple, Union
 
 from torch.utils.data import DataLoader, Sampler
 
@@ -163,7 +163,8 @@ class QuarantineKeeper:
     Args:
         sampler: the loader's :class:`QuarantineSampler` (``None``: a no-op keeper).
         run_dir: where ``quarantine.json`` lives (``None``: in memory only); it is read at start.
-        emit: ``emit(action, message, detail)`` journals a ``Quarantined`` event.
+        emit: ``emit(action, message, detail, at=None)`` journals a ``Quarantined`` event (``at``:
+            the ``(epoch, batch index)`` of the batch it is about; ``None``: the step's).
         batch_size: the indices the loader takes from the sampler per batch (``DataLoader.batch_size``);
             ``None``: not known.
     """
@@ -193,8 +194,9 @@ class QuarantineKeeper:
         keeper._whole = isinstance(loader, DataLoader) and loader.batch_sampler is None
         return keeper
 
-    def indices_for(self, batch: Any) -> Optional[List[int]]:
-        """The dataset indices of ``batch``'s rows, or ``None`` when they are not known.
+    def indices_for(self, batch: Any, at: Optional[Tuple[int, int]] = None) -> Optional[List[int]]:
+        """The dataset indices of ``batch``'s rows, or ``None`` when they are not known (``at``: the
+        batch's ``(epoch, batch index)``, for the event that says so).
 
         ``None`` too when the batch's row count differs from the indices the sampler gave for it
         (a ``collate_fn`` dropped or added samples): which row is which sample is then ambiguous.
@@ -218,6 +220,7 @@ class QuarantineKeeper:
                 "adds samples?): its rows cannot be matched to dataset samples, so a bad sample in such a batch "
                 "is not quarantined (later batches are mapped as usual)",
                 dict(self._step_unmapped),
+                at=at,
             )
         return None
 
@@ -239,8 +242,10 @@ class QuarantineKeeper:
         if not diagnosed:
             return
         indices = [i for d in diagnosed for i in d.get("dataset_indices") or ()]
+        # the micro-batch the replay pinned the rows on (under accumulation, not the step's last batch)
+        at = next(((e.epoch, e.batch) for e in events if e.name == "anomaly" and "diagnosis" in e.detail), None)
         if unmapped is not None:
-            self._refused(diagnosed, unmapped)
+            self._refused(diagnosed, unmapped, at)
         if self._distributed:
             indices = _union_across_ranks(indices)
         new = self.sampler.add(indices)
@@ -253,9 +258,10 @@ class QuarantineKeeper:
                 "add",
                 f"quarantined dataset samples {new}: skipped {when}",
                 {"indices": new, "file": str(self.path) if self.path else None},
+                at=at,
             )
 
-    def _refused(self, diagnosed: List[Dict[str, Any]], unmapped: Dict[str, int]) -> None:
+    def _refused(self, diagnosed: List[Dict[str, Any]], unmapped: Dict[str, int], at: Any = None) -> None:
         """Journal rows a replay isolated in a batch whose rows could not be mapped to samples."""
         rows = sorted({int(r) for d in diagnosed if not d.get("dataset_indices") for r in d.get("bad_rows") or ()})
         if rows:
@@ -265,6 +271,7 @@ class QuarantineKeeper:
                 f"{unmapped['indices']} dataset indices for it (a collate_fn that drops or adds samples?), so which "
                 "samples they are is ambiguous; none is named rather than a healthy one",
                 {"bad_rows": rows, **unmapped},
+                at=at,
             )
 
     def end_epoch(self) -> None:

@@ -162,7 +162,7 @@ class StepReplay:
             return Diagnosis(reproducible=False, seconds=time.perf_counter() - started)
         rows: Tuple[int, ...] = ()
         passes, note = 0, found.pop("note", "")
-        k = found.pop("micro")
+        k = found["micro"]  # kept: the guard names that micro-batch's own epoch and batch index
         if found.pop("loss_bad"):
             rows, passes, note = self._bisect(micro[k], started)
         dataset = tuple(indices[k][r] for r in rows) if indices and k < len(indices) and indices[k] else ()

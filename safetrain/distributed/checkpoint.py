@@ -124,6 +124,7 @@ def save_sharded(snap: str, state: Any, captured: Any, sync: Any, run_id: str, b
     optim_json = encode(optim, "optim_json", lambda n, t: own.__setitem__(n, t.detach()))
     specs = {n: [list(t.shape), str(t.dtype)] for n, t in own.items()}
     meta = {k: v for k, v in captured.meta.items() if k not in ("model", "optimizer")}
+    meta["accepted"] = captured.meta["model"].get("accepted", {})  # buffers non-finite by design (a resume keeps them)
     inner = state.optimizer.optimizer  # the user's optimizer (the state holds a LocalOptimizer around it)
     meta["optimizer_type"] = f"{type(inner).__module__}.{type(inner).__qualname__}"  # for safetrain inspect
     _write_json(_rank_path(snap, rank), {**meta, "run_id": run_id, "world": world, "optim": optim_json, "own": specs})
@@ -222,11 +223,12 @@ class ShardedStore(SnapshotStore):
         self._require_open("save")
         self.drain()
         captured = state.capture(counters, extra, extra_tensors)
-        bad = nonfinite((n, captured.tensors[n]) for n in captured.checked)  # host sync: snapshot steps only
+        bad = nonfinite(((n, captured.tensors[n]) for n in captured.checked), captured.accepted)  # host sync: snapshots
         refused = self._vote(len(bad))
         step = captured.meta["counters"]["step"]
         if any(refused):
             where = [r for r, n in enumerate(refused) if n]
+            self.refused = tuple(bad) or ("(on another rank)",)
             logger.warning("snapshot refused at step %d: non-finite state on rank(s) %s; keeping the previous one",
                            step, where)  # fmt: skip
             return None

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Union
 import torch
 
 from ..errors import SnapshotError
+from ..snapshot.accepted import check_patterns
 from ..snapshot.codec import decode
 from ..snapshot.store import CorruptSnapshotError
 from ..snapshot.tensors import nonfinite
@@ -81,7 +82,7 @@ def inspect_sharded(path: Union[str, os.PathLike]) -> Dict[str, Any]:
 def _describe(snap: str, mark: Dict[str, Any], meta: Dict[str, Any], full: Dict[str, torch.Tensor]) -> Dict[str, Any]:
     counters = mark["counters"]
     checked = [(n, t) for n, t in full.items() if n.startswith(("model/", "optim/")) and t.is_floating_point()]
-    bad = nonfinite(checked)
+    bad = nonfinite(checked, check_patterns(meta.get("accepted", {}), snap))  # masks: non-finite by design
     scaler = meta.get("scaler")
     scaler_state = decode(scaler["state"], {}, snap) if scaler else None
     created = mark.get("created")

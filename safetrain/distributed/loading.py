@@ -11,6 +11,7 @@ from typing import Any, Dict
 import torch
 
 from ..errors import SnapshotError
+from ..snapshot.accepted import check_patterns
 from ..snapshot.codec import decode
 from ..snapshot.rng import restore_rng
 from ..snapshot.store import CorruptSnapshotError, SnapshotInfo, make_info
@@ -81,5 +82,10 @@ def load_sharded(snap: str, state: Any, sync: Any = None) -> SnapshotInfo:
         raise SnapshotError(f"{snap}: cannot restore the scheduler or scaler state: {exc}") from None
     if state.rng and meta.get("rng") is not None:
         restore_rng(meta["rng"], own, snap)
+    if "accepted" in meta:  # buffers non-finite by design: the acceptance goes on
+        try:
+            state.accepted = check_patterns(meta["accepted"], snap)
+        except ValueError as exc:
+            raise CorruptSnapshotError(str(exc)) from None
     extra = {f"extra/{n}": own[f"extra/{n}"] for n in meta.get("extra_tensors", [])}
     return make_info(meta, extra, snap, snap)

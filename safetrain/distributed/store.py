@@ -69,11 +69,12 @@ class DistributedStore:
         """Take a snapshot on every rank or on none; see the class docstring."""
         self.inner._require_open("save")
         captured = state.capture(counters, extra, extra_tensors)
-        bad = nonfinite((n, captured.tensors[n]) for n in captured.checked)  # host sync: snapshot steps only
+        bad = nonfinite(((n, captured.tensors[n]) for n in captured.checked), captured.accepted)  # host sync: snapshots
         refused = self.sync.gather_int(len(bad))
         step = captured.meta["counters"]["step"]
         if any(refused):
             where = [r for r, n in enumerate(refused) if n]
+            self.inner.refused = tuple(bad) or ("(on another rank)",)
             logger.warning(
                 "snapshot refused at step %d: non-finite state on rank(s) %s%s; keeping the previous snapshot",
                 step,

@@ -65,7 +65,7 @@ class CallerSteps:
         self._check_caller("begin_batch")
         if self._verdict is not None:  # the last step's optimizer step was not reported
             self.after_optimizer_step()
-        self._arrive()
+        self._arrive(batch)
         if self.phase is Phase.READY:  # the data that led into a restore is skipped after its backward
             self._skipping = self.recovery_state.skip_after_restore > 0
         batch, p = self._add_micro(batch, indices)
@@ -76,6 +76,7 @@ class CallerSteps:
         """The loss of the micro-batch begun last, as the model computed it (not divided by the
         gradient accumulation); no host sync."""
         self._check_caller("record_loss")
+        self._pending.calls.append(self.monitor.recorded)  # which micro-batch a forward finding is in
         self.forward.add_loss(loss, self._pending)
 
     def before_optimizer_step(self: Any) -> StepResult:

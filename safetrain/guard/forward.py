@@ -94,6 +94,7 @@ class Forward:
         finally:
             if held is not None:
                 self.monitor.put_back(held)
+        pending.calls.append(self.monitor.recorded)  # which micro-batch a forward finding is in
         k = self.accumulate
         self.plumbing.scale(loss / k if k > 1 else loss).backward()
         self.add_loss(loss, pending)

@@ -49,7 +49,8 @@ class Judge:
         sync: agreement across ranks on the slow path (a no-op in one process).
         confirm: ``confirm(micro)`` runs the step's forwards again exactly (confirms an activation flag).
         divergence: the divergence detector (``None``: off); ``lrs()`` gives the schedule's LRs
-            its evidence carries, for the policy's ``recovery.min_lr`` limit and abort message.
+            (the held ones under an LR hold) its evidence carries, for the policy's
+            ``recovery.min_lr`` limit and abort message.
     """
 
     def __init__(
@@ -74,10 +75,13 @@ class Judge:
         self.divergence = divergence if divergence is not None else DivergenceDetector(enabled=False)
         self.lrs = lrs
 
-    def where(self) -> Dict[str, int]:
-        """The current step, epoch and batch index, as findings name them."""
+    def where(self, pending: Optional[Pending] = None, micro: Optional[int] = None) -> Dict[str, int]:
+        """The current step, epoch and batch index, as findings name them: those of micro-batch
+        ``micro`` of ``pending`` when given and known, else the step's last batch."""
         c = self.counters
-        return {"step": c.steps, "epoch": c.epoch, "batch_index": c.batch - 1}
+        place = pending.place(micro) if pending is not None else None
+        epoch, batch = place if place is not None else (c.epoch, c.batch - 1)
+        return {"step": c.steps, "epoch": epoch, "batch_index": batch}
 
     def __call__(self, read: detect.StepRead, pending: Pending, loss: float) -> Optional[Anomaly]:
         """The step's anomaly, or ``None``.
@@ -115,7 +119,8 @@ class Judge:
             finding = self.monitor.locate(read.forward, rerun=rerun, **self.where())
             if rerun is not None:  # confirmed on some rank: on all
                 finding = self.sync.agree_finding(finding, lambda: self.monitor.locate(read.forward, **self.where()))
-            if finding is not None:
+            if finding is not None:  # named at the micro-batch whose forward made it
+                finding = finding.with_context(**self.where(pending, pending.micro_of_call(finding.position)))
                 return Anomaly(Kind.FORWARD, {"finding": finding})
         if loss_tripped:
             return Anomaly(Kind.LOSS, {"finding": detect.LossFinding(kind="loss", value=loss, **self.where())})
@@ -156,8 +161,14 @@ class Judge:
         self.divergence.load_state_dict(state.get("divergence", {}))
 
     def bad_rows(self, kind: Kind, pending: Pending) -> List[Any]:
-        """The exact non-finite rows of ``kind`` in the step's micro-batches (slow path)."""
-        return [f for rows in micro_rows(pending.micro, self.sanitize) for f in rows if f.kind == kind]
+        """The exact non-finite rows of ``kind`` in the step's micro-batches (slow path), each
+        finding at its own micro-batch's epoch and batch index."""
+        return [
+            f.with_context(**self.where(pending, i))
+            for i, rows in enumerate(micro_rows(pending.micro, self.sanitize))
+            for f in rows
+            if f.kind == kind
+        ]
 
     def broken_weights(self, flagged: bool) -> Optional[detect.WeightFinding]:
         """The parameters' exact check (slow path): a finding when some are NaN/Inf, on every rank

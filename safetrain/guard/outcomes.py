@@ -18,10 +18,12 @@ class Rerun:
         batches: the micro-batches to run forward and backward again; ``None``: judge the step's
             read again without running anything (bad values were replaced before the forward).
         indices: each micro-batch's dataset indices (empty lists when unknown).
+        places: each micro-batch's own ``(epoch, batch index)``.
     """
 
     batches: Optional[List[Any]] = None
     indices: Optional[List[List[int]]] = None
+    places: Optional[List[Tuple[int, int]]] = None
 
 
 @dataclass(frozen=True)

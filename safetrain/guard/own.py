@@ -41,7 +41,7 @@ class OwnSteps:
         if self.caller_steps:
             raise RuntimeError("Guard(caller_steps=True): the caller steps; tell the guard with begin_batch, "
                                "record_loss, before_optimizer_step and after_optimizer_step")  # fmt: skip
-        self._arrive()
+        self._arrive(batch)
         if self.recovery_state.skip_after_restore > 0 and self.phase is Phase.READY:
             return self._skip_data()
         if batch_rows(batch) == 0 and self.sync.steps_alone:  # (under DDP every rank must step)

@@ -8,14 +8,16 @@ profiler range ``Optimizer.zero_grad`` opens, the scaler's values read as device
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from typing import Any, Callable, ContextManager, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 from torch.amp.grad_scaler import OptState
 
 from ..batches import pageable_tensors, to_device
 from ..config import AmpConfig
+from ..snapshot.accepted import matches, pattern_tensor
 
 __all__ = ["Plumbing", "Buffers"]
 
@@ -207,12 +209,30 @@ class Buffers:
             for name, live, saved in zip(self.names, self._live, self._saved):
                 if live.shape != saved.shape or live.dtype != saved.dtype:
                     continue
-                if not torch.equal(live, saved):  # host sync: slow path (NaN differs from itself: put back)
+                if not _same(live, saved):  # host sync: slow path
                     live.copy_(saved)
                     changed.append(name)
         if changed:
             logger.info("put back %d buffer(s) the step had changed: %s", len(changed), ", ".join(changed[:6]))
         return tuple(changed)
+
+    def patterned(self, state: Any, kept: bool = False) -> List[Tuple[str, torch.Tensor, Callable[..., Any]]]:
+        """The buffers accepted as non-finite by design (``state.accepted``, read at each check so a
+        resume's patterns count), each with a check that is NaN when its non-finite pattern changed
+        (:mod:`safetrain.snapshot.accepted`); ``kept``: the copies kept before the step."""
+        tensors = self._saved if kept else self._live
+        on_device: Dict[str, Tuple[Any, torch.Tensor]] = {}  # key -> (pattern, its device copy): no copy per check
+
+        def check(t: torch.Tensor, key: str) -> torch.Tensor:
+            want = state.accepted.get(key)
+            if want is None:
+                return torch.zeros((), device=t.device)
+            if key not in on_device or on_device[key][0] != want:
+                on_device[key] = (want, pattern_tensor(want, t.device))
+            return matches(t, on_device[key][1])
+
+        keys = [(n, t, f"model/{n}") for n, t in zip(self.names, tensors)]
+        return [(n, t, functools.partial(check, key=k)) for n, t, k in keys if k in state.accepted]
 
     def checked(self, kept: bool = False) -> List[Tuple[str, torch.Tensor]]:
         """The floating buffers finite now, by name, for the weight checks (a buffer that holds
@@ -230,3 +250,11 @@ class Buffers:
         with torch.no_grad():
             finite = torch.stack([torch.isfinite(b).all() for _, b in named]).tolist()  # host sync: once
         return [nb for nb, ok in zip(named, finite) if ok]
+
+
+def _same(live: torch.Tensor, saved: torch.Tensor) -> bool:
+    """Whether a buffer is as it was kept; NaN where it was NaN counts as unchanged (a buffer
+    non-finite by design), so only a real change is put back and journaled."""
+    if torch.equal(live, saved):
+        return True
+    return live.is_floating_point() and bool(torch.isclose(live, saved, rtol=0.0, atol=0.0, equal_nan=True).all())

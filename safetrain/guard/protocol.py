@@ -18,19 +18,22 @@ from .. import detect, distributed, snapshot
 from ..config import ConfigLike, TrainConfig, as_config
 from ..diagnose import Diagnoser, Diagnosis
 from ..divergence import DivergenceDetector
-from ..events import AnomalyFound, Event, EventBus, SnapshotTaken
-from ..kinds import Action
+from ..events import AnomalyFound, Event, EventBus, LRChanged
+from ..kinds import Action, Kind
 from ..lr import LRBackoff
-from ..policy import Anomaly, History, Rules, decide, newest_taken, raises, read_clean, vouch
+from ..policy import Anomaly, History, Rules, decide, newest_taken, raises, read_clean
 from ..spike import SpikeDetector
 from ..steps import Counters, Pending, Phase, StepResult
 from ..wrappers import plain_namer, unwrap_compiled
+from . import start
 from .caller import CallerSteps, without_reruns
 from .forward import Forward
 from .judge import Judge
+from .measure import measure
 from .own import OwnSteps
 from .plumbing import Plumbing
 from .recovery import Recovery, Rerun, Verdict
+from .snapshots import Snapshots
 from .state import RecoveryState
 from .update import Updates
 
@@ -80,6 +83,7 @@ class Guard(OwnSteps, CallerSteps):
     updates: Updates  # applies a step's update, or drops it; the scheduler
     state: snapshot.TrainState  # the whole training state, for snapshots
     store: Any  # where snapshots go
+    snapshots: Snapshots  # takes them, and records what each owes before it is vouched for
     backoff: LRBackoff  # the LR scale on top of the schedule
     sync: Any  # distributed.LocalSync or DistributedSync
 
@@ -115,14 +119,18 @@ class Guard(OwnSteps, CallerSteps):
         self.recovery_state = RecoveryState(c.recovery)
         self.plumbing = pipes = Plumbing(model, optimizer, c.amp, scaler, c.guard.to_device, caller_steps)
         self.device, self.scaler = pipes.device, pipes.scaler
-        self.backoff = backoff = LRBackoff(optimizer, c.recovery.min_lr)
+        self.backoff = backoff = LRBackoff(optimizer, c.recovery.min_lr, release_after=c.recovery.reset_after)
+        backoff.on_hold = lambda message, detail: self._emit(LRChanged, "lr", Action.SCALE_LR, message, detail)
         sp = c.guard.spike
         self.spike = SpikeDetector(sp.window, sp.min_history, sp.zscore, sp.enabled, sp.min_ratio, sp.hard_ratio)
         self.divergence = DivergenceDetector.from_config(c.guard.divergence, recover_after=c.recovery.reset_after)
         self.state = state = distributed.train_state(layout, named, optimizer, scheduler=scheduler, scaler=self.scaler)
+        # Buffers non-finite by design (a -inf causal mask) are part of the model: snapshots take them
+        # while their pattern is unchanged (host sync: once, at the start).
+        state.accept_nonfinite_buffers()
         plain = plain_namer(named)
         # Every parameter, frozen ones too, for the exact check after a trip (a snapshot restores them).
-        all_params = [(plain(n), p) for n, p in named.named_parameters()]
+        self._all_params = all_params = [(plain(n), p) for n, p in named.named_parameters()]
         self._params = params = [(n, p) for n, p in all_params if p.requires_grad]
         # Two parameters looked at per step for gradients left by someone else (O(1), not O(P)).
         self._probe = (params[0][1], params[-1][1]) if params else ()
@@ -137,23 +145,28 @@ class Guard(OwnSteps, CallerSteps):
         self.rank = sync.rank  # stamped on every event
         flags, k = detect.StepFlags(reduce=sync.reduce), c.guard.accumulate_steps
         self.forward = fwd = Forward(flags, grads, model, named, monitor, pipes, c.sanitize, k, loss_fn, step_fn)
-        bufs = fwd.buffers.checked()  # the weight checks cover floating buffers (BatchNorm statistics)
-        self.weights = detect.WeightCheck(params + bufs, c.detect.check_weights_every, enabled=c.detect.mode != "off")
+        # The weight checks cover floating buffers (BatchNorm statistics), and a mask's -inf by its pattern.
+        bufs, probes = fwd.buffers.checked(), fwd.buffers.patterned(state)
+        on = c.detect.mode != "off"
+        self.weights = detect.WeightCheck(params + bufs, c.detect.check_weights_every, enabled=on, probes=probes)
         self.store = store = distributed.make_store(layout, c.snapshot, run_dir, sync)
         self.diagnoser = diag = Diagnoser(named, monitor, c.detect.replay, state=state, params=params,
                                           loss_of=fwd.eager_loss, autocast=pipes.autocast, prepare=fwd.scan,
                                           accumulate=k, clip=c.guard.clip_grad_norm)  # fmt: skip
         diag.wrap_step_replay(lambda replay: sync.wrap_replayer(replay, named))
-        all_weights = detect.WeightCheck(all_params + fwd.buffers.checked(kept=True), 0)  # as before the step
+        kept = fwd.buffers.checked(kept=True), fwd.buffers.patterned(state, kept=True)  # as before the step
+        all_weights = detect.WeightCheck(all_params + kept[0], 0, probes=kept[1])
         self.judge = Judge(c, counters, monitor, grads, all_weights, self.spike, pipes, sync, fwd.confirm,
-                           divergence=self.divergence, lrs=lambda: backoff.unscaled)  # fmt: skip
+                           divergence=self.divergence, lrs=backoff.effective)  # fmt: skip
         self.updates = Updates(c.guard, pipes, grads, counters, scheduler, backoff, diag.record_update, caller_steps)
         if caller_steps and scheduler is not None:
             self.updates.follow(scheduler)
         self.recovery = Recovery(c, counters, self.recovery_state, store, state, backoff, grads, dict(params),
                                  self._emit, self._not_applied, self._after_restore, sync,
                                  put_back=fwd.buffers.put_back)  # fmt: skip
+        self.snapshots = Snapshots(store, state, counters, self.recovery_state, diag.clear, self._emit)
         self.phase = Phase.READY
+        self._started = False  # the first batch checks that the run does not start broken
         self._pending = Pending()
         self.epoch_rng: Optional[torch.Tensor] = None  # torch RNG at the start of the current epoch
         self.last_loss = math.nan
@@ -215,6 +228,15 @@ class Guard(OwnSteps, CallerSteps):
         if not resumed:
             self.recovery_state.epoch_loss = (0.0, 0)
 
+    def measure_start(self, batches: Sequence[Any]) -> List[float]:
+        """Before the run's first step, the start model's loss on ``batches`` (two or more the first
+        step does not train on) becomes the first steps' reference (:mod:`.measure`); ``fit`` passes
+        the two after the first step's. A no-op after the first step and under DDP or FSDP. Returns
+        the finite losses measured."""
+        if self.counters.steps or self.phase is not Phase.READY or not self.sync.steps_alone:
+            return []
+        return measure(self.forward, self.plumbing, self.monitor, self._named, self.spike, batches)
+
     @property
     def epoch_loss(self) -> Optional[float]:
         """The mean loss of this epoch's trained steps so far (non-finite losses left out), or ``None``."""
@@ -222,11 +244,25 @@ class Guard(OwnSteps, CallerSteps):
         return total / n if n else None
 
     # ----------------------------------------------------------------- the step
-    def _arrive(self) -> None:
-        """A (micro-)batch arrives: the run's first takes the forced snapshot (sound by definition)."""
+    def _arrive(self, batch: Any) -> None:
+        """A (micro-)batch arrives: the run's first takes the forced snapshot (sound by definition),
+        and a run whose parameters or optimizer state are non-finite already stops (:mod:`.start`):
+        the snapshot's own check says so (no read of its own). A resumed run's state comes from a
+        snapshot, which is never taken of a non-finite state."""
+        first = not self._started
+        self._started = True
         if self.counters.steps == 0 and self.phase is Phase.READY and len(self.store) == 0:
-            self.snapshot(force=True)
+            if self.snapshot(force=True).action == "refused" and first and self.store.refused:
+                self._broken_start(list(self.store.refused), batch)
         self.counters.batch += 1
+
+    def _broken_start(self, bad: List[str], batch: Any) -> None:
+        """Stop a run that starts with non-finite state: nothing could restore it (slow path)."""
+        if self.plumbing.moves:
+            batch = self.plumbing.move(batch)
+        modules = start.first_nonfinite_modules(self._named, lambda: self.forward.eager_loss(batch))
+        reason = start.broken_start_reason(bad, start.state_names(self._all_params, self.optimizer), modules)
+        self.recovery.abort(Kind.WEIGHTS, reason)
 
     def _add_micro(self, batch: Any, indices: Optional[Sequence[int]]) -> Tuple[Any, Pending]:
         """The batch on the model's device, added to the pending step (a new one when none is)."""
@@ -237,6 +273,7 @@ class Guard(OwnSteps, CallerSteps):
         p = self._pending
         p.micro.append(batch)
         p.indices.append(list(indices) if indices is not None else [])
+        p.places.append((self.counters.epoch, self.counters.batch - 1))  # its own place, for its events
         return batch, p
 
     def _start_step(self) -> None:
@@ -269,13 +306,18 @@ class Guard(OwnSteps, CallerSteps):
             if raises(anomaly.kind, self.rules):
                 self.recovery.reject_rows(anomaly)
             diagnosis = self._explain(anomaly) if self.diagnoser.explains(anomaly.kind) else None
-            decision, self.history = decide(anomaly, self.history, self.rules, diagnosis)
+            # A typed fact for the policy: is there a snapshot to restore (slow path: lists a directory)?
+            history = dataclasses.replace(self.history, has_snapshot=bool(len(self.store)))
+            decision, self.history = decide(anomaly, history, self.rules, diagnosis)
             outcome = self.recovery.carry_out(anomaly, decision, read, self._pending, diagnosis)
             events += outcome.events
             if outcome.rerun is None:
                 return Verdict(read, events, rerun_action, outcome)
             rerun_action, retried = str(outcome.action), retried or decision.action is Action.RETRY
             read = self._run_again(outcome.rerun, read)
+        if not self.divergence.climbing:  # (mid-climb a read vouches for nothing)
+            self.backoff.read_clean()  # the last update's LRs are trusted: a restore holds the schedule to them
+            self.recovery_state.clean_reads.append(self.counters.steps)
         return Verdict(read, events, rerun_action)
 
     def _close_step(self, verdict: Verdict) -> StepResult:
@@ -292,7 +334,9 @@ class Guard(OwnSteps, CallerSteps):
         """The slow path's replay: the step's (its parameters were finite: the judge checked), or
         for weights the updates' since the newest snapshot."""
         p = self._pending
-        return self.diagnoser.explain(anomaly.kind, micro=p.micro, indices=p.indices, store=self.store)
+        diagnosis = self.diagnoser.explain(anomaly.kind, micro=p.micro, indices=p.indices, store=self.store)
+        where = p.place(diagnosis.micro)  # the micro-batch it reproduced in: its events name that batch
+        return dataclasses.replace(diagnosis, epoch=where[0], batch_index=where[1]) if where else diagnosis
 
     def _run_again(self, rerun: Rerun, read: detect.StepRead) -> detect.StepRead:
         """The next turn's read: the step run again on ``rerun.batches`` (its gradients dropped
@@ -307,6 +351,7 @@ class Guard(OwnSteps, CallerSteps):
         for i, batch in enumerate(rerun.batches):
             p.micro.append(batch)
             p.indices.append(rerun.indices[i] if rerun.indices else [])
+            p.places.append(rerun.places[i] if rerun.places else (self.counters.epoch, self.counters.batch - 1))
             self.forward.run(batch, p)
         return self._read()
 
@@ -326,7 +371,7 @@ class Guard(OwnSteps, CallerSteps):
         rs.count_loss(self.last_loss)  # before the snapshot below, which keeps the epoch's losses
         self.judge.observe(self.last_loss)
         # Mid-climb (divergence.climbing) a read vouches for no snapshot and none is taken: a restore lands before it.
-        keep_unverified = (climbing := self.divergence.climbing) and rs.history.unverified
+        owed = rs.history.unverified if (climbing := self.divergence.climbing) else 0
         if rerun_action:
             rs.history = read_clean(rs.history)  # vouches for the newest snapshot, ends an fp16 overflow run
         else:
@@ -334,8 +379,8 @@ class Guard(OwnSteps, CallerSteps):
             new_scale = rs.healthy()  # also vouches for the newest snapshot
             if new_scale is not None:  # the climb is an event at its step
                 events.append(self.recovery.lr_changed(new_scale, "healthy run: LR scale climbs back one notch"))
-        if keep_unverified:
-            rs.history = newest_taken(rs.history)
+        if owed:
+            rs.history = newest_taken(rs.history, owed)
         rs.since_snapshot += 1
         if rs.since_snapshot >= self.cfg.snapshot.every and not climbing:
             events.append(self.snapshot())
@@ -355,19 +400,7 @@ class Guard(OwnSteps, CallerSteps):
         Returns:
             The :class:`SnapshotTaken` event (``action`` ``"saved"`` or ``"refused"`` when not finite).
         """
-        c, rs = self.counters, self.recovery_state
-        rs.since_snapshot = 0
-        tensors = {"epoch_rng": self.epoch_rng} if self.epoch_rng is not None else {}
-        counters = {"step": c.steps, **vars(c)}
-        info = self.store.save(self.state, counters=counters, extra=self.state_dict(), extra_tensors=tensors)
-        if info is None:
-            why = "snapshot refused: the state is not finite; the previous one stays"
-            return self._emit(SnapshotTaken, "snapshot", "refused", why, {})
-        # taken after an update: unverified until the next step reads clean (a forced one is sound)
-        rs.history = newest_taken(rs.history) if not force else vouch(rs.history)
-        self.diagnoser.clear(c.steps)
-        detail = {"path": str(info.path) if info.path else None, "forced": force}
-        return self._emit(SnapshotTaken, "snapshot", "saved", f"snapshot of step {c.steps}", detail)
+        return self.snapshots.take(self.state_dict(), self.epoch_rng, force)
 
     def state_dict(self) -> Dict[str, Any]:
         """The guard's own state, JSON-ready: counters, policy history (with the fp16 overflow
@@ -386,15 +419,26 @@ class Guard(OwnSteps, CallerSteps):
         self.judge.load_state_dict(state)
         self.recovery_state.load_state_dict(state)
 
-    def _emit(self, cls: type, kind: str, action: str, message: str, detail: Mapping[str, Any]) -> Event:
+    def _emit(
+        self,
+        cls: type,
+        kind: str,
+        action: str,
+        message: str,
+        detail: Mapping[str, Any],
+        at: Optional[Tuple[int, int]] = None,
+    ) -> Event:
+        """Journal an event at the step; ``at``: the ``(epoch, batch index)`` of the micro-batch it
+        is about (an accumulated step's micro-batches each have their own), else the step's last batch."""
         c, kind = self.counters, str(kind)  # the journal holds plain strings
         if cls is AnomalyFound:  # under DDP: which ranks' own values tripped
             detail = self.sync.annotate(detail, kind)
+        epoch, batch = at if at is not None else (c.epoch, c.batch - 1)
         return self.bus.emit(
             cls(
                 step=c.steps,
-                epoch=c.epoch,
-                batch=c.batch - 1,
+                epoch=epoch,
+                batch=batch,
                 kind=kind,
                 action=str(action),
                 message=message,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NoReturn, Optional, Tuple
 
 import torch
 
@@ -19,9 +19,9 @@ from ..batches import without_rows
 from ..config import TrainConfig
 from ..detect import batch_error
 from ..diagnose.optim_numerics import explain_optimizer
-from ..errors import TrainingAborted
+from ..errors import SnapshotError, TrainingAborted
 from ..events import Aborted, AnomalyFound, Event, LRChanged, Restored
-from ..kinds import DATA_KINDS, RESTORING, Action, Kind
+from ..kinds import DATA_KINDS, Action, Kind
 from ..lr import LRBackoff
 from ..policy import Anomaly, Decision, mark_last_skipped, record_step
 from ..steps import Counters, Pending
@@ -33,8 +33,9 @@ __all__ = ["Recovery", "Outcome", "Rerun", "Verdict", "Emit", "with_hint"]
 
 logger = logging.getLogger("safetrain")
 
-#: How the executor journals: ``emit(event_class, kind, action, message, detail) -> event``.
-Emit = Callable[[type, str, str, str, Mapping[str, Any]], Event]
+#: How the executor journals: ``emit(event_class, kind, action, message, detail, at=None) -> event``;
+#: ``at``: the ``(epoch, batch index)`` of the micro-batch the event is about (``None``: the step's).
+Emit = Callable[..., Event]
 
 
 @dataclass
@@ -91,8 +92,10 @@ class Recovery:
                 f"{kind} anomaly: {summary(kind, anomaly.detail)} -> "
                 "transient (the replay from the same state was finite): retrying the step once",
                 self._put_back(_payload(anomaly.detail, diagnosis)),  # the re-run updates them once
+                at=place_of(anomaly.detail, diagnosis),
             )
-            return Outcome(action, (event,), rerun=Rerun(list(pending.micro), list(pending.indices)))
+            rerun = Rerun(list(pending.micro), list(pending.indices), list(pending.places))
+            return Outcome(action, (event,), rerun=rerun)
         if anomaly.kind is Kind.OVERFLOW and kind is Kind.OVERFLOW:  # normal in fp16: the scaler backs off
             self.not_applied()
             self.counters.scaler_skips += 1
@@ -117,7 +120,7 @@ class Recovery:
         payload = {**_payload(detail, diagnosis), "rung": decision.rung}
         if not decision.trains:  # not applied: the step's buffer updates go too
             payload = self._put_back(payload)
-        events: List[Event] = [self.emit(AnomalyFound, kind, action, message, payload)]
+        events: List[Event] = [self.emit(AnomalyFound, kind, action, message, payload, at=place_of(detail, diagnosis))]
         if decision.trains:  # warn, zero_grads (the data kinds' trained actions were handled above)
             self.counters.warnings += action is Action.WARN
             total = read.total_norm
@@ -130,8 +133,9 @@ class Recovery:
                 total_norm=total if total is not None and math.isfinite(total) else None,
             )
         self.not_applied()
-        if action in RESTORING:
-            events.append(self.restore(decision))
+        if decision.restore or (action is Action.ABORT and len(self.store)):  # an abort goes back too, if it can
+            restored = self.restore(decision)
+            events += [restored] if restored is not None else []
         if action is Action.SCALE_LR:
             self.counters.lr_backoffs += 1
             events.append(self.lr_changed(decision.lr_scale, f"backoff after {kind}"))
@@ -139,7 +143,7 @@ class Recovery:
             self.abort(kind, with_hint(decision.reason, kind, diagnosis, self.masked_targets, self.counters.steps))
         return Outcome(action, tuple(events))
 
-    def abort(self, kind: str, reason: str) -> None:
+    def abort(self, kind: str, reason: str) -> NoReturn:
         """Journal the abort and raise; the state is already at the last good snapshot.
 
         Raises:
@@ -149,14 +153,15 @@ class Recovery:
             Aborted,
             kind,
             Action.ABORT,
-            f"training aborted: {reason}; model and optimizer left at the last good snapshot",
+            f"training aborted: {reason}; model and optimizer left "
+            + ("at the last good snapshot" if len(self.store) else "as they were (no snapshot to go back to)"),
             {"reason": reason},
         )
         raise TrainingAborted(reason, result=None, event=aborted)
 
     def check_end(self, seen: int, trained: int) -> None:
         """The end of ``fit``: a run never ends "done" with no trained step, with non-finite
-        parameters, or with its last trained losses ``guard.end_loss_ratio`` times its first (slow
+        parameters, or with its last trained losses ``guard.end_margin`` standard deviations above its first (slow
         path: one host sync, once per run). Each aborts, the model put back at the last good snapshot.
 
         Args:
@@ -189,20 +194,23 @@ class Recovery:
                 (f"run: none of the {seen} steps trained ({c.skipped_batches} skipped, {c.restores} restores)"),
             )
             reason = with_hint(reason, Kind.TARGET, None, self.masked_targets, seen)
-        elif seen > 0 and (worse := self.state.ended_worse(self.cfg.guard.end_loss_ratio)):
+        elif seen > 0 and (worse := self.state.ended_worse(self.cfg.guard.end_margin)):
             kind, reason = (
                 "run",
                 (
                     f"run: {worse}; fix: a smaller learning rate (or LR warmup), targets and inputs in the units "
-                    "the model expects; for a run whose loss may rise by design (a GAN, RL), guard.end_loss_ratio: null"
+                    "the model expects; for a run whose loss may rise by design (a GAN, RL), guard.end_margin: null"
                 ),
             )
         else:
             self._settle_last_step(seen)
             return
         if len(self.store):
-            self.store.restore(self.train_state)
-            self.counters.restores += 1
+            try:
+                self.store.restore(self.train_state)
+                self.counters.restores += 1
+            except SnapshotError as exc:  # the abort below says why the run stops; this is why it stays put
+                logger.warning("the last good snapshot could not be put back: %s", exc)
         self.abort(kind, reason)
 
     def _settle_last_step(self, seen: int) -> None:
@@ -214,7 +222,7 @@ class Recovery:
             return
         kind = Kind(h.fault.kind) if h.fault is not None else Kind.LOSS  # the last fault on the ladder
         decision = Decision(kind, Action.RESTORE, 0, True, h.lr_scale, False, "the run ended on an anomalous step",
-                            pass_over_newest=h.unverified)  # fmt: skip
+                            pass_over_newest=h.unverified > 0)  # fmt: skip
         self.restore(decision, why=f"{kind}: the run ended on an anomalous step, on weights nothing vouched for")
         self.state.skip_after_restore = 0  # nothing is left to skip
 
@@ -225,7 +233,7 @@ class Recovery:
         rows = anomaly.detail["rows"]
         error = batch_error(rows)
         detail = self._put_back({"rows": [f.to_dict() for f in rows]})
-        self.emit(AnomalyFound, anomaly.kind, Action.RAISE, str(error), detail)
+        self.emit(AnomalyFound, anomaly.kind, Action.RAISE, str(error), detail, at=place_of(anomaly.detail))
         raise error
 
     def empty_batch(self, whole_step: bool, step_scheduler: Callable[[], None]) -> Event:
@@ -258,11 +266,13 @@ class Recovery:
         action = decision.action
         n_rows = len({(_micro_batch(f.path), r) for f in rows for r in f.rows})
         kept: List[Any] = []
+        places: List[Tuple[int, int]] = []
         if action is Action.DROP_ROWS:  # each micro-batch without its bad rows, to run the step again
             cleaned = [
                 without_rows(b, found) for b, found in zip(pending.micro, micro_rows(pending.micro, self.cfg.sanitize))
             ]
             kept = [b for b, _ in cleaned if b is not None]
+            places = [where for (b, _), where in zip(cleaned, pending.places) if b is not None]
             if not self.sync.same_count(len(kept)) or not kept:  # all ranks or none
                 action, kept = Action.SKIP_BATCH, []
                 self.state.history = mark_last_skipped(self.state.history)
@@ -273,14 +283,15 @@ class Recovery:
         detail = {"rows": [f.to_dict() for f in rows], "count": n_rows, "rung": decision.rung}
         if action is not Action.REPLACE:  # skipped, or run again on the kept rows: buffers updated once
             detail = self._put_back(detail)
-        event = self.emit(AnomalyFound, kind, action, f"non-finite {kind} rows: {where} -> {action}{why}", detail)
+        message = f"non-finite {kind} rows: {where} -> {action}{why}"
+        event = self.emit(AnomalyFound, kind, action, message, detail, at=place_of({"rows": rows}))
         if action is Action.SKIP_BATCH:
             self.not_applied()
             return Outcome(action, (event,))
         if action is Action.REPLACE:
             self.counters.replaced_rows += n_rows
             return Outcome(action, (event,), rerun=Rerun())
-        return Outcome(action, (event,), rerun=Rerun(kept))
+        return Outcome(action, (event,), rerun=Rerun(kept, places=places if len(places) == len(kept) else None))
 
     def _put_back(self, detail: Mapping[str, Any]) -> Dict[str, Any]:
         """Put the buffers back as they were before the step; ``detail`` with the names of those
@@ -288,22 +299,46 @@ class Recovery:
         changed = self.put_back()
         return {**detail, "buffers_put_back": list(changed)} if changed else dict(detail)
 
-    def restore(self, decision: Decision, why: str = "") -> Event:
+    def restore(self, decision: Decision, why: str = "") -> Optional[Event]:
         """Put the last good snapshot back, keeping the LR scale and policy history in force now
-        (``why``: the journal's reason, by default the decision's kind)."""
+        (``why``: the journal's reason, by default the decision's kind).
+
+        Returns:
+            The ``Restored`` event; ``None`` when an ``abort`` found no usable snapshot (it stops anyway).
+
+        Raises:
+            TrainingAborted: no snapshot is usable (each damaged or not fitting the model): never a
+                ``SnapshotError`` out of the step; the reason lists why each one was not usable.
+        """
         passed = None
         if decision.pass_over_newest:
             # No healthy step has run since the newest snapshot and the fault implicates the weights:
             # it may hold the update that broke the run (an LR blow-up leaves finite but ruined
             # weights). Go one further back; the file is kept (rotation drops it in its time).
             passed = self.store.pass_over_newest()
-        info = self.store.restore(self.train_state)
+            # The one before may owe a clean read too (snapshot.every: 1; policy.VOUCH_READS).
+            while passed and (older := self.store.latest()) is not None and not self.state.vouched(older.step):
+                more = self.store.pass_over_newest()
+                if more is None:
+                    break
+                passed = f"{passed}, {more}"
+        try:
+            info = self.store.restore(self.train_state)
+        except SnapshotError as exc:
+            if decision.action is Action.ABORT:
+                logger.warning("the last good snapshot could not be put back: %s", exc)
+                return None
+            self.abort(
+                decision.kind,
+                f"{decision.kind}: {decision.action} found no usable snapshot ({exc}); model and optimizer left as "
+                "they were; fix: check the snapshot directory (disk full, files damaged or from another model)",
+            )
         self.after_restore(info.step)
         self.backoff.load_state_dict({"unscaled": info.extra["lr"]["unscaled"]})
         self.counters.restores += 1
         self.state.since_snapshot = 0
         self.state.skip_after_restore = self.cfg.recovery.skip_batches_after_restore
-        return self.emit(
+        event = self.emit(
             Restored,
             decision.kind,
             decision.action,
@@ -311,6 +346,8 @@ class Recovery:
             + (f", passing over the newest ({passed}): no healthy step vouched for it" if passed else ""),
             {"snapshot_step": info.step, "path": str(info.path) if info.path else None, "passed_over": passed},
         )
+        self.backoff.hold()  # no LR above the last healthy update's, however often the schedule sets it
+        return event
 
     def skip_data(self, step_scheduler: Callable[[], None]) -> Optional[Event]:
         """Skip the data that led into a restore, a whole step (``accumulate_steps`` micro-batches)
@@ -366,6 +403,17 @@ def with_hint(reason: str, kind: str, diagnosis: Any, masked_targets: int, steps
     return f"{reason}; {known}" if known and known not in reason else reason
 
 
+def place_of(detail: Mapping[str, Any], diagnosis: Any = None) -> Optional[Tuple[int, int]]:
+    """The ``(epoch, batch index)`` an anomaly's event names: the micro-batch a replay pinned it on,
+    else its finding's (a forward finding in one micro-batch, the first micro-batch with bad rows,
+    the step's own for a finding about the whole step); ``None``: the step's."""
+    for found in (diagnosis, detail.get("finding"), (detail.get("rows") or [None])[0]):
+        epoch, batch = getattr(found, "epoch", None), getattr(found, "batch_index", None)
+        if epoch is not None and batch is not None:
+            return int(epoch), int(batch)
+    return None
+
+
 def _micro_batch(path: str) -> str:
     """Which micro-batch a row finding's path is in: ``micro[i]`` of an accumulated step, else
     ``batch`` (a row bad in several tensors of one batch, ``batch["x"]`` and ``batch["z"]``, is one row)."""
@@ -387,6 +435,12 @@ def summary(kind: str, detail: Mapping[str, Any]) -> str:
     rows = detail.get("rows")
     if isinstance(rows, list) and rows and hasattr(rows[0], "describe"):  # bad input or target rows
         return "; ".join(f.describe() for f in rows[:4])
+    if kind == "spike" and detail.get("rule") == "start":
+        start = ", ".join(f"{x:.4g}" for x in detail["start"])
+        return (
+            f"loss {detail['loss']:.4g} after {detail['trained']} trained step(s) is {detail['ratio']:.3g} ranges "
+            f"above the lowest of the start model's losses on the batches ahead ({start}) and the trained ones"
+        )
     if kind == "spike":
         return f"loss {detail['loss']:.4g} is {detail['z']:.1f} robust sigmas above the median {detail['median']:.4g}"
     if kind == "loss":

@@ -60,6 +60,7 @@ class Updates:
     def prepare(self, total: Optional[float], micro: List[Any]) -> None:
         """Before the optimizer steps: clip with the norm already read, keep the step's references."""
         self.applied_last = True  # (a followed scheduler steps between this and applied())
+        self.backoff.mark_used()  # the LRs this update uses: trusted once a later step reads clean
         if self.clip is not None and total is not None:
             self.grads.clip_(self.clip, total)
         self.record(self.counters.steps, micro, total)  # references only

@@ -8,6 +8,7 @@ import os
 from typing import Any, Dict, List, Union
 
 from ..errors import SnapshotError
+from .accepted import check_patterns, describe
 from .codec import decode
 from .disk import list_snapshots, snapshot_step
 from .fileformat import read_header, read_tensors
@@ -54,7 +55,8 @@ def _describe(path: str, header: Any, tensors: Dict[str, Any], bad: List[str]) -
     meta = header.state()
     validate_meta(meta, path)
     checked = [(n, t) for n, t in tensors.items() if n.startswith(("model/", "optim/state/"))]
-    bad_values = nonfinite(checked)
+    accepted = check_patterns(meta["model"].get("accepted", {}), path)  # masks: non-finite by design
+    bad_values = nonfinite(checked, accepted)
     counters = meta.get("counters", {})
     scaler = meta.get("scaler")
     scaler_state = decode(scaler["state"], tensors, path) if scaler else None
@@ -74,6 +76,7 @@ def _describe(path: str, header: Any, tensors: Dict[str, Any], bad: List[str]) -
         "bad_checksums": bad,
         "all_finite": not bad_values,
         "nonfinite": bad_values,
+        "accepted_nonfinite": describe(accepted),
         "optimizer": (meta.get("optimizer") or {}).get("type"),
         "scheduler": (meta.get("scheduler") or {}).get("type"),
         "scaler": None
@@ -107,7 +110,12 @@ def format_inspection(info: Dict[str, Any]) -> str:
         if info["checksum_ok"] is not None
         else "checksum   - (sharded, written without checksums by an older safetrain; sizes and offsets checked)",
         f"finite     {ok(info['all_finite'])}"
-        + ("" if info["all_finite"] else f"  ({', '.join(info['nonfinite'][:5])})"),
+        + ("" if info["all_finite"] else f"  ({', '.join(info['nonfinite'][:5])})")
+        + (
+            f"  (non-finite by design, as at the start: {info['accepted_nonfinite']})"
+            if info.get("accepted_nonfinite")
+            else ""
+        ),
         f"optimizer  {info['optimizer'] or '-'}",
         f"scheduler  {info['scheduler'] or '-'}",
         f"scaler     {'-' if info['scaler'] is None else info['scaler']}",

@@ -108,7 +108,11 @@ class MemoryStore(SnapshotStore):
         # Another snapshot survives whatever happens to this slot: check while copying (see the class docstring).
         fallback = any(s.meta_json is not None for s in self._slots if s is not slot)
         tensors = captured.tensors
-        streamed = {n for n in captured.checked if fallback and streamable(tensors[n], self._target(tensors[n]))}
+        streamed = {
+            n
+            for n in captured.checked
+            if fallback and n not in captured.accepted and streamable(tensors[n], self._target(tensors[n]))
+        }
         if self._refused(captured, [n for n in captured.checked if n not in streamed]):
             return None  # before any buffer is touched: older snapshots stay intact
         lost = f"; {self._slot_name(slot)} was being overwritten and is dropped" if slot.meta_json else ""

@@ -8,13 +8,14 @@ the JSON part are listed in :meth:`TrainState.capture`.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
 from ..errors import SnapshotError
 from ..wrappers import plain_namer
+from .accepted import Pattern, check_patterns, patterns_of
 from .codec import decode, encode, tensor_refs
 from .optim import capture_optimizer, check_optimizer, restore_optimizer
 from .rng import capture_rng, restore_rng
@@ -31,11 +32,13 @@ Spec = Tuple[Tuple[int, ...], torch.dtype]
 
 @dataclass
 class Captured:
-    """One capture: live tensors by name, the JSON part, and the names whose finiteness gates it."""
+    """One capture: live tensors by name, the JSON part, the names whose finiteness gates it, and
+    among those the buffers non-finite by design, gated by their pattern instead (:mod:`.accepted`)."""
 
     tensors: Dict[str, torch.Tensor]
     meta: Dict[str, Any]
     checked: List[str]
+    accepted: Dict[str, Pattern] = field(default_factory=dict)
 
 
 def _type_name(obj: Any) -> str:
@@ -78,6 +81,25 @@ class TrainState:
         self.scheduler = scheduler
         self.scaler = scaler
         self.rng = rng
+        #: Buffers non-finite by design (``model/{name}`` -> pattern), see :meth:`accept_nonfinite_buffers`.
+        self.accepted: Dict[str, Pattern] = {}
+
+    def accept_nonfinite_buffers(self) -> Dict[str, Pattern]:
+        """Accept the model's buffers that hold NaN/Inf now (at the start of a run) as part of it.
+
+        A float causal mask holds ``-inf`` by design; from now on a snapshot takes it as long as
+        its non-finite pattern is unchanged (:mod:`.accepted`). Parameters are never accepted.
+        Slow path: one host read (and one per non-finite buffer).
+
+        Returns:
+            The accepted buffers, ``model/{name}`` -> ``(nan, posinf, neginf, position hash)``.
+        """
+        plain = plain_namer(self.model)
+        params = {plain(n) for n, _ in self.model.named_parameters(remove_duplicate=False)}
+        state = self._model_state().items()  # (extra state that is not a tensor is refused by capture)
+        buffers = [(f"model/{n}", t) for n, t in state if n not in params and isinstance(t, torch.Tensor)]
+        self.accepted = patterns_of(buffers)
+        return dict(self.accepted)
 
     # -- capture ---------------------------------------------------------------------------
 
@@ -123,6 +145,7 @@ class TrainState:
         counters = _check_counters(counters)
         aliases = self._capture_model(sink)
         checked = list(tensors)
+        accepted = {n: p for n, p in self.accepted.items() if n in tensors}
         optim = capture_optimizer(self.optimizer, sink)
         checked += [n for n in tensors if n.startswith("optim/state/")]
         meta: Dict[str, Any] = {
@@ -130,7 +153,7 @@ class TrainState:
             "version": VERSION,
             "created": time.time(),
             "counters": counters,
-            "model": {"aliases": aliases},
+            "model": {"aliases": aliases, "accepted": {n: list(p) for n, p in accepted.items()}},
             "optimizer": optim,
             "scheduler": None,
             "scaler": None,
@@ -154,7 +177,7 @@ class TrainState:
                 raise SnapshotError(f"extra_tensors[{name!r}]: got {type(t).__name__}; expected a tensor")
             sink(f"extra/{name}", t)
             meta["extra_tensors"].append(name)
-        return Captured(tensors, meta, checked)
+        return Captured(tensors, meta, checked, accepted)
 
     def _model_state(self) -> Dict[str, torch.Tensor]:
         """``model.state_dict()`` keyed without compile wrappers' ``_orig_mod.`` segments, so a
@@ -220,6 +243,7 @@ class TrainState:
                 raise SnapshotError(f"{where}: metadata refers to tensor {name!r}, which the file lacks (corrupted?)")
         live = self._model_state()
         aliases = meta["model"]["aliases"]
+        check_patterns(meta["model"].get("accepted", {}), where)
         saved = {n[len("model/") :] for n in specs if n.startswith("model/")} | set(aliases)
         missing, unexpected = sorted(set(live) - saved), sorted(saved - set(live))
         if missing or unexpected:
@@ -274,6 +298,8 @@ class TrainState:
             aliases = meta["model"]["aliases"]
             live = self._model_state()
             copy_all_(list(live.values()), [tensors[f"model/{aliases.get(n, n)}"] for n in live])
+            if "accepted" in meta["model"]:  # a snapshot of this safetrain: its acceptance goes on (resume)
+                self.accepted = check_patterns(meta["model"]["accepted"], where)
             restore_optimizer(self.optimizer, tensors, meta["optimizer"], owned=owned, where=where, homes=homes)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
             raise CorruptSnapshotError(f"{where}: malformed snapshot metadata ({type(exc).__name__}: {exc})") from None

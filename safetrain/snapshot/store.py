@@ -139,6 +139,7 @@ class SnapshotStore(abc.ABC):
         self.run_id: str = run_id or new_run_id()
         self.state = StoreState.OPEN
         self._passed: Set[Any] = set()  # keys of snapshots passed over (suspect): kept, never restored
+        self.refused: Tuple[str, ...] = ()  # the non-finite tensors of the last refused snapshot
 
     def adopt(self, run_id: Optional[str]) -> None:
         """Continue the run ``run_id`` (the one a resume loaded): its snapshots become this store's
@@ -196,26 +197,30 @@ class SnapshotStore(abc.ABC):
         self._require_open("save")
         return self._save(state.capture(counters, extra, extra_tensors))
 
-    @staticmethod
-    def _refused(captured: Any, names: Optional[Iterable[str]] = None) -> bool:
+    def _refused(self, captured: Any, names: Optional[Iterable[str]] = None) -> bool:
         """Run the finiteness check (one device-side pass, one host read); log and say if it failed.
 
-        ``names`` limits it to those tensors (default: every one that gates a snapshot).
+        ``names`` limits it to those tensors (default: every one that gates a snapshot). A buffer
+        accepted as non-finite by design is checked against its pattern instead (:mod:`.accepted`).
         """
-        bad = nonfinite((n, captured.tensors[n]) for n in (captured.checked if names is None else names))
+        names = captured.checked if names is None else names
+        bad = nonfinite(((n, captured.tensors[n]) for n in names), captured.accepted)
         if bad:
-            SnapshotStore._warn_refused(captured, bad)
+            self._warn_refused(captured, bad)
         return bool(bad)
 
-    @staticmethod
-    def _warn_refused(captured: Any, bad: List[str], lost: str = "") -> None:
-        """Log a refused snapshot, naming the non-finite tensors (and ``lost``, a snapshot it cost)."""
+    def _warn_refused(self, captured: Any, bad: List[str], lost: str = "") -> None:
+        """Log a refused snapshot, naming the non-finite tensors (and ``lost``, a snapshot it cost);
+        ``refused`` keeps their names until the next refusal."""
+        self.refused = tuple(bad)
         more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        changed = [n for n in bad if n in captured.accepted]
         log.warning(
-            "snapshot refused at step %d: non-finite values in %s%s; keeping the previous snapshot%s",
+            "snapshot refused at step %d: non-finite values in %s%s%s; keeping the previous snapshot%s",
             captured.meta["counters"]["step"],
             ", ".join(bad[:5]),
             more,
+            f" ({', '.join(changed)}: non-finite by design, but no longer as at the start)" if changed else "",
             lost,
         )
 

@@ -18,10 +18,12 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from concurrent.futures import Executor
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+
+from .accepted import matches
 
 __all__ = [
     "nonfinite",
@@ -57,14 +59,19 @@ def _probe(t: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(t).all(), 0.0, float("nan")).to(torch.float32)
 
 
-def nonfinite(named: Iterable[Tuple[str, torch.Tensor]]) -> List[str]:
+def nonfinite(
+    named: Iterable[Tuple[str, torch.Tensor]], accepted: Optional[Mapping[str, Sequence[int]]] = None
+) -> List[str]:
     """Names of the floating-point tensors that hold a NaN or an Inf.
 
     One reduction per tensor on its own device and one host read per device (usually one in
-    all); integer and bool tensors are skipped.
+    all); integer and bool tensors are skipped. A tensor named in ``accepted`` (a buffer non-finite
+    by design, :mod:`.accepted`) is flagged when its non-finite pattern differs from the accepted
+    one instead, in the same pass.
 
     Args:
         named: ``(name, tensor)`` pairs on any devices.
+        accepted: ``name -> pattern`` of the tensors whose non-finite entries are part of the model.
 
     Returns:
         The names of the non-finite tensors, in input order; empty when all are finite.
@@ -74,17 +81,19 @@ def nonfinite(named: Iterable[Tuple[str, torch.Tensor]]) -> List[str]:
         >>> nonfinite([("w", torch.ones(3)), ("b", torch.tensor([float("nan")]))])
         ['b']
     """
+    accepted = accepted or {}
     by_device: Dict[torch.device, List[Tuple[str, torch.Tensor, torch.Tensor]]] = defaultdict(list)
     for name, t in named:
         if t.is_floating_point() or t.is_complex():
-            by_device[t.device].append((name, t, _probe(t)))
+            probe = matches(t, accepted[name]) if name in accepted else _probe(t)
+            by_device[t.device].append((name, t, probe))
     suspects: List[Tuple[str, torch.Tensor]] = []
     for items in by_device.values():
         # host sync: one read of all the probes on this device.
         ok = torch.isfinite(torch.stack([p for _, _, p in items])).tolist()
         suspects.extend((name, t) for (name, t, _), good in zip(items, ok) if not good)
     # Only flagged tensors get the exact (allocating) check; an overflowed probe is not a NaN.
-    return [name for name, t in suspects if not bool(torch.isfinite(t).all())]
+    return [name for name, t in suspects if name in accepted or not bool(torch.isfinite(t).all())]
 
 
 # Per copy-and-check step. 256-512 KiB measured best on a 2-core Xeon (2 MiB L2 per core): small

@@ -364,7 +364,10 @@ def test_a_snapshot_passed_over_is_never_restored_later():
         for i, (x, y) in enumerate(batches[:10], start=1):
             result = guard.step((x, torch.full_like(y, math.inf) if i in bad else y))
             restored += [e.detail["snapshot_step"] for e in result.events if e.name == "restored"]
-    assert restored == [2, 2], f"step 4's and step 7's snapshots were never vouched for: {restored}"
+    # Issue 23: the loss rises at step 2 (0.93, 0.98, 1.63): with one loss before it no invariant rule
+    # tells a wobble from an LR far too high, so step 2 takes no snapshot (divergence.climbing) and
+    # the restores land on step 0's, the last one vouched for (before: step 2's).
+    assert restored == [0, 0], f"step 4's and step 7's snapshots were never vouched for: {restored}"
 
 
 @pytest.mark.parametrize("action", ["replace", "drop_rows"])

@@ -519,3 +519,31 @@ def test_a_run_dir_another_run_holds_is_refused_at_once_and_let_go_after(tmp_pat
     cb, _, _ = train(gpt2(), tmp_path, 2)
     assert ended(tmp_path)["action"] == "done" and cb.result.ended == "done"
     lock_run_dir(tmp_path).release()  # the finished run let it go
+
+
+def test_a_schedule_bug_is_held_after_the_restore_and_not_re_installed(tmp_path):
+    """Issue 23, point 6, in the Hugging Face callback: a LambdaLR at 1000x for scheduler steps 5..7
+    (the snapshot of step 5 holds it). One update at 1000x, then the restore holds the schedule
+    to the last healthy update's LR; the run ends done below its starting loss, at LR scale 1 (before:
+    updates at x1000, x500, x250 and "done" at a loss above the start)."""
+    model = gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1000.0 if 5 <= s < 8 else 1.0)
+    used: List[float] = []
+
+    def record(o: Any, a: Any, k: Any) -> None:  # an update (a dropped step has no gradients)
+        if any(p.grad is not None for g in o.param_groups for p in g["params"]):
+            used.append(o.param_groups[0]["lr"])
+
+    opt.register_step_post_hook(record)
+    data = Tokens()
+    batch = {k: torch.stack([data[i][k] for i in range(len(data))]) for k in ("input_ids", "attention_mask", "labels")}
+    with torch.no_grad():
+        start = model(**batch).loss.item()
+    cb = SafeTrainingCallback({**QUIET, "snapshot": {"every": 5}, "guard": {"spike": {"min_history": 4}}})
+    Trainer(model=model, args=args(tmp_path, 30), train_dataset=data, callbacks=[cb], optimizers=(opt, sched)).train()
+    assert sum(lr > 1e-3 * 1.001 for lr in used) == 1, used
+    assert cb.result.ended == "done" and cb.result.lr_scale == 1.0, cb.result
+    assert any(e.name == "lr_changed" and "LambdaLR" in e.message for e in cb.result.events)
+    with torch.no_grad():
+        assert model(**batch).loss.item() < start

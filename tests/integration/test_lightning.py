@@ -519,3 +519,39 @@ def test_a_run_dir_another_run_holds_is_refused_at_once_and_let_go_after(tmp_pat
     cb = fit(Net(), tmp_path)
     assert cb.result.ended == "done"
     lock_run_dir(tmp_path).release()  # the finished run let it go
+
+
+class SpikyNet(Net):
+    """Net with a step-interval LambdaLR that returns 1000x the LR at scheduler steps 5, 6 and 7 (a
+    schedule bug): the snapshot of step 5 is taken right after it set 1000x for update 6. Every
+    update's LR is recorded by an optimizer step post-hook."""
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        self.used: List[float] = []
+        opt.register_step_post_hook(self._record)  # (after Lightning's closure ran the backward)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1000.0 if 5 <= s < 8 else 1.0)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def _record(self, opt: Any, args: Any, kwargs: Any) -> None:
+        """The LR of an update (Lightning calls the step after a dropped one too: it moves nothing)."""
+        if any(p.grad is not None for group in opt.param_groups for p in group["params"]):
+            self.used.append(opt.param_groups[0]["lr"])
+
+
+def test_a_schedule_bug_is_held_after_the_restore_and_not_re_installed(tmp_path):
+    """Issue 23, point 6, in the Lightning callback: one update at 1000x (nothing could see it
+    coming), then the restore holds the scheduler to the last healthy update's LR however often it
+    computes 1000x again; the run ends done, trained, at LR scale 1, the journal naming LambdaLR."""
+    model = SpikyNet()
+    x, y = images().tensors
+    with torch.no_grad():
+        start = F.cross_entropy(model(x), y).item()
+    fit(model, tmp_path, {"guard": {"spike": {"min_history": 4}}}, max_steps=40)
+    assert sum(lr > 0.05 * 1.001 for lr in model.used) == 1, model.used
+    events = journal(tmp_path)
+    assert any(e["event"] == "lr_changed" and "LambdaLR" in e["message"] for e in events), events
+    ended = events[-1] if events[-1]["event"] == "run_ended" else next(e for e in events if e["event"] == "run_ended")
+    assert ended["action"] == "done", ended
+    with torch.no_grad():
+        assert F.cross_entropy(model(x), y).item() < start

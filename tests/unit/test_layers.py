@@ -112,7 +112,7 @@ def test_the_circle_finder_finds_one():
 
 
 @pytest.mark.parametrize(
-    "module", ["kinds", "policy", "faults", "history", "config", "rundir", "runlog", "records", "report"]
+    "module", ["kinds", "policy", "fallbacks", "faults", "history", "config", "rundir", "runlog", "records", "report"]
 )
 def test_the_lower_layers_import_no_torch_module(module):
     """The layers below the guard that promise no torch import none of the torch-using layers."""
@@ -120,6 +120,7 @@ def test_the_lower_layers_import_no_torch_module(module):
     pure = {
         "safetrain.kinds",
         "safetrain.policy",
+        "safetrain.fallbacks",
         "safetrain.faults",
         "safetrain.history",
         "safetrain.errors",

@@ -99,3 +99,71 @@ def test_a_followed_scheduler_someone_else_steps_keeps_the_backoff_and_asks_firs
         assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.25 * g["lr"] for g in twin_opt.param_groups])
     assert isinstance(sched, type(twin)) and sched.last_epoch == twin.last_epoch == 8
     assert "step" not in sched.state_dict(), "nothing of the wrapping in the scheduler's state"
+
+
+def _spiky(opt, bad):
+    """A LambdaLR whose schedule returns 1000x its LR at the scheduler steps in ``bad`` (a schedule bug)."""
+    return S.LambdaLR(opt, lambda s: 1000.0 if s in bad else 1.0)
+
+
+def test_a_restore_holds_the_schedule_to_the_last_healthy_updates_lr():
+    """After a restore no update runs above the LRs of the last update a clean read followed:
+    the restored LR, and the schedule computing its 1000x again, are held (once journaled, naming
+    the scheduler), and the hold lifts when the schedule comes back."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    sched = _spiky(opt, {3, 4})
+    told = []
+    backoff = LRBackoff(opt, on_hold=lambda message, detail: told.append((message, detail)))
+    for _ in range(2):  # two updates at 0.1, each read clean after it
+        backoff.read_clean()
+        backoff.mark_used()
+        backoff.step(sched)
+    backoff.read_clean()
+    assert backoff.trusted == [0.1]
+    backoff.mark_used()
+    backoff.step(sched)  # the scheduler computes 100 for the next update
+    assert backoff.lrs() == [pytest.approx(100.0)] and not told, "no hold before a restore: nothing to compare"
+    backoff.load_state_dict({"unscaled": [100.0]})  # a restore of the state the scheduler holds
+    backoff.hold()
+    assert backoff.lrs() == [pytest.approx(0.1)], "the restored 1000x LR is held at the last healthy update's"
+    assert "LambdaLR" in told[0][0] and "x1e+03" in told[0][0], told
+    backoff.mark_used()
+    backoff.step(sched)  # still 1000x: held, not journaled again
+    assert backoff.lrs() == [pytest.approx(0.1)] and len(told) == 1
+    backoff.set_scale(0.5)
+    assert backoff.lrs() == [pytest.approx(0.05)], "a backoff applies on top of the hold"
+    backoff.step(sched)  # the schedule is back at 0.1: the hold lifts
+    assert backoff.ceiling is None and backoff.lrs() == [pytest.approx(0.05)] and "lifted" in told[-1][0]
+
+
+def test_a_hold_lifts_after_release_after_clean_reads_and_needs_a_trusted_lr():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    backoff = LRBackoff(opt, release_after=3)
+    backoff.hold()  # nothing trusted yet: no hold
+    assert backoff.ceiling is None
+    backoff.mark_used()
+    backoff.read_clean()
+    warmup = S.LambdaLR(opt, lambda s: 1.0 + s)  # a warmup still rising when a fault restores
+    backoff.hold()
+    backoff.step(warmup)
+    assert backoff.lrs() == [pytest.approx(0.1)], "held while the schedule rises above it"
+    backoff.read_clean()  # the first clean read after a restore trusts no LR: the restore cleared the last update's
+    assert backoff.trusted == [0.1]
+    for _ in range(2):
+        backoff.read_clean()
+    assert backoff.ceiling is None and backoff.lrs() == [pytest.approx(0.2)], "lifted after 3 clean reads"
+
+
+def test_the_hold_is_part_of_the_state():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    backoff = LRBackoff(opt)
+    backoff.mark_used()
+    backoff.read_clean()
+    backoff.hold()
+    state = backoff.state_dict()
+    assert state["trusted"] == [0.1] and state["ceiling"] == [0.1]
+    other = LRBackoff(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=5.0))
+    other.load_state_dict(state)
+    assert other.ceiling == [0.1] and other.lrs() == [pytest.approx(0.1)]
+    other.load_state_dict({"scale": 1.0, "unscaled": [0.3]})  # an earlier snapshot: no keys, the hold kept
+    assert other.ceiling == [0.1] and other.lrs() == [pytest.approx(0.1)]

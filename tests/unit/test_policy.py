@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from safetrain import load_config
@@ -168,6 +168,7 @@ def test_skips_after_restore_count_toward_the_skip_fraction_but_do_not_climb():
     assert mark_last_skipped(History(recent=(0, 0))).recent == (0, 1)
 
 
+@settings(deadline=None)  # up to 250 steps an example: a loaded 2-core machine passed the 200 ms default
 @given(
     outcomes=st.lists(st.sampled_from(["ok", "loss", "input", "spike"]), max_size=40),
     run_length=st.integers(1, 250),
@@ -479,6 +480,8 @@ PASS_OVER = [
     ("forward in some rows: a data fault", "forward", _Diag(bad_rows=[0]), True, False),
     ("gradient in some rows: a data fault", "gradient", _Diag(bad_rows=[2]), True, False),
     ("a vouched newest is never passed over", "weights", None, False, False),
+    ("read clean once: its weights, not the update that used its LR", "spike", None, 1, True),
+    ("read clean twice: vouched for", "spike", None, 0, False),
 ]
 
 
@@ -491,3 +494,20 @@ def test_pass_over_newest_only_when_the_weights_may_be_at_fault(name, kind, diag
     decision, _ = decide(anomaly, History(unverified=unverified), Rules.of(cfg), diagnosis)
     assert decision.restore, name
     assert decision.pass_over_newest is expected, name
+
+
+def test_a_snapshot_is_vouched_for_only_once_an_update_used_its_state_and_read_clean():
+    """A snapshot taken after an update holds the LR the scheduler already set for the next one: the
+    first clean read after it sees its weights, only the second sees that LR (and its optimizer
+    state) used. A schedule bug (1000x for a few steps) is otherwise vouched for, and every restore
+    re-installs it (issue 23, point 6)."""
+    from safetrain.policy import VOUCH_READS, newest_taken, read_clean, vouch
+
+    cfg = load_config(None, ["recovery.lr_restore_after=null"])
+    taken = newest_taken(History())
+    assert taken.unverified == VOUCH_READS == 2
+    assert vouch(taken).unverified == 1 and vouch(vouch(taken)).unverified == 0
+    assert read_clean(taken).unverified == 1, "a clean re-run is one read"
+    assert observe_healthy(taken, cfg.recovery)[0].unverified == 1
+    assert observe_healthy(taken, cfg.recovery, 5)[0].unverified == 0, "healthy steps at once count as many reads"
+    assert newest_taken(History(), 0).unverified == 0, "a forced snapshot (the run's start) is sound"

@@ -51,7 +51,7 @@ def test_under_distributed_the_keeper_unites_ranks_only_on_diagnosed_steps(monke
     monkeypatch.setattr(quarantine, "_union_across_ranks", lambda mine: calls.append(mine) or sorted({*mine, 9}))
     sampler = QuarantineSampler(SequentialSampler(range(12)))
     emitted = []
-    keeper = QuarantineKeeper(sampler, None, lambda *a: emitted.append(a))
+    keeper = QuarantineKeeper(sampler, None, lambda *a, **k: emitted.append(a))
     keeper.after_step([SnapshotTaken(step=1, epoch=0, batch=0, kind="snapshot", action="saved", message="")])
     assert calls == [], "a step without a diagnosis makes no collective"
     diagnosed = AnomalyFound(
@@ -76,7 +76,7 @@ def test_the_keeper_maps_by_the_loaders_batch_size_and_refuses_a_batch_that_lost
 
     sampler = QuarantineSampler(SequentialSampler(range(10)))
     emitted = []
-    keeper = QuarantineKeeper(sampler, None, lambda *a: emitted.append(a), batch_size=4)
+    keeper = QuarantineKeeper(sampler, None, lambda *a, **k: emitted.append(a), batch_size=4)
     list(sampler)  # the loader's workers may run ahead: every index handed out already
     assert keeper.indices_for((torch.zeros(3, 2), torch.zeros(3))) is None, "3 rows from 4 indices: ambiguous"
     assert keeper.indices_for((torch.zeros(4, 2), torch.zeros(4))) == [4, 5, 6, 7], "the next batch is not shifted"
@@ -95,7 +95,7 @@ def test_a_replay_in_an_unmapped_batch_quarantines_nothing_and_says_why():
 
     sampler = QuarantineSampler(SequentialSampler(range(8)))
     emitted = []
-    keeper = QuarantineKeeper(sampler, None, lambda *a: emitted.append(a), batch_size=4)
+    keeper = QuarantineKeeper(sampler, None, lambda *a, **k: emitted.append(a), batch_size=4)
     list(sampler)
     assert keeper.indices_for(torch.zeros(5, 2)) is None, "a collate_fn that adds a row is ambiguous too"
     keeper.after_step([anomaly({"diagnosis": {"bad_rows": [1], "dataset_indices": []}})])
