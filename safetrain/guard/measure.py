@@ -25,6 +25,7 @@ from ..detect import ActivationMonitor
 from ..spike import SpikeDetector
 from .forward import Forward
 from .plumbing import Plumbing
+from .state import RecoveryState
 
 logger = logging.getLogger("safetrain")
 
@@ -45,10 +46,12 @@ def measure(
     monitor: ActivationMonitor,
     named: torch.nn.Module,
     spike: SpikeDetector,
+    recovery_state: RecoveryState,
     batches: Sequence[Any],
 ) -> List[float]:
     """Measure the start model's losses on ``batches`` (:func:`start_losses`) and hand two or more
-    finite ones to the spike detector as the first steps' reference (:meth:`SpikeDetector.begin`).
+    finite ones to the spike detector as the first steps' reference (:meth:`SpikeDetector.begin`)
+    and to the end-of-run check as the level and spread the run started from.
 
     A loop of your own calls it as ``guard.measure_start([next_batch, the_one_after])`` before its
     first step. Nothing is trained and nothing changes; one host read, once per run.
@@ -59,6 +62,7 @@ def measure(
     losses = start_losses(forward, plumbing, monitor, named, batches) if len(batches) >= 2 else []
     if len(losses) >= 2:
         spike.begin(losses)
+        recovery_state.start_losses = list(losses)  # and the end-of-run check's start, with the first trained loss
         logger.info(
             "the start model's loss on %d batches ahead: %s", len(losses), ", ".join(f"{x:.4g}" for x in losses)
         )

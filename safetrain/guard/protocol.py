@@ -235,7 +235,8 @@ class Guard(OwnSteps, CallerSteps):
         the finite losses measured."""
         if self.counters.steps or self.phase is not Phase.READY or not self.sync.steps_alone:
             return []
-        return measure(self.forward, self.plumbing, self.monitor, self._named, self.spike, batches)
+        parts = self.forward, self.plumbing, self.monitor, self._named, self.spike, self.recovery_state
+        return measure(*parts, batches)
 
     @property
     def epoch_loss(self) -> Optional[float]:

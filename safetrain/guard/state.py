@@ -25,6 +25,8 @@ _LAST = 5
 #: How many of the run's last trained losses the end level is the lower quartile of (their spread:
 #: the run's noise at its end).
 _TAIL = 16
+#: The expected range of three draws of a normal distribution, in standard deviations.
+_RANGE_OF_3 = 1.693
 
 
 @dataclass
@@ -49,6 +51,7 @@ class RecoveryState:
     since_snapshot: int = 0
     epoch_loss: Tuple[float, int] = (0.0, 0)
     first_losses: List[float] = field(default_factory=list)  # the run's first trained, finite losses
+    start_losses: List[float] = field(default_factory=list)  # the start model's on batches ahead (measure_start)
     last_losses: Deque[float] = field(default_factory=lambda: deque(maxlen=_TAIL))  # its last ones
     clean_reads: Deque[int] = field(default_factory=lambda: deque(maxlen=VOUCH_READS))  # their steps
     _history: History = History()
@@ -113,8 +116,14 @@ class RecoveryState:
         heavy-tailed noise at margin 4: at most 0.1% false alarms (Gaussian and lognormal; none for
         the heavy-tailed ones, none for falling runs); a run ruined at its 5th step to 15x its start
         level with noise proportional to it: 95% caught; the issue's case (3.9, then 2.0, then 5.5,
-        noise 0.25): 97%. Not caught: weights ruined by the first update, whose losses' noise grows
-        with their level (one sound loss gives the start no spread to tell them from a flat run).
+        noise 0.25): 97%.
+
+        When the start model's losses on the batches ahead were measured (``fit`` does it,
+        :meth:`~safetrain.Guard.measure_start`), they and the first trained loss, all three losses of
+        the model as it came, are the start: its level their median, its spread their range over
+        1.693 (the expected range of three normal draws). Then weights ruined by the very first
+        update, whose losses' noise grows with their level, are told from a flat run too; without
+        them one sound loss gives the start no spread.
 
         Every quantity is a difference or a spread, so the decision is the same for ``loss``,
         ``loss + c`` and ``a * loss`` (``a > 0``), up to float rounding: a negative or offset loss is
@@ -128,9 +137,13 @@ class RecoveryState:
         ending = sorted(tail)
         first, end = self.first_losses[0], ending[len(ending) // 4]
         at_end = _robust_sigma(tail)
-        starts = [x for x in self.first_losses if x - first <= 2 * margin * at_end]
+        if self.start_losses:  # the model as it came, on three batches: the start's level and spread
+            starts = [*self.start_losses, first]
+            at_start = (max(starts) - min(starts)) / _RANGE_OF_3
+        else:
+            starts = [x for x in self.first_losses if x - first <= 2 * margin * at_end]
+            at_start = _robust_sigma(starts) if len(starts) >= 3 else 0.0  # the first steps blew up: no spread
         start = statistics.median(starts)
-        at_start = _robust_sigma(starts) if len(starts) >= 3 else 0.0  # the first steps blew up: no spread
         sigma = max(math.sqrt(at_start * at_end), spread_floor(end))
         if end - start <= margin * sigma:
             return None
@@ -145,7 +158,11 @@ class RecoveryState:
         return {
             "history": self.history.to_dict(),
             "epoch_loss": list(self.epoch_loss),
-            "losses": {"first": list(self.first_losses), "last": list(self.last_losses)},
+            "losses": {
+                "first": list(self.first_losses),
+                "last": list(self.last_losses),
+                "start": list(self.start_losses),
+            },
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -160,6 +177,7 @@ class RecoveryState:
         losses = state.get("losses", {"first": [], "last": []})  # absent from earlier snapshots
         self.first_losses = [float(x) for x in losses["first"]]
         self.last_losses = deque((float(x) for x in losses["last"]), maxlen=_TAIL)
+        self.start_losses = [float(x) for x in losses.get("start", ())]  # absent from earlier snapshots
 
 
 def _robust_sigma(values: List[float]) -> float:

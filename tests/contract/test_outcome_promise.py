@@ -194,25 +194,12 @@ def test_every_fit_aborts_or_ends_no_worse_than_it_started(case):
     assert math.isfinite(after) and after <= before * (1 + 1e-6), f"finished at loss {after:.4g} > {before:.4g}\n{what}"
 
 
-#: Issue 23: the rules on the loss are invariant to its offset and scale. The start losses
-#: measured before the first step (Guard.measure_start) give the first steps a scale, so a batch in
-#: the wrong unit at step 1 or 2 is a spike. An LR x1000 for the first update under Adam is left:
-#: the step-2 loss (~580x) is about 1.7e3 ranges of the start losses above them, under the 10^4 of
-#: the early rule, and the weights it ruined give losses whose noise grows with their level, so the
-#: end check (in the run's own noise) cannot tell them from a flat run; before, a ratio to the first
-#: loss caught it (an end level 575x the first), a rule no offset-free judgment can have.
-ONE_LOSS = pytest.mark.xfail(
-    strict=True,
-    reason="known gap: an LR x1000 for the first update is ~1.7e3 start ranges above the start (the early "
-    "rule asks 1e4), and the ruined run's noise grows with its level, so the end check sees a flat run",
-)
-
 FIRST_STEPS = [
     pytest.param("sgd", Fault("wrong_unit", 1, False, 1e4, 0), id="wrong_unit@1"),
     pytest.param("adam", Fault("wrong_unit", 1, False, 1e4, 0), id="adam_wrong_unit@1"),
     pytest.param("sgd", Fault("wrong_unit", 2, False, 1e4, 0), id="wrong_unit@2"),
     pytest.param("sgd", Fault("wrong_unit", 3, False, 1e4, 0), id="wrong_unit@3"),
-    pytest.param("adam", Fault("lr", 1, False, 1e3, 0), id="adam_lr_x1000@1", marks=ONE_LOSS),
+    pytest.param("adam", Fault("lr", 1, False, 1e3, 0), id="adam_lr_x1000@1"),
 ]
 
 
@@ -226,7 +213,8 @@ def test_a_finite_blow_up_in_the_first_steps_ends_trained_or_aborted(optimizer, 
     anomaly, 'finished' at 504 (without the NaN row the climb is caught as divergence at step 5).
     Now (issue 23) the start model's losses on the batches ahead are the first steps' reference:
     wrong_unit@1 and @2 are spikes, skipped, and the runs end trained (@3 by the run's own range);
-    adam_lr_x1000@1 is left, a strict xfail (ONE_LOSS above)."""
+    and adam_lr_x1000@1 (the loss after the first update ~580x, its noise grown with it) aborts at the
+    end: the end check's start is the start model's level and spread, from three of its losses."""
     faults = [fault] if optimizer == "sgd" else [Fault("inputs", 1, False, math.nan, 0), fault]
     ended, before, after, finite, journal = run(optimizer, 30, faults)
     assert ended != "finished" or (finite and after <= before), "\n".join(journal)
