@@ -43,7 +43,7 @@ def flip_tensor_byte(snap: Path, rank_file: int = 1) -> str:
 
 
 def _midrun(rank: int, directory: str) -> Dict[str, Any]:
-    """Snapshots of steps 0 and 3; rank 0 damages step 3's shard; a NaN loss on rank 1 at step 5:
+    """Snapshots of steps 0 and 3; rank 0 damages step 3's shard; a NaN loss on rank 1 at step 6:
     every rank refuses step 3 (set aside) and restores step 0."""
     import torch.distributed as dist
 
@@ -108,7 +108,7 @@ def test_resume_auto_refuses_the_damaged_newest_snapshot_and_resumes_the_one_bef
 
 def test_a_restore_from_disk_sets_the_damaged_snapshot_aside_and_restores_the_one_before(runs):
     r0, r1 = runs["resume"][0]["midrun"], runs["resume"][1]["midrun"]
-    assert r0["actions"] == r1["actions"] and r0["actions"][4] == "restore", r0["actions"]
+    assert r0["actions"] == r1["actions"] and r0["actions"][5] == "restore", r0["actions"]
     assert r0["restored"] == r1["restored"] == [0], (r0["restored"], r1["restored"])
     assert r0["digest"] == r1["digest"]
     assert "step-0000000003.corrupt" in r0["listing"], r0["listing"]

@@ -87,7 +87,10 @@ def test_sigterm_in_a_subprocess_stops_within_a_step_and_auto_resume_ends_bitwis
 
 
 class SignalAt:
-    """Yields a loader's batches and sends this process ``sig`` before batch ``at`` (0-based)."""
+    """Yields a loader's batches and sends this process ``sig`` before batch ``at`` (0-based).
+
+    ``fit`` pulls a fresh run's first three batches before its first step (to measure the start,
+    ``Guard.measure_start``): from ``at`` = 3 on, the signal comes during step ``at + 1``."""
 
     def __init__(self, loader, at, sig=signal.SIGTERM, times=1):
         self.loader, self.at, self.sig, self.times = loader, at, sig, times
@@ -142,8 +145,8 @@ def test_on_signal_return_returns_the_result_and_signals_off_lets_sigterm_throug
     _no_default_sigterm_got = _no_default_sigterm
     loader = DataLoader(regression_data(64), batch_size=8)
     _, trainer = _trainer(tmp_path, "log.on_signal=return")
-    result = trainer.fit(SignalAt(loader, 2), epochs=1)
-    assert result.ended == "interrupted" and result.steps == 3
+    result = trainer.fit(SignalAt(loader, 3), epochs=1)
+    assert result.ended == "interrupted" and result.steps == 4
     _, trainer = _trainer(tmp_path / "b", "log.signals=off")
     result = trainer.fit(SignalAt(loader, 2), epochs=1)
     assert _no_default_sigterm_got == [signal.SIGTERM] and result.ended == "done" and result.steps == 8
@@ -161,12 +164,12 @@ def test_resume_auto_starts_fresh_without_a_snapshot_and_resumes_with_one(tmp_pa
     loader = DataLoader(regression_data(64), batch_size=8)
     _, trainer = _trainer(tmp_path)
     with pytest.raises(TrainingInterrupted):
-        trainer.fit(SignalAt(loader, 2), epochs=1, resume="auto")  # nothing there: a fresh start
+        trainer.fit(SignalAt(loader, 3), epochs=1, resume="auto")  # nothing there: a fresh start
     _, trainer = _trainer(tmp_path)
     result = trainer.fit(loader, epochs=1, resume="auto")
     assert result.steps == 8 and result.ended == "done"
     started = [e for e in read_run(tmp_path).events if e["event"] == "run_started"]
-    assert [(e["action"], e["step"]) for e in started] == [("start", 0), ("resume", 3)]
+    assert [(e["action"], e["step"]) for e in started] == [("start", 0), ("resume", 4)]
 
 
 def test_signal_handlers_are_left_alone_off_the_main_thread(tmp_path):
