@@ -6,6 +6,10 @@ every snapshot of it would leave a run with nothing to restore. ``-inf`` above t
 what PyTorch's own helper returns (https://github.com/pytorch/pytorch/issues/28272 and
 https://github.com/pytorch/pytorch/issues/29820 print it), so such a buffer is the model, not a fault.
 
+Only infinities are accepted: a mask holds ``-inf`` (or ``+inf``), never NaN. A buffer holding NaN at
+the start is a corrupted one (a BatchNorm ``running_var`` from a bad checkpoint conversion): it would
+make every evaluation NaN, so it is not accepted and the run stops as a broken start, naming it.
+
 What is accepted is the buffer AS IT WAS at the start of the run: its *pattern*, a cheap device-side
 fingerprint (the counts of NaN, +inf and -inf and a position hash of the non-finite entries). A
 snapshot checks an accepted buffer against its pattern instead of for finiteness, in the same
@@ -49,7 +53,7 @@ def pattern(t: torch.Tensor) -> torch.Tensor:
 
 
 def patterns_of(named: Iterable[Tuple[str, torch.Tensor]]) -> Dict[str, Pattern]:
-    """The patterns of the real floating tensors among ``named`` that hold a NaN or an Inf.
+    """The patterns of the real floating tensors among ``named`` that hold an Inf and no NaN.
 
     Slow path (the start of a run): one host read for finiteness, then one per non-finite tensor.
 
@@ -62,7 +66,8 @@ def patterns_of(named: Iterable[Tuple[str, torch.Tensor]]) -> Dict[str, Pattern]
     if not items:
         return {}
     finite = torch.stack([torch.isfinite(t).all() for _, t in items]).tolist()  # host sync: start of a run
-    return {n: _as_pattern(pattern(t).tolist()) for (n, t), ok in zip(items, finite) if not ok}
+    found = {n: _as_pattern(pattern(t).tolist()) for (n, t), ok in zip(items, finite) if not ok}
+    return {n: p for n, p in found.items() if p[0] == 0}  # NaN is no mask: corruption (a BatchNorm statistic)
 
 
 def matches(t: torch.Tensor, expected: Union[Sequence[int], torch.Tensor]) -> torch.Tensor:

@@ -50,6 +50,23 @@ def test_nan_weights_before_training_abort_at_once_naming_the_parameter_and_the_
     assert ended["action"] == "aborted", ended
 
 
+def test_a_nan_batchnorm_statistic_at_the_start_is_a_broken_start_not_a_mask():
+    """A BatchNorm ``running_var`` holding NaN (a corrupted checkpoint) is not accepted like a -inf
+    mask: training in train mode would never notice, and every evaluation of the finished model would
+    be NaN. The run stops at once naming the buffer."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+    )
+    model[1].running_var[3] = math.nan
+    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    with pytest.raises(TrainingAborted) as info:
+        SafeTrainer(model, opt, load_config(None, BASE), loss_fn=F.mse_loss).fit(loader(regression_data()), epochs=1)
+    message = str(info.value)
+    assert "1.running_var" in message and "reload the checkpoint" in message, message
+    assert info.value.result.steps == 0
+
+
 def test_nonfinite_optimizer_state_at_the_start_aborts_naming_it():
     """Adam state loaded with NaN (the weights are fine): the forward stays finite, the message says so."""
     model = mlp()

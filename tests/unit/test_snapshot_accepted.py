@@ -52,6 +52,8 @@ def test_patterns_of_lists_only_nonfinite_floating_tensors_and_describe_names_th
     )
     assert set(found) == {"model/mask"}
     assert describe(found) == "mask (-inf x 28)"
+    nan_stat = torch.tensor([1.0, math.nan])  # a corrupted BatchNorm statistic is no mask
+    assert patterns_of([("model/bn.running_var", nan_stat), ("model/mask", mask)]).keys() == {"model/mask"}
     assert describe({"model/a": (2, 1, 0, 9)}) == "a (NaN x 2, +inf x 1)"
 
 
