@@ -15,6 +15,7 @@ import math
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 __all__ = [
+    "SUMMARY_COUNTERS",
     "MAX_STEP",
     "METRICS_COLUMNS",
     "Unsound",
@@ -30,8 +31,8 @@ METRICS_COLUMNS = ("step", "epoch", "batch", "loss", "grad_norm", "lr_scale", "t
 
 _NAME_LEN = 100  # event, kind, action, run id, ended: short identifiers, shown in the report's table
 _REQUIRED = object()
-#: Summary fields that count something (``FitResult``'s counters and the journal's length).
-_COUNTS = (
+#: The counters of a run's summary (``FitResult``'s), in the order the report shows them.
+SUMMARY_COUNTERS = (
     "steps",
     "optimizer_steps",
     "healthy_steps",
@@ -45,10 +46,9 @@ _COUNTS = (
     "lr_backoffs",
     "retries",
     "rejected_batches",
-    "epoch",
-    "batch",
-    "events",
 )
+#: Summary fields that count something (the counters, where the run stood, the journal's length).
+_COUNTS = (*SUMMARY_COUNTERS, "epoch", "batch", "events")
 _REALS = ("lr_scale", "final_loss", "wall_time")  # floats; the writer spells a non-finite one "nan", "inf"
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
+from .records import SUMMARY_COUNTERS
 from .runlog import RunLog, Skipped
 
 __all__ = [
@@ -27,28 +28,8 @@ __all__ = [
     "format_report",
 ]
 
-#: The summary counters shown in the report, in order.
-_COUNTERS = (
-    "steps",
-    "optimizer_steps",
-    "healthy_steps",
-    "skipped_batches",
-    "dropped_rows",
-    "replaced_rows",
-    "zeroed_grads",
-    "restores",
-    "scaler_skips",
-    "warnings",
-    "lr_backoffs",
-    "retries",
-    "rejected_batches",
-    "lr_scale",
-    "final_loss",
-    "wall_time",
-    "aborted",
-    "ended",
-    "events",
-)
+#: The summary fields shown in the report, in order.
+_COUNTERS = (*SUMMARY_COUNTERS, "lr_scale", "final_loss", "wall_time", "aborted", "ended", "events")
 #: Records that are bookkeeping, not something that happened to training.
 _ROUTINE = frozenset({"run_started", "run_ended", "snapshot"})
 

@@ -10,8 +10,6 @@ No torch.
 
 from __future__ import annotations
 
-import dataclasses
-import typing
 from typing import Any, Callable, Dict, Mapping, Tuple
 
 from omegaconf import DictConfig, OmegaConf
@@ -19,7 +17,7 @@ from omegaconf.errors import InterpolationKeyError, OmegaConfBaseException
 
 from ..errors import ConfigError
 from .overrides import problem_of
-from .validate import show
+from .validate import fix_leaves, show
 
 __all__ = ["has_interpolation", "resolve_interpolations"]
 
@@ -55,7 +53,7 @@ def resolve_interpolations(merged: DictConfig, cls: type, source_of: SourceOf) -
         raise _unresolved(exc, source_of) from None
     except RecursionError:
         raise ConfigError("config: interpolations nested too deeply to resolve; expected plain values") from None
-    _read_bools(resolved, cls)
+    fix_leaves(resolved, cls, _read_bool)
     return resolved
 
 
@@ -73,13 +71,7 @@ def _unresolved(exc: OmegaConfBaseException, source_of: SourceOf) -> ConfigError
     return ConfigError(f"{where}{key or 'config'}: cannot resolve {show(raw)}: {problem}")
 
 
-def _read_bools(data: Any, cls: type) -> None:
-    if not isinstance(data, dict):
-        return
-    hints = typing.get_type_hints(cls)
-    for key, value in data.items():
-        tp = hints.get(key)
-        if dataclasses.is_dataclass(tp):
-            _read_bools(value, tp)
-        elif tp is bool and isinstance(value, str) and value.strip().lower() in ("true", "false"):
-            data[key] = value.strip().lower() == "true"
+def _read_bool(section: Dict[str, Any], key: str, value: Any, tp: Any) -> None:
+    """An interpolation resolves to a string: ``"true"``/``"false"`` for a boolean field is that boolean."""
+    if tp is bool and isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        section[key] = value.strip().lower() == "true"

@@ -16,7 +16,7 @@ import os
 import types
 import typing
 from pathlib import Path
-from typing import Any, Callable, Iterable, List, Literal, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Literal, Mapping, Optional, Tuple, Union
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
@@ -25,7 +25,7 @@ from ..errors import ConfigError
 from .interpolate import has_interpolation, resolve_interpolations
 from .overrides import check_overrides, override_notes, parse_overrides, problem_of
 from .schema import REPLACED_KEYS, TrainConfig, to_dict
-from .validate import KeyedError, check_layer, check_size, describe, show, validate
+from .validate import KeyedError, check_layer, check_size, describe, fix_leaves, show, validate
 from .yamlfile import Located, read_yaml
 
 __all__ = ["ConfigLike", "load_config", "as_config"]
@@ -100,7 +100,7 @@ def _build(base: DictConfig, layers: List[tuple], path: Any) -> TrainConfig:
     for data, source in layers:
         check_size(data, _where(data, source, ""))
         _check_keys(data, TrainConfig, "", source)
-        _yaml_off(data, TrainConfig)
+        fix_leaves(data, TrainConfig, _yaml_off)
         _refuse_missing(data, source)
         merged = _merge(merged, data, lambda key, d=data, s=source: (_where(d, s, key), ""), source)
     if any(has_interpolation(data) for data, _ in layers):
@@ -212,17 +212,10 @@ def _check_keys(data: Any, cls: type, prefix: str, source: str, root: Any = None
             _check_keys(value, hints[key], dotted + ".", source, root)
 
 
-def _yaml_off(data: Any, cls: type) -> None:
+def _yaml_off(section: Dict[str, Any], key: str, value: Any, tp: Any) -> None:
     """YAML 1.1 reads a bare ``off`` as ``false``: give choice fields that allow 'off' their string back."""
-    if not isinstance(data, dict):
-        return
-    hints = typing.get_type_hints(cls)
-    for key, value in data.items():
-        tp = hints.get(key)
-        if dataclasses.is_dataclass(tp):
-            _yaml_off(value, tp)
-        elif value is False and typing.get_origin(tp) is Literal and "off" in typing.get_args(tp):
-            data[key] = "off"
+    if value is False and typing.get_origin(tp) is Literal and "off" in typing.get_args(tp):
+        section[key] = "off"
 
 
 def _lookup(data: Any, dotted: str) -> Any:

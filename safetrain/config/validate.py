@@ -12,13 +12,13 @@ import difflib
 import math
 import types
 import typing
-from typing import Any, Dict, List, Literal, Mapping, Union
+from typing import Any, Callable, Dict, List, Literal, Mapping, Union
 
 from ..errors import ConfigError
 from ..kinds import ALLOWED_FIRST, ANOMALY_KINDS, ESCALATION
 from .schema import TrainConfig, iter_fields
 
-__all__ = ["validate", "check_layer", "check_size", "KeyedError", "describe", "show", "MAX_NODES"]
+__all__ = ["validate", "check_layer", "check_size", "KeyedError", "describe", "show", "MAX_NODES", "fix_leaves"]
 
 #: At most this many values (mappings, lists and scalars, aliases counted as often as they are used)
 #: in one config layer: a real config has about a hundred; a YAML alias bomb has billions.
@@ -240,3 +240,19 @@ def _range_text(rules: Mapping[str, Any]) -> str:
     if rules.get("finite"):
         parts.append("finite")
     return f" ({', '.join(parts)})" if parts else ""
+
+
+def fix_leaves(data: Any, cls: type, fix: Callable[[Dict[str, Any], str, Any, Any], None]) -> None:
+    """Walk plain config ``data`` (nested dicts) along the schema dataclass ``cls`` and call
+    ``fix(section, key, value, field_type)`` for every key that is not a section, so it can put a
+    corrected value in place (a string YAML or an interpolation gave where the schema wants another
+    type). Keys the schema does not know are passed with the field type ``None``."""
+    if not isinstance(data, dict):
+        return
+    hints = typing.get_type_hints(cls)
+    for key, value in list(data.items()):
+        tp = hints.get(key)
+        if dataclasses.is_dataclass(tp):
+            fix_leaves(value, tp, fix)
+        else:
+            fix(data, key, value, tp)
