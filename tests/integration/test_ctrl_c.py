@@ -14,15 +14,14 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from safetrain import SafeTrainer, SafetrainError, TrainingInterrupted, TrainingKeyboardInterrupt, load_config
+from safetrain import SafetrainError, TrainingInterrupted, TrainingKeyboardInterrupt
 from safetrain.rundir import read_run
 from safetrain.snapshot import list_snapshots
-from tests.conftest import mlp, regression_data
+from tests.conftest import regression_data
 from tests.integration.test_preempt import SignalAt
+from tests.integration.test_preempt import _trainer as preempt_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -122,12 +121,7 @@ def _no_default_sigterm():
 
 
 def _trainer(tmp_path, *overrides):
-    model = mlp()
-    cfg = load_config(
-        None,
-        ["log.progress=false", "snapshot.store=safetensors", "snapshot.every=100", f"log.dir={tmp_path}", *overrides],
-    )
-    return SafeTrainer(model, torch.optim.SGD(model.parameters(), lr=0.01), cfg, loss_fn=F.mse_loss)
+    return preempt_trainer(tmp_path, *overrides)[1]  # (the model is not needed here)
 
 
 def test_sigint_raises_a_keyboard_interrupt_that_every_handler_kind_catches(tmp_path):
