@@ -33,7 +33,7 @@ def main() -> None:
                 print(f"epoch {epoch}: loss {guard.last_loss:.4f}")
         except TrainingAborted as exc:
             print(f"aborted: {exc}")
-    c = guard.counters
+    c = guard.counts
     print(f"{c.steps} steps, {c.healthy_steps} healthy, {c.dropped_rows} rows dropped, {c.restores} restores")
 
 

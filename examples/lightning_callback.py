@@ -108,7 +108,7 @@ def main() -> None:
         e = json.loads(line)
         if e.get("event") in ("anomaly", "restored", "run_ended"):
             print(f"  step {e['step']:>3} {e['event']:<8} {e['kind']:<9} {e['action']:<10} {e['message'][:110]}")
-    c = safe.guard.counters
+    c = safe.guard.counts
     print(
         f"steps {c.steps}, optimizer steps applied {c.optimizer_steps}, rows dropped {c.dropped_rows}, "
         f"retries {c.retries}, skipped {c.skipped_batches}, restores {c.restores}"

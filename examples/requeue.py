@@ -49,7 +49,7 @@ class Paced:
     def __iter__(self) -> Iterator[Any]:
         for batch in self.loader:
             guard = self.trainer.guard
-            print(f"step {guard.counters.steps if guard else 0}", flush=True)
+            print(f"step {guard.steps if guard else 0}", flush=True)
             time.sleep(self.pace)
             yield batch
 

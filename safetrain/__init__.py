@@ -75,7 +75,7 @@ logging.getLogger("safetrain").addHandler(logging.NullHandler())
 # The engine is imported on first use, so that `import safetrain` (configs, numerics) stays light.
 _LAZY = {
     "SafeTrainer": ".trainer",
-    "FitResult": ".trainer",
+    "FitResult": ".run",
     "Guard": ".guard",
     "StepResult": ".guard",
     "QuarantineSampler": ".diagnose.quarantine",

@@ -166,7 +166,7 @@ class _Faults:
             self._saved = [g["lr"] for g in optimizer.param_groups]
             for g in optimizer.param_groups:
                 g["lr"] *= 1000.0
-            step = self.trainer.guard.counters.steps if self.trainer is not None and self.trainer.guard else -1
+            step = self.trainer.guard.steps if self.trainer is not None and self.trainer.guard else -1
             nth = 1 + (self.optimizer_steps - self.lr_at)
             self.log.append(
                 (

@@ -33,6 +33,7 @@ class StepResult:
         grad_norm: total gradient norm before clipping, ``nan`` when not computed.
         action: ``""`` for a healthy step, else the action taken (``skip_batch``, ``restore``...).
         events: the events this step emitted.
+        restored: the step restored a snapshot (the model, optimizer state and LR are the snapshot's now).
     """
 
     step: int
@@ -41,6 +42,7 @@ class StepResult:
     grad_norm: float
     action: str = ""
     events: Tuple[Event, ...] = ()
+    restored: bool = False
 
 
 @dataclass

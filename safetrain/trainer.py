@@ -5,65 +5,25 @@ from __future__ import annotations
 import collections.abc
 import itertools
 import logging
-import math
 import os
 import sys
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Union
 
 import torch
 
 from . import distributed, snapshot
-from .config import ConfigLike, as_config, to_dict
+from .config import ConfigLike, as_config
 from .diagnose.quarantine import QuarantineKeeper
-from .ending import RunWriters, SignalStop, interruption
-from .errors import SafetrainError, SnapshotError, TrainingAborted, TrainingInterrupted
-from .events import Event, RunStarted
+from .ending import SignalStop, interruption
+from .errors import SafetrainError, SnapshotError, TrainingInterrupted
 from .guard import Guard, StepResult
-from .rundir import MetricsWriter, prepare_run_dir
-from .steps import Counters, Phase
+from .run import FitResult, Run
 
 __all__ = ["SafeTrainer", "FitResult"]
 
 logger = logging.getLogger("safetrain")
-
-
-@dataclass
-class FitResult(Counters):
-    """What a run came to; the same numbers as the journal's summary line and the progress bar.
-
-    Attributes:
-        (the counters): every field of :class:`~safetrain.steps.Counters` (steps, optimizer_steps,
-            healthy_steps, skipped_batches, dropped_rows, replaced_rows, zeroed_grads, restores,
-            scaler_skips, warnings, lr_backoffs, retries, rejected_batches, epoch, batch), as they
-            stood at the end: every action the guard took is counted in one of them.
-        lr_scale: the LR scale in force at the end.
-        final_loss: the loss of the last trained step (``nan`` if none).
-        wall_time: seconds spent in ``fit``.
-        aborted: whether the run ended in ``TrainingAborted``.
-        ended: how the run ended, as the journal's ``run_ended`` says: ``done`` (it trained to the
-            end), ``aborted``, ``interrupted`` (a signal, Ctrl-C) or ``failed`` (an exception).
-        error: for ``failed``, the exception's type and message.
-        run_dir: the run directory, when ``log.dir`` is set.
-        events: every event of the run, in order (the journal holds the same records).
-    """
-
-    lr_scale: float = 1.0
-    final_loss: float = math.nan
-    wall_time: float = 0.0
-    aborted: bool = False
-    ended: str = "done"
-    error: Optional[str] = None
-    run_dir: Optional[str] = None
-    events: List[Event] = field(default_factory=list)
-
-    def summary(self) -> Dict[str, Any]:
-        """Every field but ``events``, JSON-ready."""
-        out = {k: v for k, v in vars(self).items() if k != "events"}
-        out["events"] = len(self.events)
-        return out
 
 
 class SafeTrainer:
@@ -139,110 +99,98 @@ class SafeTrainer:
                 ``RunDirBusy`` when another run is writing it.
             SafetrainError: ``epochs`` or ``max_steps`` out of range, or a one-shot iterator for several epochs.
         """
-        cfg, started = self.cfg, time.perf_counter()
+        cfg = self.cfg
         _check_counts(epochs, max_steps)
         logger.setLevel(cfg.log.level)
-        run_dir = prepare_run_dir(cfg.log.dir) if cfg.log.dir else None  # RunDirError naming it, not an OSError later
-        rank = distributed.rank()  # under DDP: rank 0 keeps events.jsonl and metrics.csv, rank r events-rank{r}.jsonl
-        result = FitResult(run_dir=str(run_dir) if run_dir else None)
-        stop, writers, error = SignalStop(cfg.log.signals), RunWriters(), None
+        # under DDP: rank 0 keeps events.jsonl and metrics.csv, rank r events-rank{r}.jsonl
+        run = Run(cfg.log.dir, distributed.rank(), cfg)  # RunDirError naming it, not an OSError later
+        stop, error = SignalStop(cfg.log.signals), None
         try:
             with stop:  # the previous handlers come back on every way out
-                writers.open(run_dir, rank, cfg.snapshot.every)
-                result.events = writers.bus.events
-                guard = self.guard = writers.guard = Guard(
-                    self.model,
-                    self.optimizer,
-                    cfg,
-                    loss_fn=self.loss_fn,
-                    step_fn=self.step_fn,
-                    scheduler=self.scheduler,
-                    scaler=self.scaler,
-                    bus=writers.bus,
-                    run_dir=str(run_dir) if run_dir else None,
+                run.open()
+                guard = self.guard = run.attach(
+                    Guard(
+                        self.model,
+                        self.optimizer,
+                        cfg,
+                        loss_fn=self.loss_fn,
+                        step_fn=self.step_fn,
+                        scheduler=self.scheduler,
+                        scaler=self.scaler,
+                        bus=run.bus,
+                        run_dir=run.dir_name,
+                    )
                 )
-                start_epoch, skip, epoch_rng, resumed = self._resume(guard, resume, run_dir, rank)
+                start_epoch, skip, epoch_rng, resumed = self._resume(guard, resume, run)
                 _check_loader(loader, epochs, max_steps, start_epoch)
-                writers.bar = _progress(cfg.log.progress and rank == 0, epochs, loader)
-                keeper = QuarantineKeeper.for_loader(loader, run_dir, writers.quarantined)
-                first, trained = guard.counters.steps, guard.counters.optimizer_steps
-                run = _Loop(loader, epochs, max_steps, writers.bar, result, writers.metrics, keeper, stop)
-                self._epochs(guard, run, start_epoch, skip, epoch_rng)
+                run.bar = _progress(cfg.log.progress and run.rank == 0, epochs, loader)
+                keeper = QuarantineKeeper.for_loader(loader, run.dir, run.quarantined)
+                first = guard.steps
+                loop = _Loop(loader, epochs, max_steps, run, keeper, stop)
+                self._epochs(guard, loop, start_epoch, skip, epoch_rng)
                 if not stop.requested:  # never "done" untrained or with non-finite parameters: aborts
-                    guard.recovery.check_end(guard.counters.steps - first, guard.counters.optimizer_steps - trained)
-                if guard.counters.steps == first and resumed is not None:
+                    guard.end_run()
+                if guard.steps == first and resumed is not None:
                     logger.warning(
                         "nothing left to train: resumed from %s at step %d (epoch %d, batch %d), where "
                         "epochs=%d, max_steps=%s end; pass a larger epochs= or max_steps= to train on",
-                        resumed, first, start_epoch + 1, skip, epochs, max_steps,
-                    )  # fmt: skip
+                        resumed,
+                        first,
+                        start_epoch + 1,
+                        skip,
+                        epochs,
+                        max_steps,
+                    )
                 if stop.requested:
                     error = self._stopped(guard, stop)
         except BaseException as exc:
             error = exc
-            if isinstance(exc, (TrainingAborted, TrainingInterrupted)):
-                exc.result = result
             raise
         finally:
-            writers.close(result, started, error)
+            run.close(error)
         if error is not None:  # a caught signal
-            error.result = result
             if cfg.log.on_signal == "raise":
                 raise error
-        return result
+        return run.result
 
-    def _resume(self, guard: Guard, resume: Any, run_dir: Optional[Path], rank: int) -> tuple:
-        """Load the snapshot ``resume`` names; ``(start_epoch, skip, epoch_rng, resumed_from)``."""
+    def _resume(self, guard: Guard, resume: Any, run: Run) -> tuple:
+        """Load the snapshot ``resume`` names, journal the start; ``(start_epoch, skip, epoch_rng, resumed_from)``."""
         auto = isinstance(resume, str) and resume == "auto"
         if auto:
-            resume = _auto_resume(self.cfg, run_dir)
+            resume = _auto_resume(self.cfg, run.dir)
         start_epoch, skip, epoch_rng, used = 0, 0, None, {}
         if resume is not None:
             try:
-                info = distributed.load_snapshot(resume, guard.state)  # every rank, from the same file
+                info = guard.resume(resume)  # every rank, from the same file
             except SnapshotError as exc:  # checked before the live state is touched: nothing changed
                 if not auto:
                     raise
                 logger.warning("resume='auto': no valid snapshot (%s); starting fresh", exc)
-                return self._resume(guard, None, run_dir, rank)
-            guard.load_state_dict(info.extra)
-            guard.store.adopt(info.run_id)  # the run goes on: its snapshots are this store's
+                return self._resume(guard, None, run)
             passed = [{"path": p, "why": why} for p, why in info.passed_over]  # newer files not usable
             used = {"resumed_from": info.path, "passed_over": passed}
-            start_epoch, skip = guard.counters.epoch, guard.counters.batch
+            start_epoch, skip = guard.position[0], guard.position[1] + 1
             epoch_rng = info.extra_tensors.get("epoch_rng")
         else:  # a fresh run: refuse a directory holding another run's snapshots (or overwrite them)
-            dropped = guard.store.check_fresh()
+            dropped = guard.check_fresh()
             if dropped:
                 used = {"overwritten": dropped}
-        guard.bus.emit(
-            RunStarted(
-                step=guard.counters.steps,
-                epoch=start_epoch,
-                batch=skip - 1,
-                kind="run",
-                rank=rank,
-                action="resume" if resume else "start",
-                message=f"{_resumed(resume, used) if resume else 'started'}; run dir {run_dir}",
-                detail={
-                    "config": to_dict(self.cfg),
-                    "resume": str(resume) if resume else None,
-                    "run_id": guard.store.run_id,
-                    **used,
-                },
-            )
+        message = _resumed(resume, used) if resume else "started"
+        run.start(
+            "resume" if resume else "start",
+            message,
+            {"resume": str(resume) if resume else None, **used},
+            epoch=start_epoch,
+            batch=skip - 1,
         )
         return start_epoch, skip, epoch_rng, resume
 
     def _stopped(self, guard: Guard, stop: SignalStop) -> TrainingInterrupted:
         """After a caught signal: snapshot the step the run stopped at (a disk store), for resume."""
-        c, snap = guard.counters, self.cfg.snapshot
-        if snap.on_signal and snap.store == "safetensors" and guard.phase is not Phase.ACCUMULATING:
-            latest = guard.store.latest()
-            if latest is None or latest.step != c.steps:
-                guard.snapshot()
+        guard.snapshot_for_resume()
+        epoch, batch = guard.position
         return interruption(
-            f"{stop.name}: stopped after step {c.steps} (epoch {c.epoch + 1}, batch {c.batch}); "
+            f"{stop.name}: stopped after step {guard.steps} (epoch {epoch + 1}, batch {batch + 1}); "
             "resume with fit(..., resume='auto') or resume=<snapshot dir>",
             stop.signum,
         )
@@ -254,7 +202,7 @@ class SafeTrainer:
         sampler = getattr(run.loader, "sampler", None)
 
         def over() -> bool:  # checked after each step: a caught signal stops within one step
-            return run.stop.requested or (max_steps is not None and guard.counters.steps >= max_steps)
+            return run.stop.requested or (max_steps is not None and guard.steps >= max_steps)
 
         for epoch in range(start_epoch, run.epochs):
             if over():
@@ -267,20 +215,18 @@ class SafeTrainer:
                 # as it was at the start of the epoch; then go back to the snapshot's RNG.
                 now = torch.get_rng_state()
                 torch.set_rng_state(epoch_rng)
-                guard.begin_epoch(epoch, resumed=True)
                 iterator = iter(run.loader)
-                skipped = _advance(iterator, skip, keeper)
-                guard.counters.batch = skipped
+                guard.begin_epoch(epoch, resumed=True, batch=_advance(iterator, skip, keeper))
                 torch.set_rng_state(now)
             else:
                 guard.begin_epoch(epoch)
                 iterator = iter(run.loader)
-                if guard.counters.steps == 0:  # a fresh run: the start level, before its first step
+                if guard.steps == 0:  # a fresh run: the start level, before its first step
                     iterator = _measure_start(guard, iterator, cfg.guard.accumulate_steps)
             seen = 0
             for batch in iterator:
                 seen += 1
-                at = (guard.counters.epoch, guard.counters.batch)  # the batch's place, once it arrives
+                at = (epoch, guard.position[1] + 1)  # the batch's place, once it arrives
                 step = guard.step(batch, keeper.indices_for(batch, at))
                 if step is None:
                     continue
@@ -296,8 +242,7 @@ class SafeTrainer:
                     epoch + 1,
                 )
             keeper.end_epoch()
-            if self.scheduler is not None and cfg.guard.scheduler_interval == "epoch":
-                guard.backoff.step(self.scheduler, guard.epoch_loss)  # the whole epoch's, across a resume
+            guard.end_epoch()  # an epoch-interval scheduler steps on the whole epoch's loss, across a resume
 
 
 def _measure_start(guard: Guard, iterator: Iterator[Any], accumulate: int) -> Iterator[Any]:
@@ -311,44 +256,19 @@ def _measure_start(guard: Guard, iterator: Iterator[Any], accumulate: int) -> It
 
 @dataclass
 class _Loop:
-    """What the epoch loop carries: its bounds, the result it fills and the writers of each step."""
+    """What the epoch loop carries: its bounds, the run it records into, the quarantine, the stop."""
 
     loader: Iterable[Any]
     epochs: int
     max_steps: Optional[int]
-    bar: Any
-    result: FitResult
-    metrics: Optional[MetricsWriter]
+    run: Run
     keeper: QuarantineKeeper
     stop: SignalStop
 
     def record(self, guard: Guard, step: StepResult) -> None:
-        """One decided step into the quarantine, ``metrics.csv``, the result and the progress bar."""
+        """One decided step into the quarantine and the run's record (metrics, result, progress)."""
         self.keeper.after_step(step.events)
-        c = guard.counters
-        if self.metrics is not None:  # an anomaly or a snapshot flushes: a killed run keeps every row up to here
-            self.metrics.write(
-                step.step,
-                c.epoch,
-                c.batch - 1,
-                step.loss,
-                step.grad_norm,
-                guard.backoff.scale,
-                step.trained,
-                step.action,
-                flush=bool(step.events),
-            )
-        if step.trained:  # the last trained step's loss, non-finite too (a run of `warn` steps)
-            self.result.final_loss = step.loss
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(
-                loss=f"{step.loss:.4g}",
-                gnorm=f"{step.grad_norm:.3g}",
-                skipped=c.skipped_batches,
-                restored=c.restores,
-                refresh=False,
-            )
+        self.run.record(step)
 
 
 def _check_counts(epochs: Any, max_steps: Any) -> None:

@@ -57,6 +57,11 @@ class NoScaler:
         """1.0: no scale to lower."""
         return 1.0
 
+    @property
+    def unscaled(self) -> bool:
+        """Never: no gradient is scaled."""
+        return False
+
     def update(self) -> None:
         """Nothing to update."""
 
@@ -146,6 +151,12 @@ class FP16Scaler:
     def backoff_factor(self) -> float:
         """The factor the scale is multiplied by after an overflow."""
         return self.scaler.get_backoff_factor()
+
+    @property
+    def unscaled(self) -> bool:
+        """Whether the optimizer's gradients were unscaled since the last :meth:`update` (a step
+        was read): an :meth:`update` is due after its optimizer step, taken or not."""
+        return torch_private.unscaled(self.scaler, self.optimizer)
 
     def update(self) -> None:
         """The scaler's ``update()``: back off after an overflow, grow after enough clean steps;

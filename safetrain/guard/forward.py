@@ -81,23 +81,30 @@ class Forward:
         return self.scan(batch, pending)
 
     def run(self, batch: Any, pending: Pending) -> None:
-        """Scan, forward and backward one micro-batch; its loss and scan values go to ``pending``."""
+        """Scan, forward and backward one micro-batch (a re-run's); its loss and scan values go to ``pending``."""
         clean = self.begin(batch, pending)
+        loss = self.loss(clean, pending)
+        pending.calls.append(self.monitor.recorded)  # which micro-batch a forward finding is in
+        self.add_loss(loss, pending)
+        self.backward(loss)
+
+    def loss(self, clean: Any, pending: Pending) -> Tensor:
+        """The forward of a scanned micro-batch (under autocast): its loss, as the model computes it."""
         # Every forward starts with empty record lists (a compiled graph depends on their length).
         held = self.monitor.set_aside() if len(pending.micro) > 1 and self.monitor.enabled else None
         try:
             if self.plumbing.amp_dtype is None:  # no context to enter and leave: cheaper in a small step
-                loss = compute_loss(self.model, clean, self.loss_fn, self.step_fn)
-            else:
-                with self.plumbing.autocast():
-                    loss = compute_loss(self.model, clean, self.loss_fn, self.step_fn)
+                return compute_loss(self.model, clean, self.loss_fn, self.step_fn)
+            with self.plumbing.autocast():
+                return compute_loss(self.model, clean, self.loss_fn, self.step_fn)
         finally:
             if held is not None:
                 self.monitor.put_back(held)
-        pending.calls.append(self.monitor.recorded)  # which micro-batch a forward finding is in
+
+    def backward(self, loss: Tensor) -> None:
+        """The backward of a micro-batch's loss, divided by the accumulation (and scaled in fp16)."""
         k = self.accumulate
         self.plumbing.scale(loss / k if k > 1 else loss).backward()
-        self.add_loss(loss, pending)
 
     @staticmethod
     def add_loss(loss: Tensor, pending: Pending) -> None:
@@ -110,11 +117,10 @@ class Forward:
     def read(self, pending: Pending) -> detect.StepRead:
         """Unscale, check the gradients, and read every flag, the loss and the norms at once."""
         flags, pipes = self.flags, self.plumbing
-        if pipes.scaler is not None:  # fp16: the scaler's values join the read
-            pipes.unscale_()
-            found_inf, scale = pipes.scaler_values()
-            flags.put("found_inf", found_inf)
-            flags.put("scale", scale)
+        pipes.unscale_()  # fp16: the scaler's values join the read (without it: nothing, no value)
+        found_inf, scale = pipes.scaler_values()
+        flags.put("found_inf", found_inf)
+        flags.put("scale", scale)
         grads = self.grads.run()
         flags.put("loss", pending.loss)  # the sum over micro-batches; the mean is taken on the host
         flags.put("grad_norms", grads.norm_list if grads is not None else None)

@@ -104,7 +104,7 @@ class Judge:
                 logger.debug(
                     "step %d: %s flag tripped but every value is finite (sum overflow)", self.counters.steps, kind
                 )
-        overflowed = self.plumbing.scaler is not None and bool(read.extra.get("found_inf", (0.0,))[0])
+        overflowed = self.plumbing.scaler.enabled and bool(read.extra.get("found_inf", (0.0,))[0])
         forward_tripped, loss_tripped = read.forward_tripped, read.loss_tripped
         if forward_tripped or loss_tripped or (read.gradient and not overflowed):
             # Parameters already NaN/Inf (an earlier update, or code outside the step) make every

@@ -13,8 +13,9 @@ import logging
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
-from torch.amp.grad_scaler import OptState
 
+from ..adapters import Scaler, make_scaler
+from ..adapters.torch_private import profiler_enabled
 from ..batches import pageable_tensors, to_device
 from ..config import AmpConfig
 from ..snapshot.accepted import matches, pattern_tensor
@@ -27,10 +28,6 @@ logger = logging.getLogger("safetrain")
 _NO_AUTOCAST = contextlib.nullcontext()
 _DTYPES = {None: None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-#: Whether a torch profiler is recording (a private torch function; if it is ever missing, assume
-#: one is, so that zero_grad's profiler range is never lost).
-_profiler_enabled: Callable[[], bool] = getattr(torch.autograd, "_profiler_enabled", lambda: True)
-
 
 class Plumbing:
     """Device placement, mixed precision and gradient bookkeeping for one model and optimizer.
@@ -41,9 +38,10 @@ class Plumbing:
         amp: the ``amp`` section: autocast dtype, and the GradScaler made for float16.
         scaler: the user's ``GradScaler``, if any (a disabled one counts as none).
         to_device: copy a CPU loader's batches to the model's accelerator (``guard.to_device``).
-        caller_steps: the caller's loop (a framework) owns the scaler's ``step`` and ``update``: the
-            guard unscales (once, unless the framework did) and reads it; a re-run's backward is
-            scaled and unscaled as the framework's was (:meth:`before_rerun`).
+
+    The scaler's ``update`` belongs to whoever steps the optimizer (``Guard.step``, or a
+    framework's loop); the guard unscales (once, unless the framework did) and reads it, and a
+    re-run's backward is scaled and unscaled as the first run's was (:meth:`before_rerun`).
     """
 
     def __init__(
@@ -53,14 +51,12 @@ class Plumbing:
         amp: AmpConfig,
         scaler: Optional[torch.amp.GradScaler] = None,
         to_device: bool = True,
-        caller_steps: bool = False,
     ) -> None:
-        self.optimizer, self.caller_steps = optimizer, caller_steps
+        self.optimizer = optimizer
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.amp_dtype = _DTYPES[amp.dtype]
-        if scaler is None and self.amp_dtype is torch.float16:
-            scaler = torch.amp.GradScaler(self.device.type, init_scale=amp.init_scale)
-        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        # FP16Scaler around the user's (or a new float16) GradScaler, else NoScaler: never None.
+        self.scaler: Scaler = make_scaler(scaler, optimizer, self.amp_dtype, self.device, amp.init_scale)
         self.moves = to_device and self.device.type != "cpu"  # a CPU model gets the batch itself
         self._pinned_checked = False
         # torch's own zero_grad (not overridden by the optimizer's class or instance): free_grads
@@ -102,51 +98,45 @@ class Plumbing:
     # ------------------------------------------------------------------ the scaler
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to call ``backward`` on (scaled in fp16)."""
-        return self.scaler.scale(loss) if self.scaler is not None else loss
+        return self.scaler.scale(loss)
 
     def unscale_(self) -> None:
         """Unscale the gradients in place before they are checked and clipped (fp16 only; once per
         step: a framework may have unscaled them already, for its own clipping)."""
-        if self.scaler is not None:
-            state = self.scaler._per_optimizer_states[id(self.optimizer)]
-            if state["stage"] is not OptState.UNSCALED:
-                self.scaler.unscale_(self.optimizer)
+        self.scaler.unscale_()
 
     def before_rerun(self) -> None:
-        """A caller-owned step runs again: the scaler's state for the optimizer goes back to before
-        its unscale, so that the re-run's gradients (scaled like the first run's: small ones do not
-        underflow in half precision) are unscaled by the next read, and the framework's
-        ``scaler.step`` reads the re-run's overflow flags, not the first run's."""
-        if self.scaler is not None and self.caller_steps:
-            state = self.scaler._per_optimizer_states[id(self.optimizer)]
-            state["stage"], state["found_inf_per_device"] = OptState.READY, {}
+        """A step runs again: the scaler's state for the optimizer goes back to before its unscale,
+        so that the re-run's gradients (scaled like the first run's: small ones do not underflow in
+        half precision) are unscaled by the next read, and a framework's ``scaler.step`` reads the
+        re-run's overflow flags, not the first run's."""
+        self.scaler.reset_for_rerun()
 
     def scaler_values(self) -> tuple:
-        """``(found_inf, scale)`` as device tensors for the step's one read, or ``(None, None)``.
-
-        GradScaler keeps them on the device; reading them inside the one sync avoids the extra
-        ``.item()`` that ``scaler.step()`` and ``get_scale()`` would make.
-        """
-        if self.scaler is None:
-            return None, None
-        per_device = self.scaler._per_optimizer_states[id(self.optimizer)]["found_inf_per_device"]
-        return (sum(per_device.values()) if per_device else None), self.scaler._scale
+        """``(found_inf, scale)`` as device tensors for the step's one read, or ``(None, None)``:
+        read inside the one sync, without the ``.item()`` of ``scaler.step()`` and ``get_scale()``."""
+        return self.scaler.values()
 
     def backoff_factor(self) -> float:
         """How the scaler lowers its scale after an overflow."""
-        return self.scaler.get_backoff_factor() if self.scaler is not None else 1.0
+        return self.scaler.backoff_factor()
 
-    def step_optimizer(self) -> None:
-        """``optimizer.step()``, and the scaler's update in fp16."""
-        self.optimizer.step()
-        if self.scaler is not None:
+    def update_scaler(self) -> None:
+        """The scaler's ``update`` after a step it read (fp16): a step that overflowed lowers the
+        scale, a run of good ones raises it. Nothing when no read unscaled this step (its data was skipped)."""
+        if self.scaler.unscaled:
             self.scaler.update()
+
+    def unscaled_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """A loss as it went to the backward, multiplied by the fp16 loss scale, divided back (on the device)."""
+        scale = self.scaler.loss_scale
+        return loss / scale if scale is not None else loss
 
     # ------------------------------------------------------------------ gradients
     def free_grads(self) -> None:
         """``optimizer.zero_grad(set_to_none=True)``; for torch's own ``zero_grad`` and no profiler,
         the same loop without the profiler range it opens (a dispatcher call a step)."""
-        if self._plain_zero_grad and not _profiler_enabled():
+        if self._plain_zero_grad and not profiler_enabled():
             for group in self.optimizer.param_groups:
                 for p in group["params"]:
                     p.grad = None
@@ -154,10 +144,7 @@ class Plumbing:
             self.optimizer.zero_grad(set_to_none=True)
 
     def drop_grads(self) -> None:
-        """Drop the step's gradients; the scaler is told so it starts clean (its scale is kept; in
-        a caller-owned step the framework's ``scaler.step`` and ``update`` follow)."""
-        if self.scaler is not None and not self.caller_steps:
-            self.scaler.update()
+        """Drop the step's gradients (the scaler's update follows the step, as after any other)."""
         self.free_grads()
         self.grads_dropped = True
 

@@ -1,8 +1,15 @@
 """The guard: one training step's protocol around a user's model and optimizer, usable from any loop.
 
-scan -> forward (autocast) -> loss -> backward (scaled) -> unscale -> gradient check -> ONE host
-sync -> judge. A healthy step clips, steps and snapshots; otherwise the decision loop runs:
-diagnose, decide (the policy), carry out (the recovery executor), and a re-run is its next turn.
+A step is four verbs, whoever runs the forward, backward and optimizer step:
+
+    begin_batch(batch)  -> the batch scanned (non-finite values cleaned where configured); run the forward on it
+    record_loss(loss)   -> the micro-batch's loss, no host sync; then its backward
+    decide()            -> the step's ONE host sync and its verdict; the gradients are dropped when it must not train
+    finish_step()       -> after the optimizer step (or where it would have been): counters, scheduler, snapshot
+
+``Guard.step(batch)`` is those verbs around the guard's own forward, backward and optimizer step;
+``SafeTrainer.fit`` drives it, the Lightning and Hugging Face callbacks drive the verbs at their
+framework's hooks. A step that reads anomalous runs the decision loop (:mod:`.decisions`).
 """
 
 from __future__ import annotations
@@ -10,39 +17,38 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
-import torch
-
-from .. import detect, distributed, snapshot
-from ..config import ConfigLike, TrainConfig, as_config
-from ..diagnose import Diagnoser, Diagnosis
-from ..divergence import DivergenceDetector
-from ..events import AnomalyFound, Event, EventBus, LRChanged
-from ..kinds import Action, Kind
-from ..lr import LRBackoff
-from ..policy import Anomaly, History, Rules, decide, newest_taken, raises, read_clean
-from ..spike import SpikeDetector
-from ..steps import Counters, Pending, Phase, StepResult
-from ..wrappers import plain_namer, unwrap_compiled
+from .. import detect
+from ..batches import batch_rows
+from ..config import TrainConfig, without_replays
+from ..diagnose import Diagnosis
+from ..kinds import Kind
+from ..steps import Pending, Phase, StepResult
 from . import start
-from .caller import CallerSteps, without_reruns
-from .forward import Forward
-from .judge import Judge
-from .measure import measure
-from .own import OwnSteps
-from .plumbing import Plumbing
-from .recovery import Recovery, Rerun, Verdict
-from .snapshots import Snapshots
-from .state import RecoveryState
-from .update import Updates
+from .decisions import nan_result
+from .outcomes import Rerun, Verdict
+from .parts import Parts
 
-__all__ = ["Guard"]
+__all__ = ["Guard", "without_reruns"]
 
 logger = logging.getLogger("safetrain")
 
+#: Who drives the step: the guard itself (``Guard.step``), or the caller's loop through the verbs.
+GUARD, CALLER = "Guard.step", "the verbs"
 
-class Guard(OwnSteps, CallerSteps):
+
+def without_reruns(cfg: TrainConfig) -> TrainConfig:
+    """A caller-driven loop without a ``loss_fn`` or ``step_fn``: the guard cannot run the step's
+    forward itself, so replays are off (logged once) and ``drop_rows``/``retry`` become ``skip_batch``."""
+    return without_replays(
+        cfg,
+        "a caller-driven loop without a loss_fn or step_fn: replays are off and drop_rows/retry skip the batch "
+        "instead (the guard cannot run the step's forward); give step_fn to have them",
+    )
+
+
+class Guard(Parts):
     """The per-step protocol: detect, decide and recover, around a user's model and optimizer.
 
     Args:
@@ -50,14 +56,13 @@ class Guard(OwnSteps, CallerSteps):
         optimizer: its optimizer.
         cfg: anything :func:`safetrain.as_config` accepts (path, dict, DictConfig, TrainConfig, None).
         loss_fn: ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches.
-        step_fn: ``step_fn(model, batch) -> loss`` for any other batch.
-        scheduler: an LR scheduler, stepped as ``guard.scheduler_interval`` says.
+        step_fn: ``step_fn(model, batch) -> loss`` for any other batch; a loop that runs its own
+            forward gives it so that the guard can re-run and replay a step.
+        scheduler: an LR scheduler, stepped as ``guard.scheduler_interval`` says (a loop that steps
+            it itself: the guard follows it instead, see :meth:`follow_scheduler`).
         scaler: a ``torch.amp.GradScaler``; made from ``amp.*`` when ``amp.dtype`` is float16 and none is given.
         bus: where events go; a new :class:`EventBus` (logging only) when omitted.
         run_dir: directory for safetensors snapshots when ``snapshot.dir`` is not set.
-        caller_steps: the caller's loop (a framework's) runs forward, backward, ``optimizer.step()``
-            and the scheduler, and tells the guard at each point (:class:`~safetrain.guard.caller.CallerSteps`);
-            ``step_fn`` lets the guard re-run and replay a step itself.
 
     Example::
 
@@ -65,186 +70,236 @@ class Guard(OwnSteps, CallerSteps):
         with guard:
             for batch in loader:
                 result = guard.step(batch)
+
+    or, with the forward, backward and optimizer step in the caller's loop::
+
+        for batch in loader:
+            batch = guard.begin_batch(batch)
+            loss = loss_of(model, batch)
+            guard.record_loss(loss)
+            loss.backward()
+            if guard.decide().trained:
+                optimizer.step()
+            guard.finish_step()
     """
 
-    # What the guard is made of (a table of contents; each part takes its own config section).
-    cfg: TrainConfig
-    counters: Counters  # read by FitResult, the progress bar and the journal
-    recovery_state: RecoveryState  # the policy's history and what recovery remembers
-    plumbing: Plumbing  # device, autocast, scaler, freeing gradients
-    forward: Forward  # one micro-batch through the model
-    monitor: detect.ActivationMonitor  # forward hooks (detect.mode)
-    grads: detect.GradCheck  # the fused gradient norms
-    weights: detect.WeightCheck  # the periodic weight check
-    spike: SpikeDetector  # loss spikes
-    divergence: DivergenceDetector  # a loss growing geometrically
-    judge: Judge  # a step's read -> its anomaly
-    recovery: Recovery  # carries out decisions
-    updates: Updates  # applies a step's update, or drops it; the scheduler
-    state: snapshot.TrainState  # the whole training state, for snapshots
-    store: Any  # where snapshots go
-    snapshots: Snapshots  # takes them, and records what each owes before it is vouched for
-    backoff: LRBackoff  # the LR scale on top of the schedule
-    sync: Any  # distributed.LocalSync or DistributedSync
+    #: Each micro-batch's loss is its share of the step's (divided by the whole step's item count,
+    #: as a Hugging Face model given ``num_items_in_batch`` computes it): the step's loss is their
+    #: sum, not their mean. Set by the caller; the guard's own re-runs keep the same convention.
+    loss_shares = False
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        cfg: ConfigLike = None,
-        *,
-        loss_fn: Optional[Callable[..., torch.Tensor]] = None,
-        step_fn: Optional[Callable[[torch.nn.Module, Any], torch.Tensor]] = None,
-        scheduler: Any = None,
-        scaler: Optional[torch.amp.GradScaler] = None,
-        bus: Optional[EventBus] = None,
-        run_dir: Optional[str] = None,
-        caller_steps: bool = False,
-    ) -> None:
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        # The forward runs through the user's model; names, hooks and snapshots use what a
-        # torch.compile wrapper holds, so they read as in the user's code (no "_orig_mod." prefix)
-        # and a snapshot loads into the model compiled or not.
-        self._named = named = unwrap_compiled(model)
-        # One process, DDP or FSDP2; anything else is refused here (FSDP2: replays off, sharded snapshots).
-        self.layout = layout = distributed.layout_of(named)
-        self.cfg = c = distributed.for_layout(layout, as_config(cfg))
-        self.caller_steps = caller_steps
-        reruns = not caller_steps or loss_fn is not None or step_fn is not None
-        if not reruns:
-            self.cfg = c = without_reruns(c)
-        self.bus = bus if bus is not None else EventBus()
-        self.counters = counters = Counters()
-        self.rules = dataclasses.replace(Rules.of(c), reruns=reruns)
-        self.recovery_state = RecoveryState(c.recovery)
-        self.plumbing = pipes = Plumbing(model, optimizer, c.amp, scaler, c.guard.to_device, caller_steps)
-        self.device, self.scaler = pipes.device, pipes.scaler
-        self.backoff = backoff = LRBackoff(optimizer, c.recovery.min_lr, release_after=c.recovery.reset_after)
-        backoff.on_hold = lambda message, detail: self._emit(LRChanged, "lr", Action.SCALE_LR, message, detail)
-        sp = c.guard.spike
-        self.spike = SpikeDetector(sp.window, sp.min_history, sp.zscore, sp.enabled, sp.min_ratio, sp.hard_ratio)
-        self.divergence = DivergenceDetector.from_config(c.guard.divergence, recover_after=c.recovery.reset_after)
-        self.state = state = distributed.train_state(layout, named, optimizer, scheduler=scheduler, scaler=self.scaler)
-        # Buffers non-finite by design (a -inf causal mask) are part of the model: snapshots take them
-        # while their pattern is unchanged (host sync: once, at the start).
-        state.accept_nonfinite_buffers()
-        plain = plain_namer(named)
-        # Every parameter, frozen ones too, for the exact check after a trip (a snapshot restores them).
-        self._all_params = all_params = [(plain(n), p) for n, p in named.named_parameters()]
-        self._params = params = [(n, p) for n, p in all_params if p.requires_grad]
-        # Two parameters looked at per step for gradients left by someone else (O(1), not O(P)).
-        self._probe = (params[0][1], params[-1][1]) if params else ()
-        # Gradients are always checked (clipping and the scaler need the norm anyway); the
-        # activation and weight checks follow detect.mode. Disabled parts are no-ops, not ifs.
-        self.grads = grads = detect.GradCheck(params)
-        self.monitor = monitor = detect.ActivationMonitor.from_config(named, c.detect)
-        monitor.attach()
-        # Distributed (a process group of > 1 rank and a DDP model): the one read combines every
-        # rank's flags with one collective, and snapshots and replays agree across ranks.
-        self.sync = sync = distributed.make_sync(self.device, named)
-        self.rank = sync.rank  # stamped on every event
-        flags, k = detect.StepFlags(reduce=sync.reduce), c.guard.accumulate_steps
-        self.forward = fwd = Forward(flags, grads, model, named, monitor, pipes, c.sanitize, k, loss_fn, step_fn)
-        # The weight checks cover floating buffers (BatchNorm statistics), and a mask's -inf by its pattern.
-        bufs, probes = fwd.buffers.checked(), fwd.buffers.patterned(state)
-        on = c.detect.mode != "off"
-        self.weights = detect.WeightCheck(params + bufs, c.detect.check_weights_every, enabled=on, probes=probes)
-        self.store = store = distributed.make_store(layout, c.snapshot, run_dir, sync)
-        self.diagnoser = diag = Diagnoser(named, monitor, c.detect.replay, state=state, params=params,
-                                          loss_of=fwd.eager_loss, autocast=pipes.autocast, prepare=fwd.scan,
-                                          accumulate=k, clip=c.guard.clip_grad_norm)  # fmt: skip
-        diag.wrap_step_replay(lambda replay: sync.wrap_replayer(replay, named))
-        kept = fwd.buffers.checked(kept=True), fwd.buffers.patterned(state, kept=True)  # as before the step
-        all_weights = detect.WeightCheck(all_params + kept[0], 0, probes=kept[1])
-        self.judge = Judge(c, counters, monitor, grads, all_weights, self.spike, pipes, sync, fwd.confirm,
-                           divergence=self.divergence, lrs=backoff.effective)  # fmt: skip
-        self.updates = Updates(c.guard, pipes, grads, counters, scheduler, backoff, diag.record_update, caller_steps)
-        if caller_steps and scheduler is not None:
-            self.updates.follow(scheduler)
-        self.recovery = Recovery(c, counters, self.recovery_state, store, state, backoff, grads, dict(params),
-                                 self._emit, self._not_applied, self._after_restore, sync,
-                                 put_back=fwd.buffers.put_back)  # fmt: skip
-        self.snapshots = Snapshots(store, state, counters, self.recovery_state, diag.clear, self._emit)
-        self.phase = Phase.READY
-        self._started = False  # the first batch checks that the run does not start broken
-        self._pending = Pending()
-        self.epoch_rng: Optional[torch.Tensor] = None  # torch RNG at the start of the current epoch
-        self.last_loss = math.nan
-        self.last_grad_norm = math.nan
+    # ----------------------------------------------------------------- the guard's own step
+    def step(self, batch: Any, indices: Optional[Sequence[int]] = None) -> Optional[StepResult]:
+        """Feed one (micro-)batch; returns the :class:`StepResult` when an optimizer step was decided.
 
-    @property
-    def loss_fn(self) -> Optional[Callable[..., torch.Tensor]]:
-        """``loss_fn(model(inputs), targets)`` for pair batches (may be swapped between steps)."""
-        return self.forward.loss_fn
+        With ``guard.accumulate_steps`` = k, the first k - 1 calls only accumulate gradients and
+        return ``None``; the k-th makes the single host sync and decides.
 
-    @loss_fn.setter
-    def loss_fn(self, fn: Optional[Callable[..., torch.Tensor]]) -> None:
-        self.forward.loss_fn = fn
+        Args:
+            batch: the (micro-)batch. Its CPU tensors are copied to the model's accelerator
+                (``guard.to_device``), asynchronously when the loader pins memory.
+            indices: the dataset index of each row, when known: a replay then names bad samples
+                by dataset index (``SafeTrainer.fit`` passes them from a :class:`QuarantineSampler`).
 
-    @property
-    def step_fn(self) -> Optional[Callable[[torch.nn.Module, Any], torch.Tensor]]:
-        """``step_fn(model, batch) -> loss`` for any other batch (may be swapped between steps)."""
-        return self.forward.step_fn
+        Raises:
+            TrainingAborted: the policy aborted; the model and optimizer are at the last good snapshot.
+            BatchError: the batch fits no convention, or ``sanitize.*: raise`` met a bad row.
+        """
+        self._stepping = True
+        try:
+            clean = self.begin_batch(batch, indices)
+            if not self._skip_forward:
+                loss = self.forward.loss(clean, self._pending)
+                self.record_loss(loss)
+                self.forward.backward(loss)
+            k = self.cfg.guard.accumulate_steps
+            if k > 1 and (self._window if self._skipping else len(self._pending.micro)) < k:
+                return None  # (an empty micro-batch is left out of an accumulated step)
+            return self._take_step()
+        finally:
+            self._stepping = False
 
-    @step_fn.setter
-    def step_fn(self, fn: Optional[Callable[[torch.nn.Module, Any], torch.Tensor]]) -> None:
-        self.forward.step_fn = fn
+    def flush(self) -> Optional[StepResult]:
+        """Take the step of a partial accumulation now (at the end of an epoch or of the data).
 
-    @property
-    def pending(self) -> Pending:
-        """The step being accumulated: its micro-batches (as trained), their indices, its loss."""
-        return self._pending
+        With ``guard.accumulate_steps`` = k and fewer than k micro-batches pending, their summed
+        gradients (each scaled by 1/k) make one step; returns ``None`` when nothing is pending.
+        """
+        if self.phase is not Phase.ACCUMULATING:
+            return None
+        if self._window == 0:  # only empty micro-batches, each journaled as left out
+            self.phase = Phase.READY
+            return None
+        self._stepping = True
+        try:
+            return self._take_step()
+        finally:
+            self._stepping = False
 
-    @property
-    def history(self) -> History:
-        """The recovery policy's memory (:class:`~safetrain.policy.History`), up to this step."""
-        return self.recovery_state.history
+    def _take_step(self) -> StepResult:
+        """Decide, step the optimizer when the verdict trains, and finish."""
+        decided = self.decide()
+        if decided.trained:
+            self.optimizer.step()
+        self.plumbing.update_scaler()  # fp16: as after any step the scaler read (a skipped one lowers the scale)
+        return self.finish_step()
 
-    @history.setter
-    def history(self, value: History) -> None:
-        self.recovery_state.history = value
+    # ----------------------------------------------------------------- the four verbs
+    def begin_batch(self, batch: Any, indices: Optional[Sequence[int]] = None) -> Any:
+        """A (micro-)batch arrives: returns it on the model's device, scanned, non-finite values
+        zero-filled (or replaced) where the configuration says so; run the forward on what this returns.
 
-    # ----------------------------------------------------------------- lifecycle
-    def __enter__(self) -> "Guard":
-        return self
+        Args:
+            batch: the (micro-)batch as the loader gave it.
+            indices: each row's dataset index, when known (a replay names bad samples by it).
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+        Raises:
+            RuntimeError: out of order (after :meth:`decide` without :meth:`finish_step`), or closed.
+            TrainingAborted: the run starts with non-finite parameters or optimizer state.
+        """
+        self._check("begin_batch")
+        if self._decided is not None:
+            raise RuntimeError(
+                "Guard.begin_batch() after decide(): call finish_step() after the optimizer step (or where it "
+                "would have been) first, then begin the next batch"
+            )
+        if self._loss_due and not self._skip_forward:  # the last batch gave no loss (Lightning: training_step
+            self._leave_out_last()  # returned None): it is no part of the step
+        self._arrive(batch)
+        if self.phase is Phase.READY:  # a new step
+            self._window, self._skipping, self._forwarded = 0, self.recovery_state.skip_after_restore > 0, False
+            self._start_step()
+        self.phase, self._loss_due = Phase.ACCUMULATING, True
+        if self.plumbing.moves and not (self._skipping and self._stepping):  # (Guard.step runs no skipped batch)
+            batch = self.plumbing.move(batch)  # a CPU loader's batch to the model's accelerator
+        if not self._skipping and self.sync.steps_alone and batch_rows(batch) == 0:  # (under DDP every rank steps)
+            self._skip_forward = True
+            if self.cfg.guard.accumulate_steps > 1:  # left out; with one micro-batch a step, decide() skips the step
+                self.recovery.empty_batch(False, self._step_scheduler)
+            return batch
+        self._window += 1
+        self._skip_forward = self._skipping
+        if self._skipping:  # the data that led into a restore: no gradient of it is used
+            if self._window == 1:  # a caller's forward on it leaves no buffer update behind
+                self.forward.buffers.keep()
+            return batch
+        p = self._pending
+        p.micro.append(batch)
+        p.indices.append(list(indices) if indices is not None else [])
+        p.places.append(self.position)  # its own place, for its events
+        return self.forward.begin(batch, p)
 
-    def close(self) -> None:
-        """Remove every hook and release the snapshot store; idempotent."""
-        self.monitor.detach()
-        if self.phase is not Phase.CLOSED:
-            self.store.close()
-        self.phase = Phase.CLOSED
+    def record_loss(self, loss: Any, *, scaled: bool = False) -> None:
+        """The loss of the micro-batch begun last, as the model computed it (not divided by the
+        gradient accumulation); no host sync. ``scaled``: the loss as it goes to the backward,
+        multiplied by the fp16 loss scale (the guard divides it back on the device).
 
-    def begin_epoch(self, epoch: int, resumed: bool = False) -> None:
-        """Mark the start of an epoch: counters move, the RNG state that shuffles it is kept for
-        resume, and the epoch's mean loss starts afresh (kept when ``resumed``: an epoch resumed
-        mid-way from a snapshot goes on with the losses of its steps before the snapshot)."""
-        self.counters.epoch, self.counters.batch = epoch, 0
-        self.epoch_rng = torch.get_rng_state()
-        self.diagnoser.rng_reset()  # the loader's shuffle draws from the RNG next
-        if not resumed:
-            self.recovery_state.epoch_loss = (0.0, 0)
+        Raises:
+            RuntimeError: no batch begun since the last loss (call :meth:`begin_batch` first).
+        """
+        self._check("record_loss")
+        if not self._loss_due:
+            raise RuntimeError(
+                "Guard.record_loss() without a batch begun: call begin_batch(batch) first, run the forward on "
+                "what it returns, then record_loss(loss) once for that batch"
+            )
+        self._loss_due = False
+        if self._skip_forward:  # a skipped or empty micro-batch: its loss is no part of the step
+            self._forwarded = self._forwarded or self._skipping
+            return
+        if scaled:
+            loss = self.plumbing.unscaled_loss(loss.detach())
+        self._pending.calls.append(self.monitor.recorded)  # which micro-batch a forward finding is in
+        self.forward.add_loss(loss, self._pending)
 
-    def measure_start(self, batches: Sequence[Any]) -> List[float]:
-        """Before the run's first step, the start model's loss on ``batches`` (two or more the first
-        step does not train on) becomes the first steps' reference (:mod:`.measure`); ``fit`` passes
-        the two after the first step's. A no-op after the first step and under DDP or FSDP. Returns
-        the finite losses measured."""
-        if self.counters.steps or self.phase is not Phase.READY or not self.sync.steps_alone:
-            return []
-        parts = self.forward, self.plumbing, self.monitor, self._named, self.spike, self.recovery_state
-        return measure(*parts, batches)
+    def decide(self, window: Optional[int] = None) -> StepResult:
+        """After the step's last backward, before ``optimizer.step()``: the step's one host read and
+        its decision, carried out (a restore, a re-run, gradients zeroed, ...).
 
-    @property
-    def epoch_loss(self) -> Optional[float]:
-        """The mean loss of this epoch's trained steps so far (non-finite losses left out), or ``None``."""
-        total, n = self.recovery_state.epoch_loss
-        return total / n if n else None
+        Args:
+            window: what the caller divided each micro-batch's loss by, when not
+                ``guard.accumulate_steps`` (a short last window at an epoch's end); the guard's
+                re-runs and replays divide the same way.
 
-    # ----------------------------------------------------------------- the step
+        Returns:
+            The :class:`StepResult`; when ``trained`` is false the gradients were dropped (set to
+            ``None``), so an optimizer step leaves every parameter as it is.
+
+        Raises:
+            RuntimeError: out of order (no batch begun, a loss not recorded, or decided already).
+            TrainingAborted: the policy aborted; the model and optimizer are at the last good snapshot.
+        """
+        self._check("decide")
+        if self.phase is not Phase.ACCUMULATING:
+            raise RuntimeError("Guard.decide() without a batch begun: call begin_batch(batch) first")
+        if self._decided is not None:
+            raise RuntimeError("Guard.decide() twice for one step: call finish_step() after the optimizer step")
+        if self._loss_due and not self._skip_forward:
+            raise RuntimeError("Guard.decide() before the last batch's loss: call record_loss(loss) first")
+        try:
+            verdict, result = self._decide(window)
+        except BaseException:
+            self.phase = Phase.READY
+            raise
+        self._decided = verdict, result
+        return result
+
+    def finish_step(self) -> StepResult:
+        """After ``optimizer.step()`` (or where it would have been): counters, the scheduler's
+        bookkeeping, the periodic snapshot; returns the step's final :class:`StepResult` (with the
+        snapshot's event).
+
+        Raises:
+            RuntimeError: no step decided (call :meth:`decide` first).
+        """
+        self._check("finish_step")
+        if self._decided is None:
+            raise RuntimeError(
+                "Guard.finish_step() without decide(): call decide() after the step's backward, then step the "
+                "optimizer, then finish_step()"
+            )
+        (verdict, result), self._decided = self._decided, None
+        try:
+            if verdict is None:  # the step's data was skipped, or it was empty: nothing more to do
+                return result
+            if verdict.trains:
+                self.updates.applied(self.last_loss)
+            return self.decisions.close(verdict, result, self.cfg.snapshot.every, self.snapshot)
+        finally:
+            self.phase = Phase.READY
+
+    # ----------------------------------------------------------------- the step, inside
+    def _check(self, verb: str) -> None:
+        """A verb is legal now: the guard is open, and one driver uses it (``Guard.step`` or the caller)."""
+        if self.phase is Phase.CLOSED:
+            raise RuntimeError(f"Guard.{verb}() after close(); make a new Guard")
+        who = GUARD if self._stepping else CALLER
+        if self._driver is None:
+            self._driver = who
+            if who is CALLER:
+                self._caller_drives()
+        elif self._driver is not who:
+            raise RuntimeError(
+                f"Guard.{verb}(): this guard's steps are driven by {self._driver}; use one of them for a run "
+                "(Guard.step(batch) runs forward, backward and the optimizer step itself; begin_batch, record_loss, "
+                "decide and finish_step are for a loop that runs them)"
+            )
+
+    def _caller_drives(self) -> None:
+        """The caller's loop runs forward, backward, the optimizer step and the scheduler: the guard
+        follows its scheduler; without a ``loss_fn`` or ``step_fn`` it cannot run a step itself."""
+        if self.scheduler is not None:
+            self.updates.follow(self.scheduler)
+        if self.forward.loss_fn is None and self.forward.step_fn is None:
+            self.cfg = without_reruns(self.cfg)
+            self.rules = dataclasses.replace(self.rules, reruns=False)
+
+    def _leave_out_last(self) -> None:
+        p = self._pending
+        del p.micro[-1], p.indices[-1], p.places[-1]
+        self._window -= 1
+        logger.debug("a batch begun without a loss recorded is left out of step %d", self.counters.steps + 1)
+
     def _arrive(self, batch: Any) -> None:
         """A (micro-)batch arrives: the run's first takes the forced snapshot (sound by definition),
         and a run whose parameters or optimizer state are non-finite already stops (:mod:`.start`):
@@ -265,18 +320,6 @@ class Guard(OwnSteps, CallerSteps):
         reason = start.broken_start_reason(bad, start.state_names(self._all_params, self.optimizer), modules)
         self.recovery.abort(Kind.WEIGHTS, reason)
 
-    def _add_micro(self, batch: Any, indices: Optional[Sequence[int]]) -> Tuple[Any, Pending]:
-        """The batch on the model's device, added to the pending step (a new one when none is)."""
-        if self.plumbing.moves:  # a CPU loader's batch to the model's accelerator
-            batch = self.plumbing.move(batch)
-        if self.phase is Phase.READY:
-            self._start_step()
-        p = self._pending
-        p.micro.append(batch)
-        p.indices.append(list(indices) if indices is not None else [])
-        p.places.append((self.counters.epoch, self.counters.batch - 1))  # its own place, for its events
-        return batch, p
-
     def _start_step(self) -> None:
         probe = self._probe
         if not self.plumbing.grads_dropped or (probe and (probe[0].grad is not None or probe[1].grad is not None)):
@@ -288,7 +331,44 @@ class Guard(OwnSteps, CallerSteps):
         self.monitor.reset()
         self.diagnoser.begin_step()
         steps = self.counters.optimizer_steps
-        self._pending.weights = self.weights.maybe_run(steps) if steps > 0 else None
+        self._pending.weights = self.weights.maybe_run(steps) if steps > 0 and not self._skipping else None
+
+    def _decide(self, window: Optional[int]) -> Tuple[Optional[Verdict], StepResult]:
+        """The step's read and decision loop; a step of skipped data or of empty batches has neither."""
+        if self._skipping:  # the data that led into a restore: the window is one whole step skipped
+            self.plumbing.drop_grads()
+            if self._forwarded:  # the caller's forward ran on it: its buffer updates go
+                self.forward.buffers.put_back()
+            event = self.recovery.skip_data(self._step_scheduler)
+            return None, nan_result(self.counters.steps, "skip_batch", (event,))
+        if not self._pending.micro:  # only empty batches: a skipped step
+            self.plumbing.drop_grads()
+            event = self.recovery.empty_batch(True, self._step_scheduler)
+            return None, nan_result(self.counters.steps, "skip_batch", (event,))
+        k, restores = self.forward.accumulate, self.counters.restores
+        self.forward.accumulate = window if window else k  # re-runs divide as the caller did
+        try:
+            verdict = self.decisions.run(self._read(), lambda: self._pending, self._loss, self.rules, self._again)
+        finally:
+            self.forward.accumulate = k
+        if verdict.trains:
+            self.updates.prepare(verdict.total_norm, self._pending.micro)
+        result = StepResult(
+            self.counters.steps,
+            verdict.trains,
+            self.last_loss,
+            self.last_grad_norm,
+            verdict.action,
+            tuple(verdict.events),
+            restored=self.counters.restores != restores,
+        )
+        return verdict, result
+
+    def _loss(self) -> float:
+        return self.last_loss
+
+    def _step_scheduler(self) -> None:
+        self.updates.skipped_data(self.last_loss)
 
     def _read(self) -> detect.StepRead:
         self.counters.steps += 1
@@ -297,49 +377,7 @@ class Guard(OwnSteps, CallerSteps):
         self.last_grad_norm = read.total_norm if read.total_norm is not None else math.nan
         return read
 
-    def _decide(self, read: detect.StepRead) -> Verdict:
-        """The decision loop: each turn judges, diagnoses, decides and carries out; a re-run
-        (drop_rows, replace, retry) is the next turn, never a call back into the step."""
-        events: List[Event] = []
-        rerun_action, retried = "", False
-        while (anomaly := self.judge(read, self._pending, self.last_loss)) is not None:
-            anomaly = dataclasses.replace(anomaly, retried=retried, again=bool(rerun_action))
-            if raises(anomaly.kind, self.rules):
-                self.recovery.reject_rows(anomaly)
-            diagnosis = self._explain(anomaly) if self.diagnoser.explains(anomaly.kind) else None
-            # A typed fact for the policy: is there a snapshot to restore (slow path: lists a directory)?
-            history = dataclasses.replace(self.history, has_snapshot=bool(len(self.store)))
-            decision, self.history = decide(anomaly, history, self.rules, diagnosis)
-            outcome = self.recovery.carry_out(anomaly, decision, read, self._pending, diagnosis)
-            events += outcome.events
-            if outcome.rerun is None:
-                return Verdict(read, events, rerun_action, outcome)
-            rerun_action, retried = str(outcome.action), retried or decision.action is Action.RETRY
-            read = self._run_again(outcome.rerun, read)
-        if not self.divergence.climbing:  # (mid-climb a read vouches for nothing)
-            self.backoff.read_clean()  # the last update's LRs are trusted: a restore holds the schedule to them
-            self.recovery_state.clean_reads.append(self.counters.steps)
-        return Verdict(read, events, rerun_action)
-
-    def _close_step(self, verdict: Verdict) -> StepResult:
-        """After the update (applied or not): what a trained step's loss joins, and the snapshot."""
-        if verdict.outcome is None:
-            return self._healthy(verdict.read, verdict.events, verdict.rerun_action)
-        if verdict.trains:
-            self.recovery_state.count_loss(self.last_loss)
-            self.judge.observe(self.last_loss)  # a trained step's loss joins the spike and divergence windows
-        steps, events = self.counters.steps, tuple(verdict.events)
-        return StepResult(steps, verdict.trains, self.last_loss, self.last_grad_norm, verdict.action, events)
-
-    def _explain(self, anomaly: Anomaly) -> Diagnosis:
-        """The slow path's replay: the step's (its parameters were finite: the judge checked), or
-        for weights the updates' since the newest snapshot."""
-        p = self._pending
-        diagnosis = self.diagnoser.explain(anomaly.kind, micro=p.micro, indices=p.indices, store=self.store)
-        where = p.place(diagnosis.micro)  # the micro-batch it reproduced in: its events name that batch
-        return dataclasses.replace(diagnosis, epoch=where[0], batch_index=where[1]) if where else diagnosis
-
-    def _run_again(self, rerun: Rerun, read: detect.StepRead) -> detect.StepRead:
+    def _again(self, rerun: Rerun, read: detect.StepRead) -> detect.StepRead:
         """The next turn's read: the step run again on ``rerun.batches`` (its gradients dropped
         first; it counts as the same step), or the same read with the replaced rows' flags cleared."""
         if rerun.batches is None:
@@ -352,7 +390,7 @@ class Guard(OwnSteps, CallerSteps):
         for i, batch in enumerate(rerun.batches):
             p.micro.append(batch)
             p.indices.append(rerun.indices[i] if rerun.indices else [])
-            p.places.append(rerun.places[i] if rerun.places else (self.counters.epoch, self.counters.batch - 1))
+            p.places.append(rerun.places[i] if rerun.places else self.position)
             self.forward.run(batch, p)
         return self._read()
 
@@ -364,86 +402,3 @@ class Guard(OwnSteps, CallerSteps):
         buffers, gradients and every RNG stream.
         """
         return self.diagnoser.explain(None, micro=self._pending.micro, indices=self._pending.indices)
-
-    # ----------------------------------------------------------------- outcomes
-    def _healthy(self, read: detect.StepRead, events: List[Event], rerun_action: str) -> StepResult:
-        """Apply a step that read clean; a re-run of an anomalous step trains but is not healthy."""
-        rs = self.recovery_state
-        rs.count_loss(self.last_loss)  # before the snapshot below, which keeps the epoch's losses
-        self.judge.observe(self.last_loss)
-        # Mid-climb (divergence.climbing) a read vouches for no snapshot and none is taken: a restore lands before it.
-        owed = rs.history.unverified if (climbing := self.divergence.climbing) else 0
-        if rerun_action:
-            rs.history = read_clean(rs.history)  # vouches for the newest snapshot, ends an fp16 overflow run
-        else:
-            self.counters.healthy_steps += 1
-            new_scale = rs.healthy()  # also vouches for the newest snapshot
-            if new_scale is not None:  # the climb is an event at its step
-                events.append(self.recovery.lr_changed(new_scale, "healthy run: LR scale climbs back one notch"))
-        if owed:
-            rs.history = newest_taken(rs.history, owed)
-        rs.since_snapshot += 1
-        if rs.since_snapshot >= self.cfg.snapshot.every and not climbing:
-            events.append(self.snapshot())
-        return StepResult(self.counters.steps, True, self.last_loss, self.last_grad_norm, rerun_action, tuple(events))
-
-    def _not_applied(self) -> None:
-        self.updates.not_applied(self.last_loss)
-
-    def _after_restore(self, step: int) -> None:
-        self.diagnoser.rng_reset()  # the snapshot's RNG state is back
-        self.diagnoser.clear(step)
-        self._pending.weights = None
-
-    def snapshot(self, force: bool = False) -> Event:
-        """Snapshot the whole training state now (the guard also does it every ``snapshot.every`` healthy steps).
-
-        Returns:
-            The :class:`SnapshotTaken` event (``action`` ``"saved"`` or ``"refused"`` when not finite).
-        """
-        return self.snapshots.take(self.state_dict(), self.epoch_rng, force)
-
-    def state_dict(self) -> Dict[str, Any]:
-        """The guard's own state, JSON-ready: counters, policy history (with the fp16 overflow
-        streak), LR backoff, spike window, divergence window and episode, and the epoch's loss sum and count."""
-        return {
-            "counters": vars(self.counters).copy(),
-            "lr": self.backoff.state_dict(),
-            **self.judge.state_dict(),
-            **self.recovery_state.state_dict(),
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Put back what :meth:`state_dict` returned (on resume)."""
-        vars(self.counters).update(vars(Counters(**state["counters"])))  # in place: the parts hold it
-        self.backoff.load_state_dict(state["lr"])
-        self.judge.load_state_dict(state)
-        self.recovery_state.load_state_dict(state)
-
-    def _emit(
-        self,
-        cls: type,
-        kind: str,
-        action: str,
-        message: str,
-        detail: Mapping[str, Any],
-        at: Optional[Tuple[int, int]] = None,
-    ) -> Event:
-        """Journal an event at the step; ``at``: the ``(epoch, batch index)`` of the micro-batch it
-        is about (an accumulated step's micro-batches each have their own), else the step's last batch."""
-        c, kind = self.counters, str(kind)  # the journal holds plain strings
-        if cls is AnomalyFound:  # under DDP: which ranks' own values tripped
-            detail = self.sync.annotate(detail, kind)
-        epoch, batch = at if at is not None else (c.epoch, c.batch - 1)
-        return self.bus.emit(
-            cls(
-                step=c.steps,
-                epoch=epoch,
-                batch=batch,
-                kind=kind,
-                action=str(action),
-                message=message,
-                detail=detail,
-                rank=self.rank,
-            )
-        )

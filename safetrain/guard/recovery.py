@@ -179,28 +179,22 @@ class Recovery:
             broken = ["(on another rank)"]
         if broken:
             known = explain_optimizer(self.train_state.optimizer, [self.params[n] for n in broken if n in self.params])
-            kind, reason = (
-                Kind.WEIGHTS,
-                (
-                    f"weights: the run ended with non-finite parameters ({', '.join(broken[:5])}) that no check "
-                    f"caught on the way (detect.check_weights_every={self.cfg.detect.check_weights_every} steps)"
-                    + (f"; {known}" if known else "; lower detect.check_weights_every to find the step that broke them")
-                ),
+            kind = Kind.WEIGHTS
+            reason = (
+                f"weights: the run ended with non-finite parameters ({', '.join(broken[:5])}) that no check "
+                f"caught on the way (detect.check_weights_every={self.cfg.detect.check_weights_every} steps)"
+                + (f"; {known}" if known else "; lower detect.check_weights_every to find the step that broke them")
             )
         elif seen > 0 and trained == 0:
             c = self.counters
-            kind, reason = (
-                Kind.TARGET if self.masked_targets else "run",
-                (f"run: none of the {seen} steps trained ({c.skipped_batches} skipped, {c.restores} restores)"),
-            )
+            kind = Kind.TARGET if self.masked_targets else "run"
+            reason = f"run: none of the {seen} steps trained ({c.skipped_batches} skipped, {c.restores} restores)"
             reason = with_hint(reason, Kind.TARGET, None, self.masked_targets, seen)
         elif seen > 0 and (worse := self.state.ended_worse(self.cfg.guard.end_margin)):
-            kind, reason = (
-                "run",
-                (
-                    f"run: {worse}; fix: a smaller learning rate (or LR warmup), targets and inputs in the units "
-                    "the model expects; for a run whose loss may rise by design (a GAN, RL), guard.end_margin: null"
-                ),
+            kind = "run"
+            reason = (
+                f"run: {worse}; fix: a smaller learning rate (or LR warmup), targets and inputs in the units "
+                "the model expects; for a run whose loss may rise by design (a GAN, RL), guard.end_margin: null"
             )
         else:
             self._settle_last_step(seen)
@@ -221,8 +215,16 @@ class Recovery:
         if seen == 0 or h.consecutive == 0 or h.healthy_streak > 0 or not len(self.store):
             return
         kind = Kind(h.fault.kind) if h.fault is not None else Kind.LOSS  # the last fault on the ladder
-        decision = Decision(kind, Action.RESTORE, 0, True, h.lr_scale, False, "the run ended on an anomalous step",
-                            pass_over_newest=h.unverified > 0)  # fmt: skip
+        decision = Decision(
+            kind=kind,
+            action=Action.RESTORE,
+            rung=0,
+            restore=True,
+            lr_scale=h.lr_scale,
+            trains=False,
+            reason="the run ended on an anomalous step",
+            pass_over_newest=h.unverified > 0,
+        )
         self.restore(decision, why=f"{kind}: the run ended on an anomalous step, on weights nothing vouched for")
         self.state.skip_after_restore = 0  # nothing is left to skip
 
@@ -349,14 +351,9 @@ class Recovery:
         self.backoff.hold()  # no LR above the last healthy update's, however often the schedule sets it
         return event
 
-    def skip_data(self, step_scheduler: Callable[[], None]) -> Optional[Event]:
-        """Skip the data that led into a restore, a whole step (``accumulate_steps`` micro-batches)
-        at a time; returns the event when a whole step was skipped, else ``None``."""
+    def skip_data(self, step_scheduler: Callable[[], None]) -> Event:
+        """Skip the data that led into a restore, a whole step (its micro-batches) at a time; returns its event."""
         s = self.state
-        s.skipped_micro += 1
-        if s.skipped_micro < self.cfg.guard.accumulate_steps:
-            return None
-        s.skipped_micro = 0
         s.skip_after_restore -= 1
         self.counters.steps += 1
         self.counters.skipped_batches += 1

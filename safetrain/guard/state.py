@@ -37,7 +37,6 @@ class RecoveryState:
         recovery: the ``recovery`` section the history moves by.
         skip_after_restore: steps of data still to skip after a restore
             (``recovery.skip_batches_after_restore``).
-        skipped_micro: micro-batches of the step being skipped after a restore.
         since_snapshot: healthy steps since the last snapshot.
         epoch_loss: sum and count of this epoch's trained steps' finite losses (the epoch metric of
             an epoch-interval scheduler; part of the snapshot, so a resume mid-epoch keeps it).
@@ -47,7 +46,6 @@ class RecoveryState:
 
     recovery: RecoveryConfig
     skip_after_restore: int = 0
-    skipped_micro: int = 0
     since_snapshot: int = 0
     epoch_loss: Tuple[float, int] = (0.0, 0)
     first_losses: List[float] = field(default_factory=list)  # the run's first trained, finite losses

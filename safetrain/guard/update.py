@@ -7,7 +7,7 @@ backoff stays a scale on top of the schedule.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Set
 
 from .. import detect
 from ..config import GuardConfig
@@ -29,8 +29,8 @@ class Updates:
         scheduler: the user's LR scheduler, if any.
         backoff: the LR scale kept on top of the schedule.
         record: ``record(step, micro, total)`` just before an update (the weight replay keeps references).
-        caller_steps: the caller's loop steps the optimizer and the scheduler; the scheduler is
-            followed (:meth:`follow`) instead of stepped.
+
+    A scheduler the caller's loop steps is followed (:meth:`follow`) instead of stepped.
     """
 
     def __init__(
@@ -42,20 +42,14 @@ class Updates:
         scheduler: Any,
         backoff: LRBackoff,
         record: Any,
-        caller_steps: bool = False,
     ) -> None:
         self.plumbing, self.grads, self.counters = plumbing, grads, counters
         self.scheduler, self.backoff, self.record = scheduler, backoff, record
         self.clip = cfg.clip_grad_norm
-        self.per_step = scheduler is not None and cfg.scheduler_interval == "step" and not caller_steps
+        self.per_step = scheduler is not None and cfg.scheduler_interval == "step"
         self.on_skips = cfg.scheduler_follows == "batch"
         self.applied_last = True  # whether the last step's update was applied (a followed scheduler may step)
-
-    def apply(self, total: Optional[float], micro: List[Any], loss: float) -> None:
-        """Clip with the norm already read, step the optimizer (and scaler), then the scheduler."""
-        self.prepare(total, micro)
-        self.plumbing.step_optimizer()
-        self.applied(loss)
+        self._followed: Set[int] = set()  # the schedulers followed (their step is wrapped once)
 
     def prepare(self, total: Optional[float], micro: List[Any]) -> None:
         """Before the optimizer steps: clip with the norm already read, keep the step's references."""
@@ -74,10 +68,24 @@ class Updates:
         self.plumbing.grads_dropped = True  # the next step need not zero them again
 
     def follow(self, scheduler: Any) -> None:
-        """Make a scheduler that the caller's loop steps follow the guard: its ``step`` does nothing
-        after a step whose update was not applied (unless ``guard.scheduler_follows: batch``), and
-        the LR backoff holds on top of it (:meth:`LRBackoff.follow <safetrain.lr.LRBackoff.follow>`)."""
-        self.backoff.follow(scheduler, lambda: self.applied_last or self.on_skips)
+        """Make a scheduler that the caller's loop steps keep the LR backoff on top of it
+        (:meth:`LRBackoff.follow <safetrain.lr.LRBackoff.follow>`); once per scheduler. The guard's
+        own (step-interval) scheduler also follows the steps: its ``step`` does nothing after a step
+        whose update was not applied (unless ``guard.scheduler_follows: batch``), and the guard no
+        longer steps it; another (an epoch-interval one) steps whenever the caller steps it."""
+        if id(scheduler) in self._followed:
+            return
+        self._followed.add(id(scheduler))
+        if scheduler is self.scheduler:
+            self.per_step = False
+            self.backoff.follow(scheduler, lambda: self.applied_last or self.on_skips)
+        else:
+            self.backoff.follow(scheduler)
+
+    def stopped(self) -> None:
+        """The run stopped: no gradient is left for an optimizer step, nor a followed scheduler's step."""
+        self.plumbing.free_grads()
+        self.applied_last = False
 
     def not_applied(self, loss: float) -> None:
         """The step's update is not applied: drop the gradients, count it, and step the scheduler

@@ -1,18 +1,19 @@
 """Hugging Face ``transformers.Trainer``: :class:`SafeTrainingCallback`, safetrain's guard as a callback.
 
-The Trainer owns the loop; the guard is told at its points (``Guard(caller_steps=True)``):
+The Trainer owns the loop; the callback drives the guard's step verbs at its points, and a
+:class:`~safetrain.run.Run` around them:
 
 * each micro-batch: a forward pre-hook on the model (training mode) hands the batch to
   ``guard.begin_batch`` and runs the forward on the scanned copy; a forward hook gives the
   model's ``output.loss`` to ``guard.record_loss``;
-* the step's decision (``guard.before_optimizer_step``: the one host read, the policy, the
+* the step's decision (``guard.decide``: the one host read, the policy, the
   action carried out) runs at the end of the last micro-batch's backward, queued on the autograd
   engine from a hook on that loss. It must come before the Trainer's clipping: the Trainer clips
   (``accelerator.clip_grad_norm_``, even with ``max_grad_norm=0``, where it measures the norm
   with ``max_norm=inf``) with a non-finite norm as a NaN factor, which turns every gradient NaN
   and hides the parameters that went bad. The Trainer then clips gradients that are finite (or
   dropped: a skipped step), and its ``optimizer.step()`` changes nothing on a skipped step;
-* ``on_step_end`` (after the scheduler stepped): ``guard.after_optimizer_step`` (counters, the
+* ``on_step_end`` (after the scheduler stepped): ``guard.finish_step`` (counters, the
   periodic snapshot). The Trainer's scheduler follows the guard: it does not advance on a step
   whose update was not applied, and an LR backoff stays a scale on top of it.
 
@@ -30,21 +31,24 @@ one process (no DDP/FSDP/DeepSpeed yet); tested with transformers 5.24 and accel
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
-import time
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from ..adapters.huggingface_private import (
+    gradient_state,
+    optimizer_scaler,
+    takes_loss_kwargs,
+    unscale_once,
+    unwrap_optimizer,
+)
+from ..adapters.torch_private import at_backward_end
 from ..config import ConfigLike, TrainConfig, as_config, to_dict
-from ..ending import RunWriters
 from ..errors import TrainingAborted
-from ..events import RunStarted
 from ..guard import Guard, StepResult
-from ..rundir import prepare_run_dir
-from ..trainer import FitResult
+from ..run import FitResult, Run
 
 __all__ = ["SafeTrainingCallback", "MIN_TRANSFORMERS", "model_loss"]
 
@@ -93,54 +97,15 @@ def model_loss(model: torch.nn.Module, batch: Mapping) -> torch.Tensor:
     return loss
 
 
-def _takes_loss_kwargs(model: torch.nn.Module) -> bool:
-    """Whether the Trainer gives the model ``num_items_in_batch`` (``accepts_loss_kwargs``, or ``**kwargs``)."""
-    accepts = getattr(model, "accepts_loss_kwargs", None)
-    if accepts is None:
-        params = inspect.signature(model.forward).parameters.values()
-        accepts = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-    return bool(accepts)
-
-
 def _with_accumulation(cfg: TrainConfig, model: torch.nn.Module, k: int) -> TrainConfig:
     """The config with ``guard.accumulate_steps`` as the Trainer divides each micro-batch's loss for
     its backward (the guard's re-runs and replays do the same): by ``gradient_accumulation_steps``,
     or not at all for a model that takes ``num_items_in_batch`` (its loss is already normalized over
     the whole step; the Trainer's rule: ``accepts_loss_kwargs``, else a ``**kwargs`` forward)."""
-    k = 1 if _takes_loss_kwargs(model) else max(int(k), 1)
+    k = 1 if takes_loss_kwargs(model) else max(int(k), 1)
     if cfg.guard.accumulate_steps == k:
         return cfg
     return dataclasses.replace(cfg, guard=dataclasses.replace(cfg.guard, accumulate_steps=k))
-
-
-def _raw_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (itself an ``Optimizer``
-    subclass): the one the fp16 GradScaler keys its state by."""
-    from accelerate.optimizer import AcceleratedOptimizer
-
-    while isinstance(optimizer, AcceleratedOptimizer):
-        optimizer = optimizer.optimizer
-    return optimizer
-
-
-def _unscale_once(scaler: torch.amp.GradScaler) -> Callable[[], None]:
-    """Make ``scaler.unscale_`` do nothing for an optimizer already unscaled since the last
-    ``update()``: the guard unscales before it reads (at the end of the backward), and the Trainer's
-    clip (``accelerator.unscale_gradients``) unscales again, which GradScaler refuses. Returns the undo."""
-    original = scaler.unscale_
-    from torch.amp.grad_scaler import OptState
-
-    def unscale_(optimizer: torch.optim.Optimizer) -> None:
-        if scaler._per_optimizer_states[id(optimizer)]["stage"] is not OptState.UNSCALED:
-            original(optimizer)
-
-    scaler.unscale_ = unscale_  # on this instance only
-
-    def undo() -> None:
-        if scaler.__dict__.get("unscale_") is unscale_:
-            del scaler.unscale_
-
-    return undo
 
 
 class SafeTrainingCallback(TrainerCallback, ExportableState):
@@ -178,7 +143,7 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
         self.aborted: Optional[TrainingAborted] = None
         self.result: Optional[FitResult] = None
         self.last: Optional[StepResult] = None  # the last decided step
-        self._writers: Optional[RunWriters] = None
+        self._run: Optional[Run] = None
         self._handles: List[Any] = []
         self._undo: List[Callable[[], None]] = []  # what on_train_begin changed on the Trainer's objects
         self._gradient_state: Any = None
@@ -186,14 +151,24 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
         self._open = False  # a micro-batch begun, its loss not yet seen
         self._undecided = False  # the step's last micro-batch seen, its decision not yet made
         self._snapshot_due = False  # resumed: the first training forward snapshots the checkpoint's state
-        self._started = 0.0
+        self._finish_due = False  # decided: finish_step() at the step's end
+        self._window = 0  # training forwards begun since the last decision (fewer at an epoch's end)
+        self._accumulates = False  # gradient accumulation: each micro-batch's loss divided by the window's size
 
     # ----------------------------------------------------------------- the Trainer's events
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
-                       lr_scheduler: Any = None, **kwargs: Any) -> None:  # fmt: skip
+    def on_train_begin(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        model: Any = None,
+        optimizer: Any = None,
+        lr_scheduler: Any = None,
+        **kwargs: Any,
+    ) -> None:
         """Make the guard around the Trainer's model, optimizer, scheduler and fp16 scaler."""
         self.close()
-        self.aborted, self.result, self.last, self._started = None, None, None, time.perf_counter()
+        self.aborted, self.result, self.last = None, None, None
         if getattr(args, "world_size", 1) > 1 or getattr(args, "deepspeed", None):
             raise RuntimeError(
                 "SafeTrainingCallback supports one process for now (found world_size "
@@ -204,53 +179,54 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
             raise RuntimeError("SafeTrainingCallback: the Trainer gave no model or optimizer to on_train_begin")
         cfg = _with_accumulation(self.cfg, model, args.gradient_accumulation_steps)
         logger.setLevel(cfg.log.level)
-        run_dir = prepare_run_dir(cfg.log.dir or args.output_dir) if (cfg.log.dir or args.output_dir) else None
-        self._writers = writers = RunWriters()
-        writers.open(run_dir, 0, cfg.snapshot.every)
+        self._run = run = Run(cfg.log.dir or args.output_dir, 0, cfg)
+        run.open()
         try:
-            self._start(args, state, model, optimizer, lr_scheduler, cfg, run_dir)
+            self._start(state, model, optimizer, lr_scheduler, run)
         except BaseException as exc:  # the journal says why the run never trained
             self.close(error=exc)
             raise
 
-    def _start(self, args: Any, state: Any, model: Any, optimizer: Any, lr_scheduler: Any, cfg: TrainConfig,
-               run_dir: Any) -> None:  # fmt: skip
-        writers = self._writers
-        self._gradient_state = getattr(optimizer, "gradient_state", None)
-        scaler = getattr(optimizer, "scaler", None)  # fp16: accelerate's GradScaler
+    def _start(self, state: Any, model: Any, optimizer: Any, lr_scheduler: Any, run: Run) -> None:
+        self._accumulates, self._window = run.cfg.guard.accumulate_steps > 1, 0
+        self._gradient_state = gradient_state(optimizer)
+        scaler = optimizer_scaler(optimizer)  # fp16: accelerate's GradScaler
         if scaler is not None and scaler.is_enabled():
-            self._undo.append(_unscale_once(scaler))
-        guard = self.guard = writers.guard = Guard(
-            model,
-            _raw_optimizer(optimizer),
-            cfg,
-            caller_steps=True,
-            step_fn=self._step_fn,
-            scheduler=lr_scheduler,
-            scaler=scaler,
-            bus=writers.bus,
-            run_dir=str(run_dir) if run_dir else None,
+            self._undo.append(unscale_once(scaler))
+        guard = self.guard = run.attach(
+            Guard(
+                model,
+                unwrap_optimizer(optimizer),
+                run.cfg,
+                step_fn=self._step_fn,
+                scheduler=lr_scheduler,
+                scaler=scaler,
+                bus=run.bus,
+                run_dir=run.dir_name,
+            )
         )
-        guard.loss_shares = _takes_loss_kwargs(model)  # its micro-batches' losses sum to the step's
+        if lr_scheduler is not None:  # the Trainer steps it: it follows the guard's steps
+            guard.follow_scheduler(lr_scheduler)
+        guard.loss_shares = takes_loss_kwargs(model)  # its micro-batches' losses sum to the step's
         saved = self._saved_state(state)
         if saved is not None:
             guard.load_state_dict(saved)
             # The checkpoint's state is the first good one: snapshot it at the first forward, once
             # the Trainer has put back the checkpoint's RNG state too (at its first batch, not yet).
             self._snapshot_due = True
-        elif run_dir is not None:
-            guard.store.check_fresh()
+        elif run.dir is not None:
+            guard.check_fresh()
         self._handles = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward),
         ]
         how = f"resumed at step {state.global_step}" if saved is not None else "started"
-        writers.bus.emit(
-            RunStarted(step=guard.counters.steps, epoch=int(state.epoch or 0), batch=-1, kind="run", rank=0,
-                       action="resume" if saved is not None else "start",
-                       message=f"{how} in a transformers.Trainer; run dir {run_dir}",
-                       detail={"config": to_dict(cfg), "integration": f"transformers {_transformers.__version__}"})
-        )  # fmt: skip
+        run.start(
+            "resume" if saved is not None else "start",
+            f"{how} in a transformers.Trainer",
+            {"integration": f"transformers {_transformers.__version__}"},
+            epoch=int(state.epoch or 0),
+        )
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """The guard's epoch (its counters and the epoch's mean loss)."""
@@ -264,23 +240,18 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
         if self._undecided:  # (the loss did not require grad: decided after the Trainer's clipping)
             self._decide()
         if self.aborted is not None and self.guard is not None:
-            self.guard.plumbing.free_grads()  # no gradient: the Trainer's optimizer.step() moves nothing
-            self.guard.updates.applied_last = False  # nor does its scheduler.step()
+            self.guard.stop()  # no gradient: the Trainer's optimizer.step() moves nothing, nor its scheduler.step()
             control.should_training_stop = True
         return control
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         """After the optimizer and the scheduler: the guard's counters and periodic snapshot."""
-        guard = self.guard
-        if guard is None or self.aborted is not None:
+        if self.guard is None or self.aborted is not None or not self._finish_due:
             return control
-        final = guard.after_optimizer_step()
-        step = final if final is not None else self.last
-        if step is not None and self._writers is not None and self._writers.metrics is not None:
-            c = guard.counters
-            row = (step.step, c.epoch, c.batch - 1, step.loss, step.grad_norm, guard.backoff.scale, step.trained)
-            self._writers.metrics.write(*row, step.action, flush=bool(step.events))
-        self.last = step
+        self._finish_due = False
+        self.last = self.guard.finish_step()
+        if self._run is not None:
+            self._run.record(self.last)
         return control
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Optional[Dict[str, Any]] = None, **kwargs: Any) -> None:
@@ -288,20 +259,21 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
         into the Trainer's logs and ``state.log_history``."""
         if self.guard is None or logs is None or "loss" not in logs:
             return
-        extra = {"grad_norm": self.guard.last_grad_norm, "lr_scale": self.guard.backoff.scale}
+        extra = {"grad_norm": self.guard.last_grad_norm, "lr_scale": self.guard.lr_scale}
         logs.update(extra)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(extra)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """The end-of-run checks (a trained step, finite parameters), then the journal's ``run_ended``."""
-        guard = self.guard
-        if guard is not None and self.aborted is None:
-            try:
-                guard.recovery.check_end(guard.counters.steps, guard.counters.optimizer_steps)
-            except TrainingAborted as exc:
-                self._abort(exc)
-        self.close()
+        self._unhook()
+        run, self._run = self._run, None
+        if run is None:
+            return
+        ended = run.end(self.aborted)
+        self.result = run.result
+        if self.aborted is None and isinstance(ended, TrainingAborted):
+            self._abort(ended)
 
     # ----------------------------------------------------------------- checkpoints
     def state(self) -> Dict[str, Any]:
@@ -331,20 +303,19 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
         """Take the hooks off the model and close the guard and the journal (``run_ended``); idempotent.
         ``on_train_end`` calls it; call it yourself with the exception when ``trainer.train()`` raised
         (the journal then ends ``failed``, naming it)."""
+        self._unhook()
+        run, self._run = self._run, None
+        if run is None:
+            return
+        run.close(error if error is not None else self.aborted)
+        self.result = run.result
+
+    def _unhook(self) -> None:
         for handle in self._handles:
             handle.remove()
         while self._undo:
             self._undo.pop()()
-        self._handles, self._open, self._undecided = [], False, False
-        writers, self._writers = self._writers, None
-        if writers is None:
-            return
-        result = FitResult(run_dir=str(writers.journal.path.parent) if writers.journal is not None else None)
-        result.events = writers.bus.events
-        if self.last is not None and self.last.trained:
-            result.final_loss = self.last.loss
-        writers.close(result, self._started, error if error is not None else self.aborted)
-        self.result = result
+        self._handles, self._open, self._undecided, self._finish_due = [], False, False, False
 
     # ----------------------------------------------------------------- the hooks
     def _step_fn(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
@@ -362,6 +333,7 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
                 "expected model(**batch), as transformers.Trainer calls it"
             )
         self._open = True
+        self._window += 1
         return args, self.guard.begin_batch(dict(kwargs))
 
     def _after_forward(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
@@ -382,24 +354,24 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
                 loss.register_hook(self._at_backward)
 
     def _at_backward(self, grad: torch.Tensor) -> None:
-        torch.autograd.Variable._execution_engine.queue_callback(self._decide)
+        at_backward_end(self._decide)
 
     def _decide(self) -> None:
         """The step's decision, before the Trainer clips (the end of the last backward)."""
         if not self._undecided or self.guard is None:
             return
         self._undecided, self._busy = False, True
-        fwd, k = self.guard.forward, self.guard.forward.accumulate  # re-runs divide as the Trainer: by this
-        fwd.accumulate = len(self.guard.pending.micro) if k > 1 else k  # window's micro-batches (fewer at an epoch end)
+        window, self._window = self._window, 0  # the Trainer divides a short last window's losses by its size
         try:
             with torch.enable_grad():  # (the autograd engine runs its callbacks with grad off)
-                self.last = self.guard.before_optimizer_step()
+                self.last = self.guard.decide(window if self._accumulates else None)
+            self._finish_due = True
         except TrainingAborted as exc:
             self._abort(exc)
         finally:
-            self._busy, fwd.accumulate = False, k
+            self._busy = False
 
     def _abort(self, exc: TrainingAborted) -> None:
         self.aborted = exc
-        steps = self.guard.counters.steps if self.guard is not None else 0
+        steps = self.guard.steps if self.guard is not None else 0
         logger.error("safetrain: training stopped at step %d, the model at the last good snapshot: %s", steps, exc)

@@ -1,16 +1,16 @@
 """PyTorch Lightning: :class:`SafeTraining`, a callback that guards a ``Trainer``'s own steps.
 
 Lightning keeps its loop (automatic optimization, gradient accumulation, clipping, precision
-plugins, LR schedulers, checkpoints); the callback tells a ``Guard(caller_steps=True)`` at the
-hooks Lightning offers::
+plugins, LR schedulers, checkpoints); the callback drives the guard's step verbs at the hooks
+Lightning offers, and a :class:`~safetrain.run.Run` around them::
 
     on_train_batch_start      -> guard.begin_batch (the batch's tensors pointed at the cleaned values)
     on_before_backward(loss)  -> guard.record_loss (the loss as computed: times the accumulation,
-                                 divided by the fp16 loss scale, both of which Lightning applied)
-    on_before_optimizer_step  -> guard.before_optimizer_step (the one host read and the decision;
-                                 a step that must not train has its gradients dropped, so the
-                                 optimizer's step is a no-op), the gradient norm to the loggers
-    on_train_batch_end        -> guard.after_optimizer_step (counters, the periodic snapshot)
+                                 and ``scaled``: Lightning multiplied it by the fp16 loss scale)
+    on_before_optimizer_step  -> guard.decide (the one host read and the decision; a step that
+                                 must not train has its gradients dropped, so the optimizer's step
+                                 is a no-op), the gradient norm to the loggers
+    on_train_batch_end        -> guard.finish_step (counters, the periodic snapshot), the metrics row
 
 The guard's state (counters, LR backoff, spike and divergence windows, policy history) travels in
 Lightning's checkpoint through :meth:`SafeTraining.state_dict`, so ``trainer.fit(ckpt_path=...)``
@@ -19,23 +19,19 @@ resumes it. Requires ``lightning>=2.2`` (``pip install safetrain[lightning]``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import time
-from typing import Any, Dict, Iterator, Literal, Mapping, Optional
+from typing import Any, Dict, Literal, Mapping, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from ..config import ConfigLike, TrainConfig, as_config, to_dict
-from ..ending import RunWriters
+from ..adapters.lightning_private import forward_context, precision_scaler, silenced_logging
+from ..config import ConfigLike, TrainConfig, as_config
 from ..errors import TrainingAborted
-from ..events import RunStarted
 from ..guard import Guard
-from ..rundir import prepare_run_dir
-from ..trainer import FitResult
+from ..run import FitResult, Run
 
 __all__ = ["SafeTraining"]
 
@@ -98,61 +94,54 @@ class SafeTraining(Callback):
         self.guard: Optional[Guard] = None
         self.result: Optional[FitResult] = None
         self.aborted: Optional[TrainingAborted] = None
-        self._writers: Optional[RunWriters] = None
+        self._run: Optional[Run] = None
         self._loaded: Optional[Dict[str, Any]] = None  # a checkpoint's guard state, until the guard exists
         self._batch_idx = 0
-        self._decided = False  # before_optimizer_step ran for this batch
-        self._started = 0.0
-        self._first = (0, 0)  # the guard's steps and optimizer steps when this fit started
+        self._decided = False  # decide() ran for this batch
 
     # ------------------------------------------------------------------ building the guard
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Build the guard (after Lightning restored the optimizer, schedulers and loops)."""
         self._close(None)  # a previous fit's guard, if the callback is reused
-        self.aborted, self._decided, self._started = None, False, time.perf_counter()
+        self.aborted, self._decided = None, False
         optimizer, scheduler = self._check(trainer, pl_module)
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        scaler = precision_scaler(trainer)
         cfg = self._config(trainer)
         logger.setLevel(cfg.log.level)
         run_dir = self.run_dir or cfg.log.dir or trainer.log_dir or trainer.default_root_dir
-        run_dir = prepare_run_dir(run_dir) if run_dir else None
-        self.result = result = FitResult(run_dir=str(run_dir) if run_dir else None)
-        self._writers = writers = RunWriters()
-        writers.open(run_dir, trainer.global_rank, cfg.snapshot.every)
-        result.events = writers.bus.events
-        self.guard = guard = writers.guard = Guard(
-            pl_module,
-            optimizer,
-            cfg,
-            caller_steps=True,
-            step_fn=self._step_fn(trainer),
-            scheduler=scheduler,
-            scaler=scaler,
-            bus=writers.bus,
-            run_dir=str(run_dir) if run_dir else None,
+        self._run = run = Run(run_dir, trainer.global_rank, cfg)
+        self.result = run.result
+        run.open()
+        guard = self.guard = run.attach(
+            Guard(
+                pl_module,
+                optimizer,
+                cfg,
+                step_fn=self._step_fn(trainer),
+                scheduler=scheduler,
+                scaler=scaler,
+                bus=run.bus,
+                run_dir=run.dir_name,
+            )
         )
-        for config in trainer.lr_scheduler_configs:  # epoch-interval ones: the LR backoff holds on top
-            if config.scheduler is not scheduler:
-                guard.backoff.follow(config.scheduler)
+        for config in trainer.lr_scheduler_configs:  # Lightning steps them: the LR backoff holds on top
+            guard.follow_scheduler(config.scheduler)
         resumed = self._loaded is not None
         if resumed:
             guard.load_state_dict(self._loaded)
             self._loaded = None
-        self._first = (guard.counters.steps, guard.counters.optimizer_steps)
-        guard.bus.emit(
-            RunStarted(
-                step=guard.counters.steps,
-                epoch=trainer.current_epoch,
-                batch=-1,
-                kind="run",
-                rank=trainer.global_rank,
-                action="resume" if resumed else "start",
-                message=f"{'resumed' if resumed else 'started'} in Lightning; run dir {run_dir}",
-                detail={"config": to_dict(cfg), "lightning": {"precision": str(trainer.precision),
-                        "accumulate_grad_batches": trainer.accumulate_grad_batches,
-                        "gradient_clip_val": trainer.gradient_clip_val}},
-            )
-        )  # fmt: skip
+        lightning = {
+            "precision": str(trainer.precision),
+            "accumulate_grad_batches": trainer.accumulate_grad_batches,
+            "gradient_clip_val": trainer.gradient_clip_val,
+        }
+        how = "resumed" if resumed else "started"
+        run.start(
+            "resume" if resumed else "start",
+            f"{how} in Lightning",
+            {"lightning": lightning},
+            epoch=trainer.current_epoch,
+        )
         if resumed:
             guard.snapshot(force=True)  # the resumed state is the first good one a restore goes back to
 
@@ -188,7 +177,7 @@ class SafeTraining(Callback):
         forward context, with ``self.log`` silenced (a replay's values are not the run's)."""
 
         def step_fn(model: LightningModule, batch: Any) -> torch.Tensor:
-            with _quiet(model), trainer.precision_plugin.forward_context():
+            with silenced_logging(model), forward_context(trainer):
                 out = model.training_step(batch, self._batch_idx)
             loss = out.get("loss") if isinstance(out, Mapping) else out
             if not isinstance(loss, torch.Tensor):
@@ -202,7 +191,7 @@ class SafeTraining(Callback):
     # ------------------------------------------------------------------ the step
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.guard is not None:
-            self.guard.begin_epoch(trainer.current_epoch, resumed=trainer.current_epoch == self.guard.counters.epoch)
+            self.guard.begin_epoch(trainer.current_epoch, resumed=trainer.current_epoch == self.guard.position[0])
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self.guard is None or self.aborted is not None:
@@ -218,22 +207,18 @@ class SafeTraining(Callback):
             return
         # Lightning divided the loss by the accumulation and (fp16) multiplied it by the loss scale.
         loss = loss.detach()
-        scale = getattr(self.guard.scaler, "_scale", None)
-        if scale is not None:
-            loss = loss / scale  # a device tensor: no host sync
         k = trainer.accumulate_grad_batches
-        self.guard.record_loss(loss * k if k > 1 else loss)
+        self.guard.record_loss(loss * k if k > 1 else loss, scaled=True)
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         guard = self.guard
         if guard is None:
             return
         if self.aborted is not None:  # stopped: nothing more trains while Lightning winds down
-            guard.plumbing.drop_grads()
+            guard.stop()
             return
-        restores = guard.counters.restores
         try:
-            result = guard.before_optimizer_step()
+            result = guard.decide()
         except TrainingAborted as exc:
             if self.on_abort == "raise":
                 raise
@@ -241,15 +226,15 @@ class SafeTraining(Callback):
                 "safetrain aborted the run; trainer.should_stop set, the model at the last good state: %s", exc
             )
             self.aborted, trainer.should_stop = exc, True
-            guard.plumbing.drop_grads()
+            guard.stop()
             return
         self._decided = True
-        if guard.counters.restores != restores:
+        if result.restored:
             self._keep_epoch_lr(trainer)
         if self.log_grad_norm and trainer.loggers:
             step = trainer.global_step
             if result.action or (step + 1) % max(trainer.log_every_n_steps, 1) == 0:
-                self._log(trainer, step, result.grad_norm, guard.backoff.scale, result.trained)
+                self._log(trainer, step, result.grad_norm, guard.lr_scale, result.trained)
 
     def _keep_epoch_lr(self, trainer: Trainer) -> None:
         """A restore put the snapshot's LR back; an epoch-interval scheduler is not in the snapshot
@@ -258,7 +243,7 @@ class SafeTraining(Callback):
         guard = self.guard
         epoch = [c.scheduler for c in trainer.lr_scheduler_configs if c.interval != "step"]
         if guard is not None and guard.scheduler is None and len(epoch) == 1 and hasattr(epoch[0], "get_last_lr"):
-            guard.backoff.load_state_dict({"unscaled": epoch[0].get_last_lr()})
+            guard.keep_schedule(epoch[0].get_last_lr())
 
     @staticmethod
     def _log(trainer: Trainer, step: int, grad_norm: float, lr_scale: float, trained: bool) -> None:
@@ -273,33 +258,22 @@ class SafeTraining(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self.guard is None or not self._decided:
+        if self.guard is None or not self._decided or self._run is None:
             return
         self._decided = False
-        step = self.guard.after_optimizer_step()
-        writers, c = self._writers, self.guard.counters
-        if step is not None and writers is not None and writers.metrics is not None:
-            writers.metrics.write(step.step, c.epoch, c.batch - 1, step.loss, step.grad_norm, self.guard.backoff.scale,
-                                  step.trained, step.action, flush=bool(step.events))  # fmt: skip
-        if step is not None and step.trained and self.result is not None:
-            self.result.final_loss = step.loss
+        self._run.record(self.guard.finish_step())
 
     # ------------------------------------------------------------------ the end
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """The end checks of ``fit`` (a trained step, finite parameters), then the journal's ``run_ended``."""
-        guard, error = self.guard, self.aborted
-        if guard is None or self._writers is None:
+        run, self._run = self._run, None
+        if self.guard is None or run is None:
             return
-        try:
-            if error is None:
-                steps, trained = self._first
-                guard.recovery.check_end(guard.counters.steps - steps, guard.counters.optimizer_steps - trained)
-        except TrainingAborted as exc:
-            error = exc
+        ended = run.end(self.aborted)
+        if self.aborted is None and isinstance(ended, TrainingAborted):
             if self.on_abort == "raise":
-                raise  # on_exception closes the run
-            self.aborted = exc
-        self._close(error)
+                raise ended  # the journal already says so
+            self.aborted = ended
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._close(exception)
@@ -308,12 +282,9 @@ class SafeTraining(Callback):
         self._close(None)
 
     def _close(self, error: Optional[BaseException]) -> None:
-        writers, self._writers = self._writers, None
-        if writers is None:
-            return
-        if isinstance(error, TrainingAborted) and self.result is not None:
-            error.result = self.result
-        writers.close(self.result, self._started, error)
+        run, self._run = self._run, None
+        if run is not None:
+            run.close(error)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:
@@ -325,20 +296,10 @@ class SafeTraining(Callback):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Take the guard's state from a checkpoint; applied when the guard is built (training starts)."""
         state = state_dict.get("guard")
-        if state is not None and self.guard is not None and self._writers is not None:
+        if state is not None and self.guard is not None and self._run is not None:
             self.guard.load_state_dict(state)
         else:
             self._loaded = state
-
-
-@contextlib.contextmanager
-def _quiet(module: LightningModule) -> Iterator[None]:
-    """``module.log`` and ``log_dict`` do nothing inside: the guard's own forwards log nothing."""
-    module.log = module.log_dict = lambda *a, **k: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del module.log, module.log_dict
 
 
 def _aliases(batch: Any) -> Any:

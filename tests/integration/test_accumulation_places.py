@@ -140,7 +140,7 @@ def test_whole_step_events_keep_the_steps_batch():
 
 
 def test_the_caller_owned_verbs_name_the_micro_batch():
-    """Guard(caller_steps=True), as the Lightning and Hugging Face callbacks drive it."""
+    """The caller's verbs, as the Lightning and Hugging Face callbacks drive them."""
     data = PoisonRows(regression_data(), indices=[ROWS * 5 + 3], value=math.nan)
     model, opt, _, guard = make({"guard": {"accumulate_steps": 4}, "sanitize": {"inputs": "skip_batch"}})
     with guard:

@@ -1,6 +1,6 @@
 """A loop the caller owns (issue #19): forward, backward and ``optimizer.step()`` are the caller's;
-the guard is told at ``begin_batch``, ``record_loss``, ``before_optimizer_step`` and
-``after_optimizer_step``. The same decision loop as ``Guard.step``: the same steps, the same
+the guard is told at ``begin_batch``, ``record_loss``, ``decide`` and ``finish_step``, the verbs
+``Guard.step`` itself is built from. The same decision loop as ``Guard.step``: the same steps, the same
 actions, the same model bitwise; one host sync per healthy step; a skipped step does not move the
 parameters even though the caller calls ``optimizer.step()``; the scheduler follows the guard."""
 
@@ -25,8 +25,14 @@ def loss_of(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return F.mse_loss(model(x), y)
 
 
-def caller_loop(guard: Guard, model: torch.nn.Module, opt: torch.optim.Optimizer, batches: List[Any],
-                sched: Any = None, accumulate: int = 1) -> List[Any]:  # fmt: skip
+def caller_loop(
+    guard: Guard,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    batches: List[Any],
+    sched: Any = None,
+    accumulate: int = 1,
+) -> List[Any]:
     """The caller's loop, as a framework runs it: the guard is only told."""
     results = []
     for i, batch in enumerate(batches):
@@ -36,21 +42,21 @@ def caller_loop(guard: Guard, model: torch.nn.Module, opt: torch.optim.Optimizer
         guard.record_loss(loss)
         if (i + 1) % accumulate:
             continue
-        decided = guard.before_optimizer_step()
+        decided = guard.decide()
         opt.step()  # called whatever the guard decided: dropped gradients leave the parameters alone
         if sched is not None:
             sched.step()
-        final = guard.after_optimizer_step()
+        final = guard.finish_step()
         opt.zero_grad()
         results.append((decided, final))
     return results
 
 
-def make(cfg: Optional[dict] = None, caller: bool = True, sched: Callable[[Any], Any] = None, **kw: Any):
+def make(cfg: Optional[dict] = None, sched: Callable[[Any], Any] = None, **kw: Any):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scheduler = sched(opt) if sched is not None else None
-    guard = Guard(model, opt, {**CFG, **(cfg or {})}, caller_steps=caller, scheduler=scheduler, **kw)
+    guard = Guard(model, opt, {**CFG, **(cfg or {})}, scheduler=scheduler, **kw)
     return model, opt, scheduler, guard
 
 
@@ -64,7 +70,7 @@ def flat(model: torch.nn.Module) -> torch.Tensor:
 
 def test_a_caller_owned_run_is_bitwise_the_guard_owned_run_with_the_same_actions():
     """One implementation: a NaN loss at the 4th forward is skipped in both, and both models end equal."""
-    own_model, _, _, own = make(caller=False, loss_fn=F.mse_loss)
+    own_model, _, _, own = make(loss_fn=F.mse_loss)
     fault_own = OutputFault(own_model[2], calls=[4])
     own_actions = [own.step(b).action for b in batches()]
     model, opt, _, guard = make(step_fn=loss_of)
@@ -87,9 +93,9 @@ def test_a_skipped_step_leaves_the_parameters_although_the_caller_steps_the_opti
         loss.backward()
         guard.record_loss(loss)
         before.append(flat(model).clone())
-        decided = guard.before_optimizer_step()
+        decided = guard.decide()
         opt.step()
-        guard.after_optimizer_step()
+        guard.finish_step()
         opt.zero_grad()
         if i == 2:
             assert not decided.trained and decided.action == "skip_batch"
@@ -132,14 +138,14 @@ def test_a_bad_input_row_is_dropped_by_a_rerun_through_step_fn():
 def test_without_a_step_fn_a_rerun_action_skips_the_batch_instead():
     data = PoisonRows(regression_data(), indices=[3])
     model, opt, _, guard = make()
-    assert not guard.cfg.detect.replay.enabled, "no forward the guard can run: no replays"
     results = caller_loop(guard, model, opt, batches(data, n=3))
+    assert not guard.cfg.detect.replay.enabled, "no forward the guard can run: no replays"
     assert results[0][1].action == "skip_batch" and not results[0][1].trained
     assert guard.counters.dropped_rows == 0 and guard.counters.skipped_batches == 1
 
 
 def test_gradient_accumulation_decides_once_per_optimizer_step():
-    own_model, _, _, own = make({"guard": {"accumulate_steps": 2}}, caller=False, loss_fn=F.mse_loss)
+    own_model, _, _, own = make({"guard": {"accumulate_steps": 2}}, loss_fn=F.mse_loss)
     for b in batches(n=8):
         own.step(b)
     model, opt, _, guard = make({"guard": {"accumulate_steps": 2}})
@@ -149,7 +155,7 @@ def test_gradient_accumulation_decides_once_per_optimizer_step():
     assert guard.last_loss == pytest.approx(own.last_loss)
 
 
-def test_an_unfixable_fault_aborts_from_before_optimizer_step_at_the_last_good_state():
+def test_an_unfixable_fault_aborts_from_decide_at_the_last_good_state():
     """A layer NaN from the 4th step on: skip, restore, scale_lr, then abort. The snapshot of step 2
     was read clean once (step 3) but the update that used its optimizer state and LR (step 3's) was
     never read clean (step 4 trips): it is not vouched for (policy.VOUCH_READS), so the model and
@@ -163,24 +169,27 @@ def test_an_unfixable_fault_aborts_from_before_optimizer_step_at_the_last_good_s
             loss = loss_of(model, batch)
             loss.backward()
             guard.record_loss(loss)
-            guard.before_optimizer_step()
+            guard.decide()
             opt.step()
-            guard.after_optimizer_step()
+            guard.finish_step()
             opt.zero_grad()
     assert torch.equal(flat(model), start), "the model is the last vouched snapshot's (step 0)"
     assert all("momentum_buffer" not in opt.state[p] for p in model.parameters()), "and so is its optimizer"
     assert guard.counters.restores >= 2 and guard.counters.optimizer_steps == 3
 
 
-def test_the_caller_api_refuses_a_guard_that_owns_its_steps_and_the_other_way_round():
-    model, opt, _, guard = make(caller=False, loss_fn=F.mse_loss)
-    with pytest.raises(RuntimeError, match="caller_steps=True"):
+def test_one_driver_a_run_the_guard_step_or_the_callers_verbs():
+    """The first verb fixes who drives the guard: a guard driven by ``Guard.step`` refuses the
+    caller's verbs, and the other way round, each with a sentence naming both ways."""
+    model, opt, _, guard = make(loss_fn=F.mse_loss)
+    guard.step(batches(n=1)[0])
+    with pytest.raises(RuntimeError, match=r"driven by Guard.step.*begin_batch, record_loss"):
         guard.begin_batch(batches(n=1)[0])
     model, opt, _, guard = make()
     with pytest.raises(RuntimeError, match="begin_batch"):
+        guard.decide()
+    with pytest.raises(RuntimeError, match=r"driven by the verbs.*Guard.step\(batch\) runs forward"):
         guard.step(batches(n=1)[0])
-    with pytest.raises(RuntimeError, match="begin_batch first"):
-        guard.before_optimizer_step()
 
 
 def test_a_rerun_under_the_callers_fp16_scaler_is_scaled_and_unscaled_like_the_guards_own():
@@ -204,17 +213,17 @@ def test_a_rerun_under_the_callers_fp16_scaler_is_scaled_and_unscaled_like_the_g
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1e5)
     scaler = torch.amp.GradScaler("cpu", init_scale=own.cfg.amp.init_scale)
-    guard = Guard(model, opt, {**CFG, **amp}, caller_steps=True, scaler=scaler, step_fn=tiny_loss)
+    guard = Guard(model, opt, {**CFG, **amp}, scaler=scaler, step_fn=tiny_loss)
     actions = []
     for batch in data:
         batch = guard.begin_batch(batch)
         loss = tiny_loss(model, batch)
         scaler.scale(loss).backward()
         guard.record_loss(loss)
-        actions.append(guard.before_optimizer_step().action)
+        actions.append(guard.decide().action)
         scaler.step(opt)
         scaler.update()
-        guard.after_optimizer_step()
+        guard.finish_step()
         opt.zero_grad()
     assert actions[0] == "drop_rows" and guard.counters.dropped_rows == 1
     assert guard.counters.optimizer_steps == own.counters.optimizer_steps == 4

@@ -1,0 +1,135 @@
+"""The decision loop of a step that read anomalous, and what a decided step comes to.
+
+Each turn judges the read, diagnoses (the slow path's replay), decides (the policy) and carries
+the decision out (the recovery executor); a re-run (``drop_rows``, ``replace``, ``retry``) is
+the next turn, never a call back into the step. A step that reads clean costs one judgment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+from .. import detect
+from ..diagnose import Diagnoser, Diagnosis
+from ..divergence import DivergenceDetector
+from ..events import Event
+from ..kinds import Action
+from ..lr import LRBackoff
+from ..policy import Anomaly, Rules, decide, newest_taken, raises, read_clean
+from ..steps import Counters, Pending, StepResult
+from .judge import Judge
+from .outcomes import Rerun, Verdict
+from .recovery import Recovery
+from .state import RecoveryState
+
+__all__ = ["Decisions"]
+
+
+class Decisions:
+    """Runs a step's decision loop and closes the decided step.
+
+    Args:
+        judge: a read -> its anomaly (``None``: clean).
+        recovery: carries out a decision.
+        diagnoser: the slow path's replays.
+        store: the snapshot store (whether there is one to restore).
+        recovery_state: the policy's history and what recovery remembers.
+        divergence: the divergence detector (mid-climb, a clean read vouches for nothing).
+        backoff: the LR backoff (a clean read trusts the last update's LRs).
+        counters: the guard's counters.
+    """
+
+    def __init__(
+        self,
+        *,
+        judge: Judge,
+        recovery: Recovery,
+        diagnoser: Diagnoser,
+        store: object,
+        recovery_state: RecoveryState,
+        divergence: DivergenceDetector,
+        backoff: LRBackoff,
+        counters: Counters,
+    ) -> None:
+        self.judge, self.recovery, self.diagnoser, self.store = judge, recovery, diagnoser, store
+        self.recovery_state, self.divergence = recovery_state, divergence
+        self.backoff, self.counters = backoff, counters
+
+    def run(
+        self,
+        read: detect.StepRead,
+        pending: Callable[[], Pending],
+        loss: Callable[[], float],
+        rules: Rules,
+        again: Callable[[Rerun, detect.StepRead], detect.StepRead],
+    ) -> Verdict:
+        """The decision loop from the step's read: each turn judges, diagnoses, decides and
+        carries out; ``again(rerun, read)`` runs the step again and returns the next turn's read.
+        ``pending()`` and ``loss()`` give the step as it stands (a re-run makes a new one)."""
+        rs, events = self.recovery_state, []
+        rerun_action, retried = "", False
+        while (anomaly := self.judge(read, pending(), loss())) is not None:
+            anomaly = dataclasses.replace(anomaly, retried=retried, again=bool(rerun_action))
+            if raises(anomaly.kind, rules):
+                self.recovery.reject_rows(anomaly)
+            replays = rules.reruns and self.diagnoser.explains(anomaly.kind)  # (a replay runs the step's forward)
+            diagnosis = self._explain(anomaly, pending()) if replays else None
+            # A typed fact for the policy: is there a snapshot to restore (slow path: lists a directory)?
+            history = dataclasses.replace(rs.history, has_snapshot=bool(len(self.store)))
+            decision, rs.history = decide(anomaly, history, rules, diagnosis)
+            outcome = self.recovery.carry_out(anomaly, decision, read, pending(), diagnosis)
+            events += outcome.events
+            if outcome.rerun is None:
+                return Verdict(read, events, rerun_action, outcome)
+            rerun_action, retried = str(outcome.action), retried or decision.action is Action.RETRY
+            read = again(outcome.rerun, read)
+        if not self.divergence.climbing:  # (mid-climb a read vouches for nothing)
+            self.backoff.read_clean()  # the last update's LRs are trusted: a restore holds the schedule to them
+            rs.clean_reads.append(self.counters.steps)
+        return Verdict(read, events, rerun_action)
+
+    def _explain(self, anomaly: Anomaly, p: Pending) -> Diagnosis:
+        """The slow path's replay: the step's (its parameters were finite: the judge checked), or
+        for weights the updates' since the newest snapshot."""
+        diagnosis = self.diagnoser.explain(anomaly.kind, micro=p.micro, indices=p.indices, store=self.store)
+        where = p.place(diagnosis.micro)  # the micro-batch it reproduced in: its events name that batch
+        return dataclasses.replace(diagnosis, epoch=where[0], batch_index=where[1]) if where else diagnosis
+
+    def close(
+        self, verdict: Verdict, decided: StepResult, snapshot_every: int, snapshot: Callable[[], Event]
+    ) -> StepResult:
+        """After the update (applied or not): what a trained step's loss joins, and the periodic
+        snapshot (``snapshot()`` every ``snapshot_every`` healthy steps); ``decided``: the step's
+        result as decided, returned with the snapshot's event added."""
+        rs, loss = self.recovery_state, decided.loss
+        if verdict.outcome is not None:
+            if verdict.trains:
+                rs.count_loss(loss)
+                self.judge.observe(loss)  # a trained step's loss joins the spike and divergence windows
+            return decided
+        # A step that read clean; a re-run of an anomalous step trains but is not healthy.
+        events = list(decided.events)
+        rs.count_loss(loss)  # before the snapshot below, which keeps the epoch's losses
+        self.judge.observe(loss)
+        # Mid-climb (divergence.climbing) a read vouches for no snapshot and none is taken: a restore lands before it.
+        owed = rs.history.unverified if (climbing := self.divergence.climbing) else 0
+        if verdict.rerun_action:
+            rs.history = read_clean(rs.history)  # vouches for the newest snapshot, ends an fp16 overflow run
+        else:
+            self.counters.healthy_steps += 1
+            new_scale = rs.healthy()  # also vouches for the newest snapshot
+            if new_scale is not None:  # the climb is an event at its step
+                events.append(self.recovery.lr_changed(new_scale, "healthy run: LR scale climbs back one notch"))
+        if owed:
+            rs.history = newest_taken(rs.history, owed)
+        rs.since_snapshot += 1
+        if rs.since_snapshot >= snapshot_every and not climbing:
+            events.append(snapshot())
+        return dataclasses.replace(decided, events=tuple(events)) if len(events) != len(decided.events) else decided
+
+
+def nan_result(steps: int, action: str, events: tuple) -> StepResult:
+    """A step that ran no read (its data skipped, or empty): no loss, no norm, not trained."""
+    return StepResult(steps, False, math.nan, math.nan, action, events)

@@ -1,0 +1,435 @@
+"""What a :class:`~safetrain.guard.Guard` is made of, and what its drivers ask of it around the steps.
+
+:class:`Parts` builds every part from the configuration (each takes its own section) and answers
+the drivers (``SafeTrainer.fit``, the Lightning and Hugging Face callbacks) about the run: where
+it stands (:attr:`~Parts.counts`, :attr:`~Parts.position`, :attr:`~Parts.lr_scale`), resume or a
+fresh start, the epoch's end, the run's end (:meth:`~Parts.end_run`), a stop after an abort
+(:meth:`~Parts.stop`), schedulers the caller steps. The step itself, its four verbs and
+``Guard.step``, is :mod:`.protocol`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar
+
+import torch
+
+from .. import detect, distributed, snapshot
+from ..config import ConfigLike, TrainConfig, as_config
+from ..diagnose import Diagnoser
+from ..divergence import DivergenceDetector
+from ..events import AnomalyFound, Event, EventBus, LRChanged
+from ..kinds import Action
+from ..lr import LRBackoff
+from ..policy import History, Rules
+from ..snapshot import SnapshotInfo
+from ..spike import SpikeDetector
+from ..steps import Counters, Pending, Phase
+from ..wrappers import plain_namer, unwrap_compiled
+from .decisions import Decisions
+from .forward import Forward
+from .judge import Judge
+from .measure import measure
+from .plumbing import Plumbing
+from .recovery import Recovery
+from .snapshots import Snapshots
+from .state import RecoveryState
+from .update import Updates
+
+__all__ = ["Parts"]
+
+logger = logging.getLogger("safetrain")
+
+_Self = TypeVar("_Self", bound="Parts")  # ``with Guard(...) as guard``: a Guard
+
+
+class Parts:
+    """A guard's parts, built from its configuration, and the run-level calls its drivers make.
+
+    The arguments are :class:`~safetrain.guard.Guard`'s (documented there).
+    """
+
+    # What the guard is made of (a table of contents; each part takes its own config section).
+    cfg: TrainConfig
+    counters: Counters  # read by FitResult, the progress bar and the journal (through counts)
+    recovery_state: RecoveryState  # the policy's history and what recovery remembers
+    plumbing: Plumbing  # device, autocast, scaler, freeing gradients
+    forward: Forward  # one micro-batch through the model
+    monitor: detect.ActivationMonitor  # forward hooks (detect.mode)
+    grads: detect.GradCheck  # the fused gradient norms
+    weights: detect.WeightCheck  # the periodic weight check
+    spike: SpikeDetector  # loss spikes
+    divergence: DivergenceDetector  # a loss growing geometrically
+    judge: Judge  # a step's read -> its anomaly
+    recovery: Recovery  # carries out decisions
+    updates: Updates  # applies a step's update, or drops it; the scheduler
+    decisions: Decisions  # the decision loop: judge, diagnose, decide, carry out
+    state: snapshot.TrainState  # the whole training state, for snapshots
+    store: Any  # where snapshots go
+    snapshots: Snapshots  # takes them, and records what each owes before it is vouched for
+    backoff: LRBackoff  # the LR scale on top of the schedule
+    sync: Any  # distributed.LocalSync or DistributedSync
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        cfg: ConfigLike = None,
+        *,
+        loss_fn: Optional[Callable[..., torch.Tensor]] = None,
+        step_fn: Optional[Callable[[torch.nn.Module, Any], torch.Tensor]] = None,
+        scheduler: Any = None,
+        scaler: Optional[torch.amp.GradScaler] = None,
+        bus: Optional[EventBus] = None,
+        run_dir: Optional[str] = None,
+    ) -> None:
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        # The forward runs through the user's model; names, hooks and snapshots use what a
+        # torch.compile wrapper holds, so they read as in the user's code (no "_orig_mod." prefix)
+        # and a snapshot loads into the model compiled or not.
+        self._named = named = unwrap_compiled(model)
+        # One process, DDP or FSDP2; anything else is refused here (FSDP2: replays off, sharded snapshots).
+        self.layout = layout = distributed.layout_of(named)
+        self.cfg = c = distributed.for_layout(layout, as_config(cfg))
+        self.bus = bus if bus is not None else EventBus()
+        self.counters = counters = Counters()
+        self.rules = Rules.of(c)
+        self.recovery_state = RecoveryState(c.recovery)
+        self.plumbing = pipes = Plumbing(model, optimizer, c.amp, scaler, c.guard.to_device)
+        self.device = pipes.device
+        self.scaler: Optional[torch.amp.GradScaler] = pipes.scaler.scaler  # the GradScaler in use (snapshots keep it)
+        self.backoff = backoff = LRBackoff(optimizer, c.recovery.min_lr, release_after=c.recovery.reset_after)
+        backoff.on_hold = lambda message, detail: self._emit(LRChanged, "lr", Action.SCALE_LR, message, detail)
+        sp = c.guard.spike
+        self.spike = SpikeDetector(sp.window, sp.min_history, sp.zscore, sp.enabled, sp.min_ratio, sp.hard_ratio)
+        self.divergence = DivergenceDetector.from_config(c.guard.divergence, recover_after=c.recovery.reset_after)
+        self.state = state = distributed.train_state(layout, named, optimizer, scheduler=scheduler, scaler=self.scaler)
+        # Buffers non-finite by design (a -inf causal mask) are part of the model: snapshots take them
+        # while their pattern is unchanged (host sync: once, at the start).
+        state.accept_nonfinite_buffers()
+        plain = plain_namer(named)
+        # Every parameter, frozen ones too, for the exact check after a trip (a snapshot restores them).
+        self._all_params = all_params = [(plain(n), p) for n, p in named.named_parameters()]
+        self._params = params = [(n, p) for n, p in all_params if p.requires_grad]
+        # Gradients are always checked (clipping and the scaler need the norm anyway); the
+        # activation and weight checks follow detect.mode. Disabled parts are no-ops, not ifs.
+        self.grads = grads = detect.GradCheck(params)
+        self.monitor = monitor = detect.ActivationMonitor.from_config(named, c.detect)
+        monitor.attach()
+        # Distributed (a process group of > 1 rank and a DDP model): the one read combines every
+        # rank's flags with one collective, and snapshots and replays agree across ranks.
+        self.sync = sync = distributed.make_sync(self.device, named)
+        self.rank = sync.rank  # stamped on every event
+        flags, k = detect.StepFlags(reduce=sync.reduce), c.guard.accumulate_steps
+        self.forward = fwd = Forward(
+            flags, grads, model, named, monitor, pipes, c.sanitize, k, loss_fn=loss_fn, step_fn=step_fn
+        )
+        # The weight checks cover floating buffers (BatchNorm statistics), and a mask's -inf by its pattern.
+        bufs, probes = fwd.buffers.checked(), fwd.buffers.patterned(state)
+        on = c.detect.mode != "off"
+        self.weights = detect.WeightCheck(params + bufs, c.detect.check_weights_every, enabled=on, probes=probes)
+        self.store = store = distributed.make_store(layout, c.snapshot, run_dir, sync)
+        self.diagnoser = diag = Diagnoser(
+            named,
+            monitor,
+            c.detect.replay,
+            state=state,
+            params=params,
+            loss_of=fwd.eager_loss,
+            autocast=pipes.autocast,
+            prepare=fwd.scan,
+            accumulate=k,
+            clip=c.guard.clip_grad_norm,
+        )
+        diag.wrap_step_replay(lambda replay: sync.wrap_replayer(replay, named))
+        kept = fwd.buffers.checked(kept=True), fwd.buffers.patterned(state, kept=True)  # as before the step
+        all_weights = detect.WeightCheck(all_params + kept[0], 0, probes=kept[1])
+        self.judge = Judge(
+            c,
+            counters,
+            monitor,
+            grads,
+            all_weights,
+            self.spike,
+            pipes,
+            sync,
+            fwd.confirm,
+            divergence=self.divergence,
+            lrs=backoff.effective,
+        )
+        self.updates = Updates(c.guard, pipes, grads, counters, scheduler, backoff, diag.record_update)
+        self.recovery = Recovery(
+            c,
+            counters,
+            self.recovery_state,
+            store,
+            state,
+            backoff,
+            grads,
+            dict(params),
+            emit=self._emit,
+            not_applied=self._not_applied,
+            after_restore=self._after_restore,
+            sync=sync,
+            put_back=fwd.buffers.put_back,
+        )
+        self.snapshots = Snapshots(store, state, counters, self.recovery_state, diag.clear, self._emit)
+        self.decisions = Decisions(
+            judge=self.judge,
+            recovery=self.recovery,
+            diagnoser=diag,
+            store=store,
+            recovery_state=self.recovery_state,
+            divergence=self.divergence,
+            backoff=backoff,
+            counters=counters,
+        )
+        self.phase = Phase.READY
+        self._pending = Pending()
+        self.epoch_rng: Optional[torch.Tensor] = None  # torch RNG at the start of the current epoch
+        self.last_loss = math.nan
+        self.last_grad_norm = math.nan
+        self._run_start = (0, 0)  # steps and optimizer steps when this run (or its resume) began
+        # The step being taken (the verbs of :mod:`.protocol` move it on).
+        self._started = False  # the first batch checks that the run does not start broken
+        self._driver: Optional[str] = None  # who drives the steps: "Guard.step" or "the verbs", fixed by the first verb
+        self._stepping = False  # inside Guard.step: the verbs are the guard's own
+        self._window = 0  # micro-batches begun in this step, skipped ones included (empty ones left out)
+        self._skipping = False  # this step's data is skipped (it led into a restore)
+        self._skip_forward = False  # the micro-batch begun last is not trained (skipped, or empty)
+        self._loss_due = False  # a micro-batch begun, its loss not recorded yet
+        self._forwarded = False  # a skipped micro-batch went forward (its buffer updates are put back)
+        self._decided: Optional[Tuple[Any, Any]] = None  # (verdict, result) of decide(), finish_step() due
+        # Two parameters looked at per step for gradients left by someone else (O(1), not O(P)).
+        self._probe = (params[0][1], params[-1][1]) if params else ()
+
+    @property
+    def loss_fn(self) -> Optional[Callable[..., torch.Tensor]]:
+        """``loss_fn(model(inputs), targets)`` for pair batches (may be swapped between steps)."""
+        return self.forward.loss_fn
+
+    @loss_fn.setter
+    def loss_fn(self, fn: Optional[Callable[..., torch.Tensor]]) -> None:
+        self.forward.loss_fn = fn
+
+    @property
+    def step_fn(self) -> Optional[Callable[[torch.nn.Module, Any], torch.Tensor]]:
+        """``step_fn(model, batch) -> loss`` for any other batch (may be swapped between steps)."""
+        return self.forward.step_fn
+
+    @step_fn.setter
+    def step_fn(self, fn: Optional[Callable[[torch.nn.Module, Any], torch.Tensor]]) -> None:
+        self.forward.step_fn = fn
+
+    @property
+    def pending(self) -> Pending:
+        """The step being accumulated: its micro-batches (as trained), their indices, its loss."""
+        return self._pending
+
+    @property
+    def history(self) -> History:
+        """The recovery policy's memory (:class:`~safetrain.policy.History`), up to this step."""
+        return self.recovery_state.history
+
+    @history.setter
+    def history(self, value: History) -> None:
+        self.recovery_state.history = value
+
+    # ----------------------------------------------------------------- where the run stands
+    @property
+    def counts(self) -> Counters:
+        """A copy of the guard's counters now (steps, skips, restores, ..., epoch and batch)."""
+        return dataclasses.replace(self.counters)
+
+    @property
+    def steps(self) -> int:
+        """Step attempts so far (one per ``accumulate_steps`` micro-batches)."""
+        return self.counters.steps
+
+    @property
+    def position(self) -> Tuple[int, int]:
+        """``(epoch, batch index)`` of the last batch that arrived (``-1``: none yet this epoch)."""
+        return self.counters.epoch, self.counters.batch - 1
+
+    @property
+    def lr_scale(self) -> float:
+        """The LR scale in force on top of the schedule (1.0 unless the policy backed the LR off)."""
+        return self.backoff.scale
+
+    @property
+    def run_id(self) -> Optional[str]:
+        """The run's id, stamped into each of its snapshots (``None``: a store without one)."""
+        return getattr(self.store, "run_id", None)
+
+    # ----------------------------------------------------------------- lifecycle
+    def __enter__(self: _Self) -> _Self:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove every hook and release the snapshot store; idempotent."""
+        self.monitor.detach()
+        if self.phase is not Phase.CLOSED:
+            self.store.close()
+        self.phase = Phase.CLOSED
+
+    def begin_epoch(self, epoch: int, resumed: bool = False, batch: int = 0) -> None:
+        """Mark the start of an epoch: counters move, the RNG state that shuffles it is kept for
+        resume, and the epoch's mean loss starts afresh (kept when ``resumed``: an epoch resumed
+        mid-way from a snapshot goes on with the losses of its steps before the snapshot);
+        ``batch``: the batches of it consumed already (a resume that skipped them)."""
+        self.counters.epoch, self.counters.batch = epoch, batch
+        self.epoch_rng = torch.get_rng_state()
+        self.diagnoser.rng_reset()  # the loader's shuffle draws from the RNG next
+        if not resumed:
+            self.recovery_state.epoch_loss = (0.0, 0)
+
+    def end_epoch(self) -> None:
+        """The epoch's end: a scheduler stepped once an epoch (``guard.scheduler_interval: epoch``)
+        steps, on the whole epoch's mean loss, the LR backoff holding on top of it."""
+        if self.scheduler is not None and self.cfg.guard.scheduler_interval == "epoch":
+            self.backoff.step(self.scheduler, self.epoch_loss)
+
+    @property
+    def epoch_loss(self) -> Optional[float]:
+        """The mean loss of this epoch's trained steps so far (non-finite losses left out), or ``None``."""
+        total, n = self.recovery_state.epoch_loss
+        return total / n if n else None
+
+    def measure_start(self, batches: Sequence[Any]) -> List[float]:
+        """Before the run's first step, the start model's loss on ``batches`` (two or more the first
+        step does not train on) becomes the first steps' reference (:mod:`.measure`); ``fit`` passes
+        the two after the first step's. A no-op after the first step and under DDP or FSDP. Returns
+        the finite losses measured."""
+        if self.counters.steps or self.phase is not Phase.READY or not self.sync.steps_alone:
+            return []
+        parts = self.forward, self.plumbing, self.monitor, self._named, self.spike, self.recovery_state
+        return measure(*parts, batches)
+
+    # ----------------------------------------------------------------- resume or a fresh start
+    def resume(self, path: Any) -> SnapshotInfo:
+        """Load the snapshot ``path`` names (a file, or a directory's newest valid one) into the
+        model, optimizer, scheduler, scaler, RNG and the guard's own state; the run goes on, so its
+        snapshots are this guard's from now on. Every rank of a distributed run reads the same one.
+
+        Raises:
+            SnapshotError: nothing usable there; checked before the live state is touched.
+        """
+        info = distributed.load_snapshot(path, self.state)
+        self.load_state_dict(info.extra)
+        self.store.adopt(info.run_id)
+        return info
+
+    def check_fresh(self) -> List[str]:
+        """A fresh run: refuse a snapshot directory holding another run's snapshots (or, as
+        configured, overwrite them); returns the files overwritten."""
+        return list(self.store.check_fresh() or [])
+
+    def snapshot_for_resume(self) -> Optional[Event]:
+        """After a stop signal: snapshot the step the run stopped at, unless a disk snapshot of it
+        exists or a step is half accumulated (``snapshot.on_signal``, safetensors store only)."""
+        snap = self.cfg.snapshot
+        if not snap.on_signal or snap.store != "safetensors" or self.phase is Phase.ACCUMULATING:
+            return None
+        latest = self.store.latest()
+        if latest is not None and latest.step == self.counters.steps:
+            return None
+        return self.snapshot()
+
+    # ----------------------------------------------------------------- schedulers the caller steps
+    def follow_scheduler(self, scheduler: Any) -> None:
+        """A scheduler the caller's loop steps (a framework's): it does not advance after a step
+        whose update was not applied (unless ``guard.scheduler_follows: batch``), and the LR
+        backoff holds on top of it. The guard's own scheduler, once followed, is no longer stepped
+        by the guard."""
+        self.updates.follow(scheduler)
+
+    def keep_schedule(self, lrs: Sequence[float]) -> None:
+        """Take ``lrs`` as the schedule's LRs now (the backoff's scale stays on top): after a
+        restore put the snapshot's LR back under a scheduler that is not in the snapshot."""
+        self.backoff.load_state_dict({"unscaled": list(lrs)})
+
+    # ----------------------------------------------------------------- the end
+    def stop(self) -> None:
+        """The run stopped (an abort the framework winds down): the gradients are dropped and the
+        followed scheduler does not advance, so an optimizer step the caller still takes changes nothing."""
+        self.updates.stopped()
+
+    def end_run(self) -> None:
+        """The end of a run that was not stopped: it must have trained (a step since it began or
+        resumed, an update applied) and end with finite parameters, else it aborts.
+
+        Raises:
+            TrainingAborted: nothing trained, or the model ends non-finite (restored first when it can be).
+        """
+        steps, trained = self._run_start
+        self.recovery.check_end(self.counters.steps - steps, self.counters.optimizer_steps - trained)
+
+    # ----------------------------------------------------------------- state
+    def snapshot(self, force: bool = False) -> Event:
+        """Snapshot the whole training state now (the guard also does it every ``snapshot.every`` healthy steps).
+
+        Returns:
+            The :class:`SnapshotTaken` event (``action`` ``"saved"`` or ``"refused"`` when not finite).
+        """
+        return self.snapshots.take(self.state_dict(), self.epoch_rng, force)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The guard's own state, JSON-ready: counters, policy history (with the fp16 overflow
+        streak), LR backoff, spike window, divergence window and episode, and the epoch's loss sum and count."""
+        return {
+            "counters": vars(self.counters).copy(),
+            "lr": self.backoff.state_dict(),
+            **self.judge.state_dict(),
+            **self.recovery_state.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Put back what :meth:`state_dict` returned (on resume); the run's end is judged from here."""
+        vars(self.counters).update(vars(Counters(**state["counters"])))  # in place: the parts hold it
+        self.backoff.load_state_dict(state["lr"])
+        self.judge.load_state_dict(state)
+        self.recovery_state.load_state_dict(state)
+        self._run_start = (self.counters.steps, self.counters.optimizer_steps)
+
+    # ----------------------------------------------------------------- the parts' callbacks
+    def _not_applied(self) -> None:
+        self.updates.not_applied(self.last_loss)
+
+    def _after_restore(self, step: int) -> None:
+        self.diagnoser.rng_reset()  # the snapshot's RNG state is back
+        self.diagnoser.clear(step)
+        self._pending.weights = None
+
+    def _emit(
+        self,
+        cls: type,
+        kind: str,
+        action: str,
+        message: str,
+        detail: Mapping[str, Any],
+        at: Optional[Tuple[int, int]] = None,
+    ) -> Event:
+        """Journal an event at the step; ``at``: the ``(epoch, batch index)`` of the micro-batch it
+        is about (an accumulated step's micro-batches each have their own), else the step's last batch."""
+        c, kind = self.counters, str(kind)  # the journal holds plain strings
+        if cls is AnomalyFound:  # under DDP: which ranks' own values tripped
+            detail = self.sync.annotate(detail, kind)
+        epoch, batch = at if at is not None else (c.epoch, c.batch - 1)
+        return self.bus.emit(
+            cls(
+                step=c.steps,
+                epoch=epoch,
+                batch=batch,
+                kind=kind,
+                action=str(action),
+                message=message,
+                detail=detail,
+                rank=self.rank,
+            )
+        )
