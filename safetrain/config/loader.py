@@ -24,6 +24,7 @@ from omegaconf.errors import OmegaConfBaseException, ValidationError
 from ..errors import ConfigError
 from .interpolate import has_interpolation, resolve_interpolations
 from .overrides import check_overrides, override_notes, parse_overrides, problem_of
+from .presets import preset_path
 from .schema import REPLACED_KEYS, TrainConfig, to_dict
 from .validate import KeyedError, check_layer, check_size, describe, fix_leaves, show, validate
 from .yamlfile import Located, read_yaml
@@ -39,7 +40,8 @@ def load_config(path: Optional[Union[str, os.PathLike]] = None, overrides: Itera
     """Load, merge and validate a configuration: defaults <- YAML file <- dotted overrides.
 
     Args:
-        path: a YAML file, or ``None`` for the defaults alone.
+        path: a YAML file, a preset's name (``"default"``, ``"lenient"``, ``"strict"``, ``"fp16"``,
+            ``"bf16"``: shipped in the package), or ``None`` for the defaults alone.
         overrides: dotted ``KEY=VALUE`` strings such as ``"recovery.max_retries=5"``.
 
     Returns:
@@ -63,7 +65,8 @@ def load_config(path: Optional[Union[str, os.PathLike]] = None, overrides: Itera
     base = OmegaConf.structured(TrainConfig)
     layers: List[tuple] = []
     if path is not None:
-        layers.append((read_yaml(Path(path)), f"{os.fspath(path)}"))
+        file = preset_path(path) or Path(path)
+        layers.append((read_yaml(file), f"{os.fspath(path) if file == Path(path) else file}"))
     if overrides:
         layers.append((parse_overrides(overrides), "override"))
     for note in override_notes(overrides):
@@ -74,7 +77,7 @@ def load_config(path: Optional[Union[str, os.PathLike]] = None, overrides: Itera
 def as_config(cfg: ConfigLike) -> TrainConfig:
     """Turn whatever a user passes as a config into a validated :class:`TrainConfig`.
 
-    Accepts ``None`` (defaults), a path to YAML, a plain (nested) dict, an OmegaConf ``DictConfig``
+    Accepts ``None`` (defaults), a path to YAML or a preset's name, a plain (nested) dict, an OmegaConf ``DictConfig``
     or a ``TrainConfig``; everything goes through the same merge and validation as :func:`load_config`.
 
     Raises:

@@ -16,6 +16,7 @@ from typing import Any, List, Optional, Tuple
 import yaml
 
 from ..errors import ConfigError
+from .presets import PRESETS
 
 __all__ = ["Located", "read_yaml", "MAX_FILE_BYTES"]
 
@@ -91,7 +92,8 @@ def _read_text(path: Path) -> str:
     try:
         info = path.stat()
     except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file") from None
+        presets = ", ".join(PRESETS)
+        raise ConfigError(f"{path}: no such config file; expected a YAML file or a preset's name ({presets})") from None
     except (OSError, ValueError) as exc:  # permission on a parent, a name too long, a NUL in the name
         raise ConfigError(f"{path}: cannot read the config file: {_reason(exc)}") from None
     if stat.S_ISDIR(info.st_mode):

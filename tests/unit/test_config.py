@@ -172,7 +172,7 @@ def test_override_error_says_it_came_from_an_override(tmp_path):
 
 def test_missing_file_is_named(tmp_path):
     missing = tmp_path / "nope.yaml"
-    with pytest.raises(ConfigError, match=rf"^{missing}: no such config file$"):
+    with pytest.raises(ConfigError, match=rf"^{missing}: no such config file; expected a YAML file or a preset's name"):
         load_config(missing)
 
 
@@ -212,3 +212,21 @@ def test_readme_reference_lists_every_key_with_its_default():
             continue
         default = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
         assert f"| `{dotted}` | `{default}` |" in readme, f"README's configuration reference lacks {dotted}"
+
+
+def test_a_presets_name_is_its_shipped_file_from_any_directory(tmp_path):
+    """Issue #25: ``SafeTraining("configs/default.yaml")`` worked only from a checkout; the presets
+    ship in the package and their names work wherever a path does, from any working directory."""
+    import subprocess
+    import sys
+
+    from safetrain.config.presets import PRESETS
+
+    for name in PRESETS:
+        assert load_config(name) == load_config(f"configs/{name}.yaml")
+    assert load_config("strict") != load_config("lenient")
+    code = "from safetrain import as_config; c = as_config('fp16'); print(c.amp.dtype)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "float16", out.stderr
+    with pytest.raises(ConfigError, match=r"no such config file; expected a YAML file or a preset's name \(default, "):
+        load_config("defualt")

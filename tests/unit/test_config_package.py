@@ -46,6 +46,7 @@ def test_config_imports_no_torch():
         "safetrain.config.schema",
         "safetrain.config.validate",
         "safetrain.config.yamlfile",
+        "safetrain.config.presets",
         "safetrain.config.overrides",
         "safetrain.config.interpolate",
         "safetrain.config.loader",
