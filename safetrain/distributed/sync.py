@@ -3,7 +3,10 @@ across ranks (:class:`DistributedSync`, one collective inside the step's one rea
 process, return their input at no cost (:class:`LocalSync`).
 
 The sync is only the collective: the guard's parts that must agree too are made so by factories
-that take it (:func:`.replay.wrap_replayer`, :func:`.store.wrap_store`)."""
+that take it (:func:`.replay.wrap_replayer`, :func:`.store.wrap_store`), and the slow paths
+that run on one rank's own (the weight replay, the quarantine) ask it :attr:`LocalSync.steps_alone`
+and :attr:`LocalSync.rank`, never the process: a plain model in a process group made for
+another reason has a :class:`LocalSync`."""
 
 from __future__ import annotations
 
@@ -68,6 +71,10 @@ class LocalSync:
     def same_count(self, count: int) -> bool:
         """One rank always agrees with itself."""
         return True
+
+    def gather_object(self, obj: Any) -> List[Any]:
+        """``[obj]``: this rank's object, the only one."""
+        return [obj]
 
 
 def make_sync(device: torch.device, model: Optional[torch.nn.Module] = None) -> "LocalSync | DistributedSync":
@@ -254,6 +261,13 @@ class DistributedSync:
     def same_count(self, count: int) -> bool:
         """Whether every rank has the same ``count`` (micro-batches left to re-run, say)."""
         return len(set(self.gather_int(count))) == 1
+
+    def gather_object(self, obj: Any) -> List[Any]:
+        """Every rank's ``obj`` (JSON-like: it is pickled for the wire), in rank order (one
+        ``all_gather_object``; slow path only)."""
+        out: List[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
 
 
 def _plan(layout: Layout, sharded: bool = False) -> List[Tuple[int, int, int]]:

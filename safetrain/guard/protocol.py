@@ -152,7 +152,7 @@ class Guard(OwnSteps, CallerSteps):
         self.store = store = distributed.make_store(layout, c.snapshot, run_dir, sync)
         self.diagnoser = diag = Diagnoser(named, monitor, c.detect.replay, state=state, params=params,
                                           loss_of=fwd.eager_loss, autocast=pipes.autocast, prepare=fwd.scan,
-                                          accumulate=k, clip=c.guard.clip_grad_norm)  # fmt: skip
+                                          accumulate=k, clip=c.guard.clip_grad_norm, sync=sync)  # fmt: skip
         diag.wrap_step_replay(lambda replay: distributed.wrap_replayer(replay, sync, named))
         kept = fwd.buffers.checked(kept=True), fwd.buffers.patterned(state, kept=True)  # as before the step
         all_weights = detect.WeightCheck(all_params + kept[0], 0, probes=kept[1])
