@@ -124,7 +124,7 @@ class SafeTrainer:
                 start_epoch, skip, epoch_rng, resumed = self._resume(guard, resume, run)
                 _check_loader(loader, epochs, max_steps, start_epoch)
                 run.bar = _progress(cfg.log.progress and run.rank == 0, epochs, loader)
-                keeper = QuarantineKeeper.for_loader(loader, run.dir, run.quarantined)
+                keeper = QuarantineKeeper.for_loader(loader, run.dir, run.quarantined, sync=guard.sync)
                 first = guard.steps
                 loop = _Loop(loader, epochs, max_steps, run, keeper, stop)
                 self._epochs(guard, loop, start_epoch, skip, epoch_rng)

@@ -47,11 +47,15 @@ class Diagnoser:
         prepare: ``prepare(batch) -> batch``: the sanitizer's device-side cleaning.
         accumulate: ``guard.accumulate_steps``.
         clip: ``guard.clip_grad_norm``.
+        sync: the guard's sync (:func:`safetrain.distributed.make_sync`): whether this rank's
+            replays are its own is asked of it, never of the process (a plain model in a process
+            group made for another reason has a :class:`~safetrain.distributed.LocalSync`).
 
     Example::
 
         diagnoser = Diagnoser(model, monitor, cfg.detect.replay, state=state, params=params,
-                              loss_of=loss_of, autocast=contextlib.nullcontext, prepare=lambda b: b)
+                              loss_of=loss_of, autocast=contextlib.nullcontext, prepare=lambda b: b,
+                              sync=LocalSync())
         diagnoser.begin_step()                                  # every step
         if diagnoser.enabled:                                   # a step tripped
             diagnosis = diagnoser.explain("loss", micro=[batch])
@@ -70,6 +74,7 @@ class Diagnoser:
         prepare: Callable[[Any], Any],
         accumulate: int = 1,
         clip: Optional[float] = None,
+        sync: Any,
     ) -> None:
         self.cfg, self.prepare = cfg, prepare
         self.used = 0  # replays spent, step and weight replays together
@@ -77,7 +82,15 @@ class Diagnoser:
         self.rng = StepRNG(cfg.enabled, cuda)
         self.step_replay: Any = StepReplay(model, monitor, cfg, loss_of, autocast, self.rng)
         self.weight_replay = WeightReplay(
-            state, params, cfg, loss_of=loss_of, autocast=autocast, prepare=prepare, accumulate=accumulate, clip=clip
+            state,
+            params,
+            cfg,
+            loss_of=loss_of,
+            autocast=autocast,
+            prepare=prepare,
+            accumulate=accumulate,
+            clip=clip,
+            sync=sync,
         )
 
     @property
@@ -107,7 +120,7 @@ class Diagnoser:
     def wrap_step_replay(self, wrap: Callable[[StepReplay], Any]) -> None:
         """Put ``wrap(step_replay)`` in place of the step replay: an object with the same
         ``replay(micro, indices)`` (under DDP: run locally and agreed across ranks, see
-        :meth:`safetrain.distributed.DistributedSync.wrap_replayer`)."""
+        :func:`safetrain.distributed.wrap_replayer`)."""
         self.step_replay = wrap(self.step_replay)
 
     # ---------------------------------------------------------------- slow path

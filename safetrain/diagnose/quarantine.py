@@ -1,7 +1,8 @@
 """Quarantine of bad samples: a sampler that skips them, and ``quarantine.json`` that remembers them.
 
-The cost is a deque of the indices in flight; under torch.distributed, one collective on a step
-that carries a diagnosis. Part of :mod:`safetrain.diagnose`; ``fit`` drives :class:`QuarantineKeeper`.
+The cost is a deque of the indices in flight; when the ranks step together (the guard's sync is a
+:class:`~safetrain.distributed.DistributedSync`), one collective on a step that carries a
+diagnosis. Part of :mod:`safetrain.diagnose`; ``fit`` drives :class:`QuarantineKeeper`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sized, Tuple, Union
 
+import torch
 from torch.utils.data import DataLoader, Sampler
 
 from .. import distributed
@@ -43,7 +45,9 @@ class QuarantineSampler(Sampler[int]):
     Args:
         sampler: the sampler to wrap (``RandomSampler``, ``SequentialSampler``, ``DistributedSampler``...).
         quarantined: dataset indices to skip from the start.
-        keep_length: replace instead of skip; ``None``: when torch.distributed runs more than one rank.
+        keep_length: replace instead of skip; ``None``: when the ranks step together, as the guard's
+            sync says (:meth:`follow`), or, before a :class:`QuarantineKeeper` has told it, when
+            torch.distributed runs more than one rank.
 
     Example::
 
@@ -61,10 +65,18 @@ class QuarantineSampler(Sampler[int]):
         self.skipped = 0  # quarantined indices passed over, over the sampler's life
         self.repeated = 0  # healthy indices handed out twice in their place (keep_length only)
         self._issued: deque = deque()
+        self._sync: Any = None  # the guard's sync, once a keeper has told it (keep_length=None)
+
+    def follow(self, sync: Any) -> None:
+        """Keep the epoch's length (``keep_length=None``) exactly when ``sync``'s ranks step together
+        (not ``sync.steps_alone``): a plain model in a process group skips, as in one process."""
+        self._sync = sync
 
     def __iter__(self) -> Iterator[int]:
         self._issued.clear()
-        keep_length = self.keep_length if self.keep_length is not None else distributed.active()
+        keep_length = self.keep_length
+        if keep_length is None:
+            keep_length = not self._sync.steps_alone if self._sync is not None else distributed.active()
         if keep_length:
             yield from self._same_length()
             return
@@ -114,15 +126,6 @@ class QuarantineSampler(Sampler[int]):
         return new
 
 
-def _union_across_ranks(indices: List[int]) -> List[int]:
-    """Every rank's indices, on every rank (one ``all_gather_object``; all ranks must call it)."""
-    import torch.distributed as dist
-
-    gathered: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, indices)
-    return sorted({int(i) for part in gathered for i in part})
-
-
 def read_quarantine(path: Union[str, os.PathLike]) -> List[int]:
     """The dataset indices in a ``quarantine.json`` (an empty list when the file does not exist).
 
@@ -167,11 +170,24 @@ class QuarantineKeeper:
             the ``(epoch, batch index)`` of the batch it is about; ``None``: the step's).
         batch_size: the indices the loader takes from the sampler per batch (``DataLoader.batch_size``);
             ``None``: not known.
+        sync: the guard's sync (:func:`safetrain.distributed.make_sync`): the rank that writes the
+            file, and whether the ranks step together (then they unite what they isolated, and the
+            sampler keeps its epochs' length). ``None``: the process's default group, as if every
+            rank trained one DDP model (:func:`safetrain.distributed.make_sync` without a model).
     """
 
-    def __init__(self, sampler: Any, run_dir: Optional[Path], emit: Any, batch_size: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        sampler: Any,
+        run_dir: Optional[Path],
+        emit: Any,
+        batch_size: Optional[int] = None,
+        sync: Any = None,
+    ) -> None:
         self.sampler = sampler if isinstance(sampler, QuarantineSampler) else None
-        self._distributed = distributed.active()
+        self.sync = sync if sync is not None else distributed.make_sync(torch.device("cpu"))
+        if self.sampler is not None:
+            self.sampler.follow(self.sync)
         self.path = run_dir / "quarantine.json" if run_dir is not None else None
         self.emit = emit
         self.batch_size = batch_size if isinstance(batch_size, int) and batch_size > 0 else None
@@ -185,12 +201,13 @@ class QuarantineKeeper:
                 emit("load", f"{len(known)} quarantined samples from {self.path} will be skipped", {"indices": known})
 
     @classmethod
-    def for_loader(cls, loader: Any, run_dir: Optional[Path], emit: Any) -> "QuarantineKeeper":
+    def for_loader(cls, loader: Any, run_dir: Optional[Path], emit: Any, sync: Any = None) -> "QuarantineKeeper":
         """The keeper of a loader: its ``sampler`` (a no-op keeper unless a :class:`QuarantineSampler`)
         and its ``batch_size`` (a ``DataLoader``'s; ``None`` for another iterable). A ``DataLoader``
-        without batching (``batch_size=None``) takes one index per batch: every row is that sample's."""
+        without batching (``batch_size=None``) takes one index per batch: every row is that sample's.
+        ``sync``: the guard's sync (see the class)."""
         size = getattr(loader, "batch_size", None)
-        keeper = cls(getattr(loader, "sampler", None), run_dir, emit, size)
+        keeper = cls(getattr(loader, "sampler", None), run_dir, emit, size, sync=sync)
         keeper._whole = isinstance(loader, DataLoader) and loader.batch_sampler is None
         return keeper
 
@@ -227,9 +244,10 @@ class QuarantineKeeper:
     def after_step(self, events: Iterable[Any]) -> None:
         """Quarantine the dataset indices a replay isolated in this step's events.
 
-        Under torch.distributed the ranks' indices are united with one collective, on the steps
-        that carry a diagnosis only: the guard takes such decisions on every rank together, so
-        every rank makes the call and no healthy step pays for it. Rank 0 writes the file.
+        When the ranks step together (the sync's ``steps_alone`` is false) their indices are united
+        with one collective, on the steps that carry a diagnosis only: the guard takes such
+        decisions on every rank together, so every rank makes the call and no healthy step pays
+        for it. Rank 0 writes the file.
         """
         if self.sampler is None:
             return
@@ -246,13 +264,14 @@ class QuarantineKeeper:
         at = next(((e.epoch, e.batch) for e in events if e.name == "anomaly" and "diagnosis" in e.detail), None)
         if unmapped is not None:
             self._refused(diagnosed, unmapped, at)
-        if self._distributed:
-            indices = _union_across_ranks(indices)
+        together = not self.sync.steps_alone
+        if together:
+            indices = sorted({int(i) for part in self.sync.gather_object(indices) for i in part})
         new = self.sampler.add(indices)
         if new:
-            if self.path is not None and distributed.rank() == 0:
+            if self.path is not None and self.sync.rank == 0:
                 write_quarantine(self.path, self.sampler.quarantined)
-            kept = ", replaced by repeats to keep the ranks in step" if self._distributed else ""
+            kept = ", replaced by repeats to keep the ranks in step" if together else ""
             when = "from the next epoch on" + kept
             self.emit(
                 "add",

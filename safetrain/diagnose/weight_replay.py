@@ -15,7 +15,6 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 import torch
 
-from .. import distributed
 from ..config import ReplayConfig
 from ..detect import GradCheck, iter_tensors
 from .diagnosis import Diagnosis
@@ -92,10 +91,12 @@ class WeightReplay:
     replayed step stays finite, says the weights were changed outside the training step. The budget
     is not spent here: :class:`~safetrain.diagnose.Diagnoser` spends it.
 
-    Limits: under ``torch.distributed`` the weight replay is skipped with a note (the ranks would have
-    to replay together); with fp16 the replay's loss scale follows its own history from the snapshot
-    (steps the GradScaler skipped are not kept); a step's data is replayed as the guard saw it, so a
-    loader that reuses its batch tensors in place makes the replay see later data.
+    Limits: when the ranks step together (``sync`` a :class:`~safetrain.distributed.DistributedSync`:
+    DDP or FSDP2) the weight replay is skipped with a note (the ranks would have to replay
+    together); a plain model in a process group replays on its own; with fp16 the replay's loss
+    scale follows its own history from the snapshot (steps the GradScaler skipped are not kept);
+    a step's data is replayed as the guard saw it, so a loader that reuses its batch tensors in
+    place makes the replay see later data.
 
     Args:
         state: the guard's :class:`~safetrain.snapshot.TrainState` (model, optimizer, scheduler,
@@ -108,11 +109,13 @@ class WeightReplay:
             step's forward saw it.
         accumulate: ``guard.accumulate_steps`` (each micro-batch's loss is divided by it).
         clip: ``guard.clip_grad_norm``.
+        sync: the guard's sync (:func:`safetrain.distributed.make_sync`): asked whether this rank
+            steps alone (``steps_alone``), never the process.
 
     Example::
 
         weights = WeightReplay(guard.state, guard.params, cfg.detect.replay, loss_of=loss_of,
-                               autocast=contextlib.nullcontext, prepare=lambda b: b)
+                               autocast=contextlib.nullcontext, prepare=lambda b: b, sync=LocalSync())
         weights.clear(step=0)                          # a snapshot of step 0 was taken
         weights.record(1, [batch], total=0.5, rng=None)  # before optimizer.step() of step 1
         if not weights.why_not(store):                 # when a weight is found non-finite
@@ -130,8 +133,9 @@ class WeightReplay:
         prepare: Callable[[Any], Any],
         accumulate: int = 1,
         clip: Optional[float] = None,
+        sync: Any,
     ) -> None:
-        self.state, self.params, self.cfg = state, list(params), cfg
+        self.state, self.params, self.cfg, self.sync = state, list(params), cfg, sync
         self.loss_of, self.autocast = loss_of, autocast
         self.prepare, self.accumulate, self.clip = prepare, accumulate, clip
         self._clipper = GradCheck(self.params)
@@ -236,7 +240,7 @@ class WeightReplay:
         """Why the kept updates cannot be replayed from ``store``'s newest snapshot (``""``: they can)."""
         if self.keep == 0:
             return "detect.replay.keep_steps=0: the updates since the snapshot are not kept"
-        if distributed.active():
+        if not self.sync.steps_alone:
             return "not replayed under torch.distributed (every rank would have to replay together)"
         if self._base is None or len(store) == 0:
             return "no snapshot to replay from"

@@ -9,12 +9,13 @@ plus one small collective per slow-path decision. Used by ``guard`` and ``diagno
 ``detect`` (the step's read) and ``snapshot`` (the stores).
 """
 
-from .checkpoint import ShardedStore, sharded_snapshots
+from .checkpoint import ShardedStore
 from .group import active, keep_rng, local, rank
-from .replay import AgreedReplay
+from .replay import AgreedReplay, wrap_replayer
 from .resume import load_snapshot
 from .sharding import DDP, FSDP2, LOCAL, ShardedState, for_layout, layout_of, train_state
-from .store import DistributedStore
+from .snapdir import sharded_snapshots
+from .store import DistributedStore, wrap_store
 from .stores import make_store
 from .sync import DistributedSync, LocalSync, make_sync
 
@@ -25,6 +26,8 @@ __all__ = [
     "DistributedStore",
     "sharded_snapshots",
     "AgreedReplay",
+    "wrap_replayer",
+    "wrap_store",
     "active",
     "rank",
     "local",

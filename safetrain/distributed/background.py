@@ -3,7 +3,7 @@
 ``save`` returns once every tensor is staged (copied to CPU memory by the storage writer,
 DCP's ``HuggingFaceStorageWriter``: no pickle); the shards are then written by DCP's thread,
 and a thread of ours waits for them, checksums the files and has rank 0 write the completion
-mark (:func:`.checkpoint.write_mark`): the mark is written only once the data is on disk, so a
+mark (:func:`.mark.write_mark`): the mark is written only once the data is on disk, so a
 kill during the background write leaves an incomplete directory, ignored on load.
 
 The background collectives (DCP's plan and finish, the checksum gather) run on a process group
@@ -19,6 +19,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Dict, List, Optional
 
 import torch
+
+from .mark import write_mark
 
 __all__ = ["BackgroundSaves", "GroupSync"]
 
@@ -61,8 +63,6 @@ class BackgroundSaves:
         background, then the completion mark; ``meta`` holds ``counters`` and ``created``."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import HuggingFaceStorageWriter
-
-        from .checkpoint import write_mark
 
         if self._pending is not None:
             raise RuntimeError("BackgroundSaves.start: a save is still in flight; wait() first")

@@ -1,112 +1,49 @@
-"""Sharded snapshots on disk for FSDP2: one directory per snapshot, written with
-``torch.distributed.checkpoint`` (DCP) by every rank, no pickle anywhere.
+"""Sharded snapshots on disk for FSDP2, the writer: one directory per snapshot (its layout in
+:mod:`.snapdir`), written with ``torch.distributed.checkpoint`` (DCP) by every rank, no pickle anywhere.
 
-A snapshot of step ``s`` is the directory ``step-{s:010d}/``:
+Every rank writes its JSON part, then its tensors (DCP's ``HuggingFaceStorageWriter`` with
+``save_distributed=True``); once every rank's files are on disk, rank 0 writes the completion
+mark with a checksum of every other file (:mod:`.mark`, :mod:`.verify`), checked before any
+load: a damaged snapshot is refused and an older one used. A directory without the mark is
+never loaded, and its run removes it at its next save. (DCP's default ``FileSystemWriter``
+pickles its ``.metadata`` file and writes tensors with ``torch.save``; neither is used here.)
+With ``snapshot.async_save`` the tensors are staged and written in the background (:mod:`.background`).
 
-* ``shard-*.safetensors``: the tensors, written by DCP's ``HuggingFaceStorageWriter`` with
-  ``save_distributed=True`` (each rank its own file, its local shards with their offsets in the
-  safetensors header). Keys: ``model/{fqn}`` and ``optim/{fqn}/{key}`` from
-  ``get_state_dict(model, optimizer)`` (the user's parameter names), and ``rank{r}/{name}`` for
-  each rank's own small tensors (RNG states, the caller's extra tensors).
-* ``rank-{r}.json``: rank r's JSON part (counters, the guard's state, RNG, scheduler, scaler,
-  the optimizer's param groups), written before the tensors.
-* ``safetrain.json``: written last by rank 0 (atomically) once every rank's tensors are on disk:
-  the snapshot's completion mark, with a checksum of every other file (:mod:`.verify`), checked
-  before any load: a damaged snapshot is refused and an older one used. A directory without it
-  is never loaded, and its run removes it at its next save. (DCP's default ``FileSystemWriter``
-  pickles its ``.metadata`` file and writes tensors with ``torch.save``; neither is used here.)
-
-Loading reads the tensors with DCP's ``HuggingFaceStorageReader`` into the live state (DCP
-reshards: the number of ranks may differ), then ``set_state_dict``.
+Loading (:mod:`.loading`) reads the tensors with DCP's ``HuggingFaceStorageReader`` into the
+live state (DCP reshards: the number of ranks may differ), then ``set_state_dict``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
 import shutil
-from typing import Any, Dict, Iterable, List, Optional, Tuple
-
-import torch
+from typing import Any, Iterable, List, Optional
 
 from ..errors import SnapshotError
-from ..rundir import AtomicFile, fsync_dir
 from ..snapshot.codec import encode
-from ..snapshot.store import CorruptSnapshotError, SnapshotInfo, SnapshotStore, make_info, run_of
+from ..snapshot.store import SnapshotInfo, SnapshotStore, make_info, run_of
 from ..snapshot.tensors import nonfinite
 from .background import BackgroundSaves
-from .verify import ALGORITHM, checksum_files
+from .loading import load_sharded
+from .mark import write_mark
+from .snapdir import (
+    MARK,
+    dcp_modules,
+    flat_state,
+    rank_path,
+    read_json,
+    sharded_snapshots,
+    step_dir,
+    step_of,
+    write_json,
+)
 
-__all__ = ["ShardedStore", "save_sharded", "sharded_snapshots", "write_mark", "MARK"]
+__all__ = ["ShardedStore", "save_sharded"]
 
 logger = logging.getLogger("safetrain")
 
-MARK = "safetrain.json"
-_NAME = re.compile(r"^step-(\d{10,})$")
 _MINE = ("model/", "optim/state/")  # captured tensors that DCP writes from get_state_dict instead
-
-
-def _dcp() -> Any:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import state_dict as sd
-
-    return dcp, sd
-
-
-def sharded_snapshots(directory: str, complete: bool = True) -> List[str]:
-    """Snapshot directories in ``directory``, oldest step first (only complete ones by default)."""
-    try:
-        names = os.listdir(directory)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    found = sorted((int(m.group(1)), n) for n in names if (m := _NAME.match(n)))
-    paths = [os.path.join(directory, n) for _, n in found]
-    return [p for p in paths if os.path.isfile(os.path.join(p, MARK))] if complete else paths
-
-
-def _flat(state: Any) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
-    """``get_state_dict`` of the live model and optimizer: DCP's tensors, and the JSON rest."""
-    _, sd = _dcp()
-    model_sd, optim_sd = sd.get_state_dict(state.model, state.optimizer.optimizer)
-    tensors: Dict[str, torch.Tensor] = {}
-    for fqn, t in model_sd.items():
-        if not isinstance(t, torch.Tensor):
-            raise SnapshotError(f"model.state_dict()[{fqn!r}]: a {type(t).__name__}; sharded snapshots hold tensors")
-        tensors[f"model/{fqn}"] = t
-    plain: Dict[str, Dict[str, Any]] = {}
-    for fqn, s in optim_sd.get("state", {}).items():
-        for key, v in s.items():
-            if isinstance(v, torch.Tensor):
-                tensors[f"optim/{fqn}/{key}"] = v
-            else:
-                plain.setdefault(fqn, {})[key] = v
-    return tensors, {"groups": optim_sd.get("param_groups", []), "plain": plain}
-
-
-def _rank_path(snap: str, rank: int) -> str:
-    return os.path.join(snap, f"rank-{rank}.json")
-
-
-def _write_json(path: str, obj: Any) -> None:
-    target = AtomicFile(path)
-    try:
-        with open(target.tmp, "w") as f:
-            json.dump(obj, f, separators=(",", ":"), allow_nan=False)
-            f.flush()
-            os.fsync(f.fileno())
-        target.commit()
-    finally:
-        target.discard()
-
-
-def _read_json(path: str) -> Any:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CorruptSnapshotError(f"{path}: unreadable ({exc})") from None
 
 
 def save_sharded(snap: str, state: Any, captured: Any, sync: Any, run_id: str, background: Any = None) -> None:
@@ -114,12 +51,12 @@ def save_sharded(snap: str, state: Any, captured: Any, sync: Any, run_id: str, b
     of the files (:mod:`.verify`); rank 0 then writes the completion mark with every checksum.
     With ``background`` (:class:`.background.BackgroundSaves`), the tensors are staged and the
     rest happens in the background."""
-    dcp, _ = _dcp()
+    dcp, _ = dcp_modules()
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
     rank, world = getattr(sync, "rank", 0), getattr(sync, "world", 1)
     os.makedirs(snap, exist_ok=True)
-    tensors, optim = _flat(state)
+    tensors, optim = flat_state(state)
     own = {n: t for n, t in captured.tensors.items() if not n.startswith(_MINE)}
     optim_json = encode(optim, "optim_json", lambda n, t: own.__setitem__(n, t.detach()))
     specs = {n: [list(t.shape), str(t.dtype)] for n, t in own.items()}
@@ -127,24 +64,12 @@ def save_sharded(snap: str, state: Any, captured: Any, sync: Any, run_id: str, b
     meta["accepted"] = captured.meta["model"].get("accepted", {})  # buffers non-finite by design (a resume keeps them)
     inner = state.optimizer.optimizer  # the user's optimizer (the state holds a LocalOptimizer around it)
     meta["optimizer_type"] = f"{type(inner).__module__}.{type(inner).__qualname__}"  # for safetrain inspect
-    _write_json(_rank_path(snap, rank), {**meta, "run_id": run_id, "world": world, "optim": optim_json, "own": specs})
+    write_json(rank_path(snap, rank), {**meta, "run_id": run_id, "world": world, "optim": optim_json, "own": specs})
     tensors.update({f"rank{rank}/{n}": t.contiguous() for n, t in own.items()})
     if background is not None:
         return background.start(snap, tensors, captured.meta, run_id)
     dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(snap, save_distributed=True))  # ends with a barrier
     write_mark(snap, captured.meta, sync, run_id)
-
-
-def write_mark(snap: str, meta: Any, sync: Any, run_id: str) -> None:
-    """Every rank, once every rank's files of ``snap`` are on disk: checksum them (a share each,
-    gathered), then rank 0 writes the completion mark."""
-    files = checksum_files(snap, sync)
-    if getattr(sync, "rank", 0) == 0:
-        mark = {"format": "safetrain.sharded", "version": 2, "run_id": run_id, "world": getattr(sync, "world", 1),
-                "counters": meta["counters"], "created": meta["created"]}  # fmt: skip
-        mark.update(checksum=ALGORITHM, files=files)
-        _write_json(os.path.join(snap, MARK), mark)
-        fsync_dir(os.path.dirname(snap))
 
 
 class ShardedStore(SnapshotStore):
@@ -183,7 +108,7 @@ class ShardedStore(SnapshotStore):
 
     def _run(self, snap: str) -> Optional[str]:
         try:
-            return run_of(_read_json(os.path.join(snap, MARK)))
+            return run_of(read_json(os.path.join(snap, MARK)))
         except SnapshotError:
             return None
 
@@ -229,15 +154,16 @@ class ShardedStore(SnapshotStore):
         if any(refused):
             where = [r for r, n in enumerate(refused) if n]
             self.refused = tuple(bad) or ("(on another rank)",)
-            logger.warning("snapshot refused at step %d: non-finite state on rank(s) %s; keeping the previous one",
-                           step, where)  # fmt: skip
+            logger.warning(
+                "snapshot refused at step %d: non-finite state on rank(s) %s; keeping the previous one", step, where
+            )
             return None
         self._live = state  # get_state_dict reads the live model and optimizer
         return self._save(captured)
 
     def _save(self, captured: Any) -> Optional[SnapshotInfo]:
         step = captured.meta["counters"]["step"]
-        snap = os.path.join(self.directory, f"step-{step:010d}")
+        snap = step_dir(self.directory, step)
         if self.rank == 0:
             self._clean(snap)
         self._vote(0)  # the directory is empty before any rank writes into it
@@ -295,7 +221,7 @@ class ShardedStore(SnapshotStore):
             if os.path.isfile(os.path.join(path, MARK)) and path != snap:
                 continue
             try:
-                run = _read_json(_rank_path(path, 0)).get("run_id")
+                run = read_json(rank_path(path, 0)).get("run_id")
             except SnapshotError:
                 run = None
             if path == snap or run in self._ids:
@@ -304,7 +230,7 @@ class ShardedStore(SnapshotStore):
 
     def _rotate(self, step: int) -> None:
         own = self.own_paths()
-        doomed = [p for p in own if int(_NAME.match(os.path.basename(p)).group(1)) > step]  # rolled back
+        doomed = [p for p in own if step_of(p) > step]  # rolled back
         usable = [p for p in own if p not in doomed and p not in self._passed]
         doomed += usable[: max(0, len(usable) - self.keep)]
         for path in doomed:
@@ -315,12 +241,10 @@ class ShardedStore(SnapshotStore):
         return list(reversed(self.own_paths()))
 
     def _restore(self, snap: str, state: Any) -> SnapshotInfo:
-        from .loading import load_sharded  # (loading builds on this module)
-
         return load_sharded(snap, state, self.sync)
 
     def _info(self, snap: str) -> SnapshotInfo:
-        meta = _read_json(_rank_path(snap, 0))
+        meta = read_json(rank_path(snap, 0))
         return make_info({**meta, "extra_tensors": []}, {}, snap, snap)
 
     def restore(self, state: Any, older: int = 0) -> SnapshotInfo:

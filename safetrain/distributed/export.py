@@ -16,7 +16,7 @@ from typing import Dict, Union
 import torch
 
 from ..errors import SnapshotError
-from .checkpoint import MARK, sharded_snapshots
+from .snapdir import MARK, sharded_snapshots
 
 __all__ = ["export_model"]
 

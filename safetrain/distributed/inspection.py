@@ -21,7 +21,7 @@ from ..snapshot.accepted import check_patterns
 from ..snapshot.codec import decode
 from ..snapshot.store import CorruptSnapshotError
 from ..snapshot.tensors import nonfinite
-from .checkpoint import _NAME, MARK, _rank_path, _read_json, sharded_snapshots
+from .snapdir import MARK, rank_path, read_json, sharded_snapshots, step_of
 from .verify import bad_files
 
 __all__ = ["is_sharded", "inspect_sharded", "inspect_sharded_directory"]
@@ -32,7 +32,7 @@ INCOMPLETE = f"incomplete (no {MARK}): a save cut short, never loaded"
 def is_sharded(path: Union[str, os.PathLike]) -> bool:
     """Whether ``path`` is a sharded snapshot (``step-*`` directory) or a directory holding some."""
     path = os.fspath(path)
-    if _NAME.match(os.path.basename(os.path.normpath(path))) and os.path.isdir(path):
+    if step_of(path) is not None and os.path.isdir(path):
         return True
     return bool(sharded_snapshots(path, complete=False))
 
@@ -58,7 +58,7 @@ def inspect_sharded(path: Union[str, os.PathLike]) -> Dict[str, Any]:
     snap = os.fspath(path)
     if not os.path.isfile(os.path.join(snap, MARK)):
         raise CorruptSnapshotError(f"{snap}: {INCOMPLETE}")
-    mark, meta = _read_json(os.path.join(snap, MARK)), _read_json(_rank_path(snap, 0))
+    mark, meta = read_json(os.path.join(snap, MARK)), read_json(rank_path(snap, 0))
     recorded = mark.get("files") if isinstance(mark, dict) else None
     if recorded is not None and not isinstance(recorded, dict):
         raise CorruptSnapshotError(f"{snap}: the completion mark's checksum table is malformed")
@@ -73,8 +73,8 @@ def inspect_sharded(path: Union[str, os.PathLike]) -> Dict[str, Any]:
         damaged = f" ({', '.join(bad)} fail(s) its checksum)" if bad else ""
         raise CorruptSnapshotError(f"{snap}: cannot read the shards{damaged}: {exc}") from None
     try:
-        return {**_describe(snap, mark, meta, full), "checksum_ok": None if bad is None else not bad,
-                "bad_checksums": bad or []}  # fmt: skip
+        described = _describe(snap, mark, meta, full)
+        return {**described, "checksum_ok": None if bad is None else not bad, "bad_checksums": bad or []}
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
         raise CorruptSnapshotError(f"{snap}: malformed snapshot metadata ({type(exc).__name__}: {exc})") from None
 
@@ -125,7 +125,7 @@ def inspect_sharded_directory(path: Union[str, os.PathLike]) -> List[Dict[str, A
     path = os.fspath(path)
     rows = []
     for snap in reversed(sharded_snapshots(path, complete=False)):
-        step = int(_NAME.match(os.path.basename(snap)).group(1))
+        step = step_of(snap)
         try:
             info = inspect_sharded(snap)
         except SnapshotError as exc:

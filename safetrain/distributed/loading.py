@@ -1,11 +1,10 @@
-"""Loading a sharded snapshot directory (:mod:`.checkpoint`) into the live FSDP2 state:
+"""Loading a sharded snapshot directory (:mod:`.snapdir`) into the live FSDP2 state:
 verified first (:mod:`.verify`), then read by DCP's ``HuggingFaceStorageReader`` (resharded to
 this job's ranks) and put in place with ``set_state_dict``."""
 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Dict
 
 import torch
@@ -15,7 +14,8 @@ from ..snapshot.accepted import check_patterns
 from ..snapshot.codec import decode
 from ..snapshot.rng import restore_rng
 from ..snapshot.store import CorruptSnapshotError, SnapshotInfo, make_info
-from .checkpoint import MARK, _dcp, _flat, _rank_path, _read_json
+from .mark import read_mark
+from .snapdir import dcp_modules, flat_state, rank_path, read_json
 from .verify import verify_files
 
 __all__ = ["load_sharded"]
@@ -41,17 +41,15 @@ def load_sharded(snap: str, state: Any, sync: Any = None) -> SnapshotInfo:
         SnapshotError: it does not fit the live model and optimizer.
     """
     rank = getattr(sync, "rank", 0)
-    dcp, sd = _dcp()
+    dcp, sd = dcp_modules()
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    mark = _read_json(os.path.join(snap, MARK)) if os.path.isfile(os.path.join(snap, MARK)) else None
-    if not isinstance(mark, dict) or mark.get("format") != "safetrain.sharded":
-        raise CorruptSnapshotError(f"{snap}: not a complete sharded snapshot (no {MARK})")
+    mark = read_mark(snap)
     if not verify_files(snap, mark, sync):
         logger.info("%s: written without checksums (an older safetrain): sizes and offsets checked only", snap)
     src = rank if rank < int(mark["world"]) else 0
-    meta = _read_json(_rank_path(snap, src))
-    tensors, _ = _flat(state)
+    meta = read_json(rank_path(snap, src))
+    tensors, _ = flat_state(state)
     own = {n: torch.empty(shape, dtype=_dtype(dt)) for n, (shape, dt) in meta["own"].items()}
     want = {**tensors, **{f"rank{src}/{n}": t for n, t in own.items()}}
     try:

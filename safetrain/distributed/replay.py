@@ -13,7 +13,19 @@ from .group import local
 if TYPE_CHECKING:
     from .sync import DistributedSync
 
-__all__ = ["AgreedReplay"]
+__all__ = ["AgreedReplay", "wrap_replayer"]
+
+
+def wrap_replayer(replayer: Any, sync: Any, model: torch.nn.Module) -> Any:
+    """The guard's step replayer for ``sync``: as it is when the rank steps alone
+    (:class:`~.sync.LocalSync`), else an :class:`AgreedReplay` (run without DDP collectives,
+    agreed on ``reproducible`` across ranks).
+
+    Example::
+
+        diagnoser.wrap_step_replay(lambda replay: wrap_replayer(replay, guard_sync, model))
+    """
+    return replayer if sync.steps_alone else AgreedReplay(replayer, sync, model)
 
 
 class AgreedReplay:

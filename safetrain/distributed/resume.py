@@ -13,10 +13,10 @@ from ..errors import SnapshotError
 from ..snapshot import SnapshotInfo
 from ..snapshot import load_snapshot as _load_snapshot
 from ..snapshot.store import CorruptSnapshotError
-from .checkpoint import MARK, sharded_snapshots
 from .group import active, keep_rng
 from .loading import load_sharded
 from .sharding import ShardedState
+from .snapdir import MARK, sharded_snapshots
 from .store import agree_restored
 from .sync import DistributedSync
 

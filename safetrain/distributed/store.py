@@ -17,9 +17,15 @@ from .group import keep_rng
 if TYPE_CHECKING:
     from .sync import DistributedSync
 
-__all__ = ["DistributedStore", "agree_restored"]
+__all__ = ["DistributedStore", "wrap_store", "agree_restored"]
 
 logger = logging.getLogger("safetrain")
+
+
+def wrap_store(store: Any, sync: Any) -> Any:
+    """The guard's snapshot store for ``sync``: as it is when the rank steps alone
+    (:class:`~.sync.LocalSync`), else made collective (:class:`DistributedStore`)."""
+    return store if sync.steps_alone else DistributedStore(store, sync)
 
 
 class DistributedStore:

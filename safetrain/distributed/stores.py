@@ -8,6 +8,7 @@ import os
 from typing import Any, Optional
 
 from .checkpoint import ShardedStore
+from .store import wrap_store
 
 __all__ = ["make_store"]
 
@@ -25,7 +26,7 @@ def make_store(layout: str, cfg: Any, run_dir: Optional[str], sync: Any) -> Any:
     if cfg.async_save and (layout != FSDP2 or cfg.store != "safetensors"):
         logger.warning("snapshot.async_save: applies to FSDP2 sharded snapshots (store: safetensors) only; ignored")
     if layout != FSDP2 or cfg.store != "safetensors":
-        return sync.wrap_store(plain_store(cfg, run_dir=run_dir))
+        return wrap_store(plain_store(cfg, run_dir=run_dir), sync)
     directory = cfg.dir or (os.path.join(os.fspath(run_dir), "snapshots") if run_dir is not None else None)
     if directory is None:
         raise SnapshotConfigError("snapshot.dir: store is 'safetensors' but neither snapshot.dir nor log.dir is set")

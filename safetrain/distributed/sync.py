@@ -1,6 +1,12 @@
 """The guard's sync: one object whose methods make a step's read and slow-path decisions agree
 across ranks (:class:`DistributedSync`, one collective inside the step's one read) or, in one
-process, return their input at no cost (:class:`LocalSync`)."""
+process, return their input at no cost (:class:`LocalSync`).
+
+The sync is only the collective: the guard's parts that must agree too are made so by factories
+that take it (:func:`.replay.wrap_replayer`, :func:`.store.wrap_store`), and the slow paths
+that run on one rank's own (the weight replay, the quarantine) ask it :attr:`LocalSync.steps_alone`
+and :attr:`LocalSync.rank`, never the process: a plain model in a process group made for
+another reason has a :class:`LocalSync`."""
 
 from __future__ import annotations
 
@@ -15,9 +21,7 @@ from torch import Tensor
 
 from ..detect.flags import Layout, packed_order, parse_read
 from .group import active, rank
-from .replay import AgreedReplay
 from .sharding import DDP, FSDP2, layout_of
-from .store import DistributedStore
 
 __all__ = ["LocalSync", "DistributedSync", "make_sync"]
 
@@ -35,7 +39,8 @@ class LocalSync:
     :class:`DistributedSync`, so the guard never branches on being distributed)."""
 
     world = 1
-    #: A rank may skip a step on its own (an empty batch): no other rank waits in a collective.
+    #: A rank's steps and slow paths are its own: it may skip a step (an empty batch), replay
+    #: updates or quarantine samples with no other rank waiting in a collective.
     steps_alone = True
     #: No hook on the step's read (see :class:`~safetrain.detect.StepFlags`).
     reduce = None
@@ -67,13 +72,9 @@ class LocalSync:
         """One rank always agrees with itself."""
         return True
 
-    def wrap_store(self, store: Any) -> Any:
-        """The store, as it is."""
-        return store
-
-    def wrap_replayer(self, replayer: Any, model: torch.nn.Module) -> Any:
-        """The replayer, as it is."""
-        return replayer
+    def gather_object(self, obj: Any) -> List[Any]:
+        """``[obj]``: this rank's object, the only one."""
+        return [obj]
 
 
 def make_sync(device: torch.device, model: Optional[torch.nn.Module] = None) -> "LocalSync | DistributedSync":
@@ -116,7 +117,8 @@ class DistributedSync:
         >>> flags = StepFlags(reduce=sync.reduce if sync else None)       # doctest: +SKIP
     """
 
-    #: Every rank must run every step (the step's read is a collective).
+    #: Every rank must run every step (the step's read is a collective), and every slow-path
+    #: decision is taken by every rank together.
     steps_alone = False
 
     def __init__(
@@ -260,14 +262,12 @@ class DistributedSync:
         """Whether every rank has the same ``count`` (micro-batches left to re-run, say)."""
         return len(set(self.gather_int(count))) == 1
 
-    # ------------------------------------------------------------------ wrapping
-    def wrap_store(self, store: Any) -> DistributedStore:
-        """The guard's snapshot store, made collective (see :class:`DistributedStore`)."""
-        return DistributedStore(store, self)
-
-    def wrap_replayer(self, replayer: Any, model: torch.nn.Module) -> AgreedReplay:
-        """The guard's replayer, run without DDP collectives and agreed on ``reproducible``."""
-        return AgreedReplay(replayer, self, model)
+    def gather_object(self, obj: Any) -> List[Any]:
+        """Every rank's ``obj`` (JSON-like: it is pickled for the wire), in rank order (one
+        ``all_gather_object``; slow path only)."""
+        out: List[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
 
 
 def _plan(layout: Layout, sharded: bool = False) -> List[Tuple[int, int, int]]:

@@ -25,19 +25,12 @@ import torch
 
 from ..snapshot.fileformat import checksum
 from ..snapshot.store import CorruptSnapshotError
+from .snapdir import snapshot_files
 
-__all__ = ["ALGORITHM", "snapshot_files", "file_checksum", "checksum_files", "verify_files", "bad_files"]
+__all__ = ["ALGORITHM", "file_checksum", "checksum_files", "verify_files", "bad_files"]
 
 ALGORITHM = "blocksum64"
 _CHUNK = 64 * 2**20  # bytes read and checksummed at a time
-
-
-def snapshot_files(snap: str) -> List[str]:
-    """The file names in ``snap`` that the mark covers (every file but the mark), sorted."""
-    from .checkpoint import MARK
-
-    covered = (".safetensors", ".json")
-    return sorted(n for n in os.listdir(snap) if n != MARK and not n.startswith(".") and n.endswith(covered))
 
 
 def file_checksum(path: str) -> str:

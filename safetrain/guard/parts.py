@@ -143,8 +143,9 @@ class Parts:
             prepare=fwd.scan,
             accumulate=k,
             clip=c.guard.clip_grad_norm,
+            sync=sync,
         )
-        diag.wrap_step_replay(lambda replay: sync.wrap_replayer(replay, named))
+        diag.wrap_step_replay(lambda replay: distributed.wrap_replayer(replay, sync, named))
         kept = fwd.buffers.checked(kept=True), fwd.buffers.patterned(state, kept=True)  # as before the step
         all_weights = detect.WeightCheck(all_params + kept[0], 0, probes=kept[1])
         self.judge = Judge(

@@ -57,16 +57,16 @@ def _restore_after_async_save(rank: int, directory: str) -> List[Any]:
     import torch.nn.functional as F
 
     from safetrain import load_config
-    from safetrain.distributed import checkpoint
+    from safetrain.distributed import background
     from safetrain.guard import Guard
 
-    write_mark = checkpoint.write_mark
+    write_mark = background.write_mark
 
     def late(*args: Any) -> None:
         time.sleep(2.0)
         write_mark(*args)
 
-    checkpoint.write_mark = late
+    background.write_mark = late
 
     model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -80,7 +80,7 @@ def _restore_after_async_save(rank: int, directory: str) -> List[Any]:
             if step == 6 and rank == 1:
                 y = y.clone().fill_(math.nan)
             guard.step((x, y))
-    checkpoint.write_mark = write_mark
+    background.write_mark = write_mark
     return restored
 
 

@@ -63,17 +63,17 @@ def _fit(rank: int, directory: str) -> Dict[str, Any]:
 
 def _hold_the_mark(tmp: str) -> None:
     """Rank 0, killed launch: stop just before the completion mark of step 6 is written, and say so."""
-    from safetrain.distributed import checkpoint
+    from safetrain.distributed import mark, snapdir
 
-    write = checkpoint._write_json
+    write = mark.write_json
 
     def held(path: str, obj: Any) -> None:
-        if os.path.basename(path) == checkpoint.MARK and f"step-{HELD:010d}" in path:
+        if os.path.basename(path) == snapdir.MARK and f"step-{HELD:010d}" in path:
             Path(tmp, "held").write_text(path)
             time.sleep(TIMEOUT)  # the SIGKILL lands here
         write(path, obj)
 
-    checkpoint._write_json = held
+    mark.write_json = held
 
 
 def _job(rank: int, tmp: str, phase: str) -> Dict[str, Any]:

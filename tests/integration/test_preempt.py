@@ -187,7 +187,7 @@ def test_signal_handlers_are_left_alone_off_the_main_thread(tmp_path):
 def test_resume_auto_finds_a_sharded_snapshot_directory(tmp_path):
     """resume='auto' looked for snapshot files only: an FSDP2 run's sharded snapshot directories
     (complete ones, with their mark) were not found and the run started fresh."""
-    from safetrain.distributed.checkpoint import MARK
+    from safetrain.distributed.snapdir import MARK
     from safetrain.trainer import _auto_resume
 
     cfg = load_config(None, ["snapshot.store=safetensors", f"snapshot.dir={tmp_path}"])

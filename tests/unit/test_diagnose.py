@@ -10,9 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from safetrain import distributed
 from safetrain.diagnose import Diagnoser, Diagnosis
 from safetrain.diagnose.bisect import Bisection, bisect_rows, isolate_rows
 from safetrain.diagnose.rng import LOOK_EVERY, StepRNG
+from safetrain.distributed import LocalSync
 
 NEVER = math.inf
 
@@ -90,6 +92,7 @@ def diagnoser(max_per_run=3, enabled=True, why_not=""):
         loss_of=lambda b: b,
         autocast=contextlib.nullcontext,
         prepare=lambda b: b,
+        sync=LocalSync(),
     )
     step = FakeStepReplay()
     d.wrap_step_replay(lambda inner: step)
@@ -136,6 +139,7 @@ def test_the_replays_keep_no_budget_of_their_own():
         loss_of=lambda b: b,
         autocast=contextlib.nullcontext,
         prepare=lambda b: b,
+        sync=LocalSync(),
     )
     for part in (d.step_replay, d.weight_replay, d.rng):
         assert not any(hasattr(part, name) for name in ("used", "replayer", "max_per_run")), type(part).__name__
@@ -150,6 +154,40 @@ def test_enabled_until_the_budget_is_spent_by_either_replay():
     assert not d.enabled and d.used == 2, "the weight replay spent the Diagnoser's budget"
     off, _, _ = diagnoser(enabled=False)
     assert not off.enabled
+
+
+@pytest.mark.parametrize("steps_alone", [True, False])
+def test_the_weight_replay_asks_the_guards_sync_not_the_process(monkeypatch, steps_alone):
+    """A plain model in a process whose default group was made for another reason (issue 25) has a
+    :class:`LocalSync`: its weight replay runs, on its own; only ranks that step together (DDP,
+    FSDP2: ``steps_alone`` false) skip it with a note. The process's group is never asked."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    assert distributed.active(), "the process has a group of 2 ranks"
+    cfg = SimpleNamespace(enabled=True, max_per_run=3, time_limit_s=60.0, keep_steps=4, keep_mb=1.0)
+    model = torch.nn.Linear(4, 2)
+    sync = LocalSync() if steps_alone else SimpleNamespace(steps_alone=False, rank=0, world=2)
+    d = Diagnoser(
+        model,
+        None,
+        cfg,
+        state=SimpleNamespace(optimizer=torch.optim.SGD(model.parameters(), lr=0.1)),
+        params=list(model.named_parameters()),
+        loss_of=lambda b: b,
+        autocast=contextlib.nullcontext,
+        prepare=lambda b: b,
+        sync=sync,
+    )
+    d.clear(step=0)  # a snapshot of step 0 to replay from
+    d.record_update(1, [torch.ones(2, 4)], None)
+    why_not = d.weight_replay.why_not(store=["snapshot of step 0"])
+    if steps_alone:
+        assert why_not == "", "a rank stepping alone replays its own updates"
+    else:
+        assert "every rank would have to replay together" in why_not
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,12 @@
 """The package's shape: no import circle between safetrain's modules, no module over ~400 lines.
 
-The import graph is read from the source (module-level imports only: an import inside a
-function, or under ``if TYPE_CHECKING:``, runs late or never and makes no circle at load time).
+The import graph is read from the source, in two readings. The load-time graph
+(:func:`import_graph`) counts module-level imports only: an import inside a function, or under
+``if TYPE_CHECKING:``, runs late or never and makes no circle at load time
+(:func:`test_no_import_circle`). The design graph (``import_graph(inside_functions=True)``)
+counts imports inside functions too (not those under ``if TYPE_CHECKING:``, which are for
+annotations): a late import that closes a circle still makes two modules each the other's
+bottom, so that graph has no circle either (:func:`test_no_import_circle_counting_imports_inside_functions`).
 """
 
 from __future__ import annotations
@@ -42,14 +47,31 @@ def _top_level_imports(tree: ast.Module) -> List[ast.stmt]:
     return out
 
 
-def import_graph() -> Dict[str, Set[str]]:
-    """Each safetrain module -> the safetrain modules it imports when it is loaded."""
+def _all_imports(tree: ast.Module) -> List[ast.stmt]:
+    """Every import in the module, inside functions and classes too, but not under ``if TYPE_CHECKING:``."""
+    out: List[ast.stmt] = []
+    todo: List[ast.AST] = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.append(node)
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo += node.orelse
+        else:
+            todo += ast.iter_child_nodes(node)
+    return out
+
+
+def import_graph(inside_functions: bool = False) -> Dict[str, Set[str]]:
+    """Each safetrain module -> the safetrain modules it imports when it is loaded (``inside_functions``:
+    or later, from inside a function)."""
     graph: Dict[str, Set[str]] = {}
+    imports = _all_imports if inside_functions else _top_level_imports
     for path in ROOT.rglob("*.py"):
         name = _module_name(path)
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         edges: Set[str] = set()
-        for node in _top_level_imports(ast.parse(path.read_text())):
+        for node in imports(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 edges |= {a.name for a in node.names if a.name.startswith("safetrain")}
                 continue
@@ -102,8 +124,22 @@ def test_the_import_graph_is_read():
     assert "safetrain.config" not in graph["safetrain.policy"], "an import under TYPE_CHECKING is no edge"
 
 
+def test_the_import_graph_counts_imports_inside_functions_when_asked():
+    late = import_graph(inside_functions=True)
+    assert "safetrain.detect" in late["safetrain.diagnose.quarantine"], "an import inside a method is an edge"
+    assert "safetrain.detect" not in import_graph()["safetrain.diagnose.quarantine"]
+    assert "safetrain.config" not in late["safetrain.policy"], "an import under TYPE_CHECKING is still no edge"
+    assert import_graph().keys() == late.keys()
+    assert all(import_graph()[m] <= late[m] for m in late)
+
+
 def test_no_import_circle():
     assert _cycle(import_graph()) == []
+
+
+def test_no_import_circle_counting_imports_inside_functions():
+    """A circle closed by an import inside a function has no bottom: put what both sides need below both."""
+    assert _cycle(import_graph(inside_functions=True)) == []
 
 
 def test_the_circle_finder_finds_one():

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from typing import Any, List
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch.utils.data import SequentialSampler
 
@@ -40,33 +42,65 @@ def test_keep_length_replaces_quarantined_indices_with_repeats_of_healthy_ones()
         list(everything)
 
 
-def test_under_distributed_the_keeper_unites_ranks_only_on_diagnosed_steps(monkeypatch):
-    from safetrain.diagnose import quarantine
-    from safetrain.events import AnomalyFound, SnapshotTaken
+def _diagnosed(index: int) -> Any:
+    from safetrain.events import AnomalyFound
 
+    detail = {"diagnosis": {"dataset_indices": [index]}}
+    return AnomalyFound(step=2, epoch=0, batch=1, kind="loss", action="skip_batch", message="", detail=detail)
+
+
+def _process_group_of_two(monkeypatch: Any, calls: List[Any]) -> None:
+    """The process's default group: 2 ranks, this one rank 1; ``all_gather_object`` records its calls
+    and adds index 9 from the other rank."""
+
+    def gather(out: List[Any], mine: Any, group: Any = None) -> None:
+        calls.append(mine)
+        out[:] = [mine, [9]]
+
+    monkeypatch.setattr(dist, "is_available", lambda: True)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
-    calls = []
-    monkeypatch.setattr(quarantine, "_union_across_ranks", lambda mine: calls.append(mine) or sorted({*mine, 9}))
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(dist, "all_gather_object", gather)
+
+
+@pytest.mark.parametrize("given", ["guard's DistributedSync", "none: the process's group"])
+def test_when_ranks_step_together_the_keeper_unites_them_only_on_diagnosed_steps(monkeypatch, given):
+    from safetrain.distributed import DistributedSync
+    from safetrain.events import SnapshotTaken
+
+    calls: List[Any] = []
+    _process_group_of_two(monkeypatch, calls)
+    sync = DistributedSync(torch.device("cpu")) if given.startswith("guard") else None
     sampler = QuarantineSampler(SequentialSampler(range(12)))
     emitted = []
-    keeper = QuarantineKeeper(sampler, None, lambda *a, **k: emitted.append(a))
+    keeper = QuarantineKeeper(sampler, None, lambda *a, **k: emitted.append(a), sync=sync)
     keeper.after_step([SnapshotTaken(step=1, epoch=0, batch=0, kind="snapshot", action="saved", message="")])
     assert calls == [], "a step without a diagnosis makes no collective"
-    diagnosed = AnomalyFound(
-        step=2,
-        epoch=0,
-        batch=1,
-        kind="loss",
-        action="skip_batch",
-        message="",
-        detail={"diagnosis": {"dataset_indices": [3]}},
-    )
-    keeper.after_step([diagnosed])
+    keeper.after_step([_diagnosed(3)])
     assert calls == [[3]] and sorted(sampler.quarantined) == [3, 9], "another rank's sample is quarantined here too"
     assert list(sampler) == [0, 1, 2, 4, 5, 6, 7, 8, 10, 11, 0, 1], "under DDP the shard keeps its length"
     assert emitted[0][0] == "add" and emitted[0][2]["indices"] == [3, 9]
+
+
+def test_a_plain_model_in_a_process_group_quarantines_alone(monkeypatch, tmp_path):
+    """Issue 25: a plain (not DDP) model in a process whose default group was made for another
+    reason has a LocalSync; its keeper must not enter ``all_gather_object`` alone (rank 0 died
+    there, or waited for a peer still training until the collective's timeout). Fails before:
+    the keeper asked ``distributed.active()`` and gathered."""
+    from safetrain.distributed import LocalSync
+
+    calls: List[Any] = []
+    _process_group_of_two(monkeypatch, calls)
+    sampler = QuarantineSampler(SequentialSampler(range(6)))
+    emitted = []
+    keeper = QuarantineKeeper(sampler, tmp_path, lambda *a, **k: emitted.append(a), sync=LocalSync(0))
+    keeper.after_step([_diagnosed(3)])
+    assert calls == [], "no collective: this rank's decisions are its own"
+    assert sorted(sampler.quarantined) == [3] and read_quarantine(tmp_path / "quarantine.json") == [3]
+    assert list(sampler) == [0, 1, 2, 4, 5], "skipped, not replaced: no other rank to keep in step with"
+    assert "keep the ranks in step" not in emitted[0][1]
 
 
 def test_the_keeper_maps_by_the_loaders_batch_size_and_refuses_a_batch_that_lost_a_sample():
