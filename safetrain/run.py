@@ -23,7 +23,16 @@ from .config import TrainConfig, to_dict
 from .ending import describe, ending_of
 from .errors import TrainingAborted
 from .events import Event, EventBus, Quarantined, RunEnded, RunStarted
-from .rundir import METRICS_FILE, Journal, MetricsWriter, journal_path, lock_run_dir, prepare_run_dir
+from .rundir import (
+    METRICS_FILE,
+    Journal,
+    MetricsWriter,
+    RunDirBusy,
+    RunDirError,
+    journal_path,
+    lock_run_dir,
+    prepare_run_dir,
+)
 from .steps import Counters, StepResult
 
 __all__ = ["Run", "FitResult"]
@@ -115,9 +124,14 @@ class Run:
         """The run directory as a string (``None``: none)."""
         return str(self.dir) if self.dir is not None else None
 
-    def open(self) -> None:
+    def open(self, share: Optional[Callable[[Any], Any]] = None) -> None:
         """Lock the run directory (rank 0) before writing anything, then open the journal (every
         rank) and ``metrics.csv`` (rank 0) in it, if any; on an error nothing stays open or locked.
+
+        Args:
+            share: under a distributed run, gives every rank rank 0's value
+                (:func:`safetrain.distributed.from_rank0`): a directory another run holds is refused
+                on every rank at once, instead of rank 0 alone while the others wait in a collective.
 
         Raises:
             RunDirBusy: another run is writing the directory.
@@ -126,8 +140,17 @@ class Run:
         self._started = time.perf_counter()
         if self.dir is None:
             return
+        refused: Optional[RunDirError] = None
         if self.rank == 0:  # the other ranks of a distributed run write beside it (events-rank{r}.jsonl)
-            self._lock = lock_run_dir(self.dir)
+            try:
+                self._lock = lock_run_dir(self.dir)
+            except RunDirError as exc:
+                refused = exc
+        why = share(str(refused) if refused is not None else None) if share is not None else None
+        if refused is not None:
+            raise refused
+        if why is not None:  # rank 0 was refused: so is this rank, with rank 0's reason
+            raise RunDirBusy(f"{why} (rank 0 was refused; rank {self.rank} stops with it)")
         try:
             self.journal = Journal(journal_path(self.dir, self.rank))
             self.bus.journal = self.journal

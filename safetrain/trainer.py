@@ -20,6 +20,7 @@ from .ending import SignalStop, interruption
 from .errors import SafetrainError, SnapshotError, TrainingInterrupted
 from .guard import Guard, StepResult
 from .run import FitResult, Run
+from .wrappers import unwrap_compiled
 
 __all__ = ["SafeTrainer", "FitResult"]
 
@@ -107,7 +108,7 @@ class SafeTrainer:
         stop, error = SignalStop(cfg.log.signals), None
         try:
             with stop:  # the previous handlers come back on every way out
-                run.open()
+                run.open(share=lambda value: distributed.from_rank0(value, unwrap_compiled(self.model)))
                 guard = self.guard = run.attach(
                     Guard(
                         self.model,

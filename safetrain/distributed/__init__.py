@@ -17,12 +17,13 @@ from .sharding import DDP, FSDP2, LOCAL, ShardedState, for_layout, layout_of, tr
 from .snapdir import sharded_snapshots
 from .store import DistributedStore, wrap_store
 from .stores import make_store
-from .sync import DistributedSync, LocalSync, make_sync
+from .sync import DistributedSync, LocalSync, from_rank0, make_sync
 
 __all__ = [
     "LocalSync",
     "DistributedSync",
     "make_sync",
+    "from_rank0",
     "DistributedStore",
     "sharded_snapshots",
     "AgreedReplay",

@@ -23,7 +23,7 @@ from ..detect.flags import Layout, packed_order, parse_read
 from .group import active, rank
 from .sharding import DDP, FSDP2, layout_of
 
-__all__ = ["LocalSync", "DistributedSync", "make_sync"]
+__all__ = ["LocalSync", "DistributedSync", "make_sync", "from_rank0"]
 
 logger = logging.getLogger("safetrain")
 
@@ -86,6 +86,18 @@ def make_sync(device: torch.device, model: Optional[torch.nn.Module] = None) -> 
     """
     sync = DistributedSync.from_environment(device, model)
     return sync if sync is not None else LocalSync(rank())
+
+
+def from_rank0(value: Any, model: Optional[torch.nn.Module] = None) -> Any:
+    """Rank 0's ``value`` on every rank of a run whose ranks step together (a DDP or FSDP2 ``model``
+    under a process group of more than one rank: one ``broadcast_object_list``); ``value`` itself
+    otherwise (one process, or a plain model whose ranks each run alone). For what only rank 0
+    learns before the guard exists (whether it holds the run directory's lock)."""
+    if not active() or (model is not None and layout_of(model) not in (DDP, FSDP2)):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 class DistributedSync:
