@@ -46,6 +46,24 @@ def run_two_ranks(script: str, tmp: Path, timeout: float, what: str) -> None:
     assert proc.returncode == 0, log[-4000:]
 
 
+def join_gloo_group(rank: int, world: int, tmp: str, timeout_s: float) -> None:
+    """In a rank spawned by a script that :func:`run_two_ranks` runs: one CPU thread, and the gloo
+    group met through a file in ``tmp``, its collectives failing after ``timeout_s`` (a hang turns
+    into an error the test can name)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp}/rendezvous",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
 def regression_data(n: int = 256, d: int = 8, seed: int = 0) -> TensorDataset:
     """A learnable synthetic regression set: y = x @ w + small noise."""
     g = torch.Generator().manual_seed(seed)

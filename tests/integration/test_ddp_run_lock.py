@@ -9,7 +9,6 @@ collective and waited there for the group's timeout (a DDP job "hangs" instead o
 
 from __future__ import annotations
 
-import datetime
 import gc
 import json
 import os
@@ -30,15 +29,9 @@ def _worker(rank: int, world: int, tmp: str) -> None:
 
     from safetrain import SafeTrainer, load_config
     from safetrain.rundir import RunDirBusy
+    from tests.conftest import join_gloo_group
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/rendezvous",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=GROUP_TIMEOUT),
-    )
+    join_gloo_group(rank, world, tmp, GROUP_TIMEOUT)
     torch.manual_seed(0)
     model = DDP(torch.nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -13,7 +13,6 @@ The group's timeout is short and the launch has one too, so a hang fails instead
 
 from __future__ import annotations
 
-import datetime
 import gc
 import json
 import math
@@ -87,14 +86,9 @@ def _train_alone(phase: str, tmp: str) -> Dict[str, Any]:
 def _worker(rank: int, world: int, tmp: str) -> None:
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/rendezvous",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=GROUP_TIMEOUT),
-    )
+    from tests.conftest import join_gloo_group
+
+    join_gloo_group(rank, world, tmp, GROUP_TIMEOUT)
     out: Dict[str, Any] = {}
     for phase in ("keeper", "fit"):
         if rank == 0:
