@@ -381,9 +381,10 @@ class Parts:
         return self.snapshots.take(self.state_dict(), self.epoch_rng, force)
 
     def state_dict(self) -> Dict[str, Any]:
-        """The guard's own state, JSON-ready: counters, policy history (with the fp16 overflow
-        streak), LR backoff, spike window, divergence window and episode, and the epoch's loss sum and count."""
+        """The guard's own state, JSON-ready: the run's id, counters, policy history (with the fp16
+        overflow streak), LR backoff, spike window, divergence window and episode, and the epoch's loss sum and count."""
         return {
+            "run_id": self.run_id,
             "counters": vars(self.counters).copy(),
             "lr": self.backoff.state_dict(),
             **self.judge.state_dict(),
@@ -391,7 +392,10 @@ class Parts:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Put back what :meth:`state_dict` returned (on resume); the run's end is judged from here."""
+        """Put back what :meth:`state_dict` returned (on resume); the run's end is judged from here,
+        and the run goes on under its id (a framework's checkpoint resumed: the same run in the journal)."""
+        if state.get("run_id"):
+            self.store.adopt(state["run_id"])
         vars(self.counters).update(vars(Counters(**state["counters"])))  # in place: the parts hold it
         self.backoff.load_state_dict(state["lr"])
         self.judge.load_state_dict(state)
