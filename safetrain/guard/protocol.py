@@ -105,6 +105,8 @@ class Guard(Parts):
             TrainingAborted: the policy aborted; the model and optimizer are at the last good snapshot.
             BatchError: the batch fits no convention, or ``sanitize.*: raise`` met a bad row.
         """
+        if self.phase is Phase.CLOSED:
+            raise RuntimeError("Guard.step() after close(); make a new Guard")
         self._stepping = True
         try:
             clean = self.begin_batch(batch, indices)

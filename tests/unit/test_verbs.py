@@ -130,8 +130,10 @@ def test_the_legal_orders_train_as_guard_step_does():
 def test_a_verb_after_close_and_a_second_driver_are_refused():
     loop = Loop()
     loop.guard.close()
-    with pytest.raises(RuntimeError, match="after close\\(\\); make a new Guard"):
+    with pytest.raises(RuntimeError, match="begin_batch\\(\\) after close\\(\\); make a new Guard"):
         loop.begin()
+    with pytest.raises(RuntimeError, match="Guard.step\\(\\) after close\\(\\); make a new Guard"):
+        loop.guard.step(BATCHES[0])
     guard = Guard(mlp(), torch.optim.SGD(mlp().parameters(), lr=0.1), CFG, loss_fn=F.mse_loss)
     guard.step(BATCHES[0])
     for verb in (lambda: guard.begin_batch(BATCHES[1]), guard.decide, guard.finish_step):
