@@ -298,6 +298,8 @@ class Guard(Parts):
 
     def _leave_out_last(self) -> None:
         p = self._pending
+        if not p.micro:  # (it never joined: the forward failed before)
+            return
         del p.micro[-1], p.indices[-1], p.places[-1]
         self._window -= 1
         logger.debug("a batch begun without a loss recorded is left out of step %d", self.counters.steps + 1)
