@@ -111,7 +111,13 @@ class Guard(Parts):
         try:
             clean = self.begin_batch(batch, indices)
             if not self._skip_forward:
-                loss = self.forward.loss(clean, self._pending)
+                try:
+                    loss = self.forward.loss(clean, self._pending)
+                except BaseException:  # (a BatchError): the batch is no part of any step
+                    self._leave_out_last()
+                    self._loss_due = False
+                    self.phase = Phase.ACCUMULATING if self._window else Phase.READY
+                    raise
                 self.record_loss(loss)
                 self.forward.backward(loss)
             k = self.cfg.guard.accumulate_steps

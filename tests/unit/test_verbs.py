@@ -210,3 +210,14 @@ def test_the_data_skipped_after_a_restore_is_one_whole_step_in_either_driver():
     assert guard.counts.skipped_batches == own.counts.skipped_batches == 2
     for (name, p), q in zip(model.state_dict().items(), own_model.state_dict().values()):
         assert torch.equal(p, q), name
+
+
+def test_a_batch_whose_forward_fails_is_no_part_of_a_step():
+    """An error from the forward (here the model called with keys it does not take) leaves the
+    guard ready for the next batch, which makes a step of its own."""
+    loop = Loop()
+    with pytest.raises(TypeError):
+        loop.guard.step({"neither": torch.ones(2)})
+    result = loop.guard.step(BATCHES[0])
+    assert result is not None and result.trained and result.step == 1
+    assert loop.guard.pending.micro and len(loop.guard.pending.micro) == 1
