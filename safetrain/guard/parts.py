@@ -382,7 +382,8 @@ class Parts:
 
     def state_dict(self) -> Dict[str, Any]:
         """The guard's own state, JSON-ready: the run's id, counters, policy history (with the fp16
-        overflow streak), LR backoff, spike window, divergence window and episode, and the epoch's loss sum and count."""
+        overflow streak), LR backoff, spike window, divergence window and episode, and the epoch's
+        loss sum and count."""
         return {
             "run_id": self.run_id,
             "counters": vars(self.counters).copy(),
