@@ -86,6 +86,16 @@ class ActivationMonitor:
     ``nn.Sequential`` returns its last child's output object: when that child is monitored the
     container gets no hook of its own (it could only repeat the child's value).
 
+    ``granularity="block"`` (the engine's default, ``detect.granularity``) hooks each repeated
+    block (:func:`~safetrain.detect.blocks.repeated_blocks`: a transformer's layers) instead of the
+    modules inside it: on a tiny GPT-2, 8 hooked calls a step instead of 26. Whatever a module
+    inside makes that the rest of the model sees leaves through the block's output, so the step
+    still trips; :meth:`locate` with a ``rerun`` then names the module inside by the exact hooks
+    of :meth:`inspect`, which cover every module in either granularity (without a ``rerun``, or
+    when the re-run does not reproduce the value, the block is named). In this granularity an
+    output that is the very tensor reduced just before, unchanged, is not reduced again (a model
+    returning its head's logits).
+
     The hot hook is two list appends and one reduction: ``out.detach().sum()`` (fp16 summed in
     float32 so a finite activation cannot overflow the half range): several times cheaper than
     ``isnan``/``isinf`` masks or an inf-norm. NaN and Inf always propagate through the sum; a finite
@@ -110,6 +120,11 @@ class ActivationMonitor:
         skip_passthrough: leave out modules of the exact types in
             :data:`~safetrain.detect.hooks.PASSTHROUGH` (finite in, finite out: never the origin
             of a real fault); saves their hook cost.
+        granularity: ``"module"`` (every monitored module) or ``"block"`` (repeated blocks in
+            place of their insides, see above).
+
+    Raises:
+        ValueError: an unknown ``granularity``.
 
     Example::
 
