@@ -13,7 +13,8 @@ outside the timing. A round's ratio is the variant's time over the plain loop's 
 wall clock and by the process's CPU time (steadier on a shared machine); the table gives the
 median over the rounds and their min-max.
 
-Run: ``.venv/bin/python benchmarks/attention_overhead.py --rounds 21 --steps 5``
+Run: ``.venv/bin/python benchmarks/attention_overhead.py --rounds 41 --steps 1``; with ``--profile``, where the
+eager cost goes (hooked calls per step, the hooks' CPU time, the fold into the read).
 """
 
 from __future__ import annotations
@@ -157,6 +158,75 @@ def measure(name: str, variants: List[str], rounds: int, steps: int) -> Dict[str
     return out
 
 
+def profile(name: str, rounds: int) -> None:
+    """Where the eager cost goes on model ``name``: hooks and hooked calls per step, the hooks'
+    own CPU time (a timer around each hook the monitor makes) and the fold of their values into
+    the step's one read (``stack`` + ``tolist``), per granularity, against a plain step's CPU time."""
+    import safetrain.detect.activations as activations
+
+    spent: Dict[str, List[int]] = {}
+    current = [""]
+    make_hook = activations.make_hook
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        hook = make_hook(*args, **kwargs)
+
+        def run(module: nn.Module, inputs: Any, out: Any) -> None:
+            t = time.thread_time_ns()
+            hook(module, inputs, out)
+            spent[current[0]].append(time.thread_time_ns() - t)
+
+        return run
+
+    torch.manual_seed(0)
+    model, batch = MODELS[name]()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    monitors = {
+        g: activations.ActivationMonitor(model, skip_passthrough=True, granularity=g) for g in ("module", "block")
+    }
+    monitors["plain"] = activations.ActivationMonitor(model, enabled=False)
+    cpu: Dict[str, List[int]] = {g: [] for g in monitors}
+    fold: Dict[str, List[int]] = {g: [] for g in monitors}
+    activations.make_hook = timed
+    try:
+        for r in range(rounds + 1):
+            for g, monitor in monitors.items():
+                current[0] = g
+                spent.setdefault(g, [])
+                with monitor.attach():
+                    opt.zero_grad(set_to_none=True)
+                    monitor.reset()
+                    t0 = time.thread_time_ns()
+                    if isinstance(batch, tuple):
+                        loss = nn.functional.cross_entropy(model(batch[0]), batch[1])
+                    else:
+                        loss = model(**batch).loss
+                    loss.backward()
+                    t1 = time.thread_time_ns()
+                    torch.stack([loss.detach(), *monitor.records]).tolist()  # host sync: the step's read
+                    t2 = time.thread_time_ns()
+                    opt.step()
+                    if r:  # round 0 is the warm-up
+                        cpu[g].append(t1 - t0)
+                        fold[g].append(t2 - t1)
+                    else:
+                        spent[g].clear()
+    finally:
+        activations.make_hook = make_hook
+    plain = statistics.median(cpu["plain"]) / 1e3
+    print(f"{name}: plain forward+backward {plain / 1e3:.2f} ms CPU (median of {rounds})")
+    for g in ("module", "block"):
+        calls = len(spent[g]) / rounds
+        hooks_us = sum(spent[g]) / rounds / 1e3
+        fold_us = statistics.median(fold[g]) / 1e3 - statistics.median(fold["plain"]) / 1e3
+        print(
+            f"  {g:6s}: {len(monitors[g].names)} hooks, {calls:.0f} hooked calls a step, "
+            f"hooks {hooks_us:.0f} us a step "
+            f"({hooks_us / calls:.1f} us a call), fold into the read +{fold_us:.0f} us; "
+            f"{(hooks_us + fold_us) / plain * 100:.2f}% of the plain forward+backward"
+        )
+
+
 def _cell(xs: List[float]) -> str:
     return f"{statistics.median(xs):.3f}x ({min(xs):.2f}-{max(xs):.2f})"
 
@@ -166,14 +236,19 @@ def main(argv: Any = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ",".join(MODELS))
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
-    p.add_argument("--rounds", type=int, default=21)
-    p.add_argument("--steps", type=int, default=5, help="steps of each variant per round")
+    p.add_argument("--rounds", type=int, default=41)
+    p.add_argument("--steps", type=int, default=1, help="steps of each variant per round")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: the least noise on a shared machine)")
+    p.add_argument("--profile", action="store_true", help="print where the eager cost goes instead of the table")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    if a.profile:
+        for name in a.models.split(","):
+            profile(name, a.rounds)
+        return 0
     variants = ["plain"] + [v for v in a.variants.split(",") if v and v != "plain"]
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {a.rounds} rounds x {a.steps} steps, "
