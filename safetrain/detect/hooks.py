@@ -178,8 +178,8 @@ def make_hook(
         guard_growth: also cap the lists at :data:`MAX_RECORDS` (given to the outermost monitored
             module's hook, which runs at least once per forward).
         last: a one-item list shared by the monitor's hooks, holding ``(weakref, version)`` of the
-            tensor reduced last. When given, an output tensor that is that very tensor, unchanged
-            since (same object, same ``_version``), is not reduced again: a container returning
+            tensor reduced last. When given, an output tensor that is that very tensor or a view of
+            all of it, unchanged since (same ``_version``), is not reduced again: a container returning
             its last child's output (a model's logits, once in ``lm_head`` and again in the
             model's output) costs no second pass. No reference is kept (a weak one only).
 
@@ -232,8 +232,12 @@ def _deduping_hook(
         seen = prev[0]() if prev is not None else None
         value = None
         for t in (out,) if out.__class__ is tensor_cls else floating_tensors(out):
-            if not t.is_floating_point() or (t is seen and t._version == prev[1]):
+            if not t.is_floating_point():
                 continue
+            # that tensor, or a view of all of it (GPT-2 returns ln_f's output reshaped), unchanged
+            if seen is not None and (t is seen or (t._base is seen and t.numel() == seen.numel())):
+                if t._version == prev[1]:
+                    continue
             r = _reduce(t, nan_only)
             value = r if value is None else value + r
             last[0] = (ref(t), t._version)

@@ -136,6 +136,26 @@ def test_a_tensor_changed_in_place_after_its_reduction_is_reduced_again():
     assert found is not None and found.module == "", "same object, new version: the parent reduces it"
 
 
+class Reshaping(nn.Module):
+    """A container returning its child's output reshaped (whole) or sliced (part of it)."""
+
+    def __init__(self, part: bool) -> None:
+        super().__init__()
+        self.fc, self.part = nn.Linear(4, 4), part
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return y[:, :2] if self.part else y.view(-1)
+
+
+@pytest.mark.parametrize("part, recorded", [(False, ["fc"]), (True, ["fc", ""])])
+def test_a_whole_view_of_a_reduced_tensor_is_not_reduced_again(part, recorded):
+    model = Reshaping(part)
+    monitor = ActivationMonitor(model, granularity="block")
+    forward(monitor, model, torch.randn(2, 4))
+    assert [name for name, _ in monitor.calls] == recorded
+
+
 def test_a_block_holding_a_nan_only_module_is_nan_only():
     model = Stack()
     with_mask = ActivationMonitor(model, nan_only=["blocks.1.fc1"], granularity="block")
