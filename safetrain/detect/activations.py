@@ -91,8 +91,9 @@ class ActivationMonitor:
     modules inside it: on a tiny GPT-2, 8 hooked calls a step instead of 26. Whatever a module
     inside makes that the rest of the model sees leaves through the block's output, so the step
     still trips; :meth:`locate` with a ``rerun`` then names the module inside by the exact hooks
-    of :meth:`inspect`, which cover every module in either granularity (without a ``rerun``, or
-    when the re-run does not reproduce the value, the block is named). In this granularity an
+    of :meth:`inspect`, which cover every module in either granularity, as does the guard's step
+    replay (without a ``rerun`` the block is named: the guard re-runs only to confirm a flag the
+    loss did not confirm, and its replay names the module otherwise). In this granularity an
     output that is the very tensor reduced just before, unchanged, is not reduced again (a model
     returning its head's logits).
 
@@ -166,8 +167,8 @@ class ActivationMonitor:
         hot = [(n, m) for n, m in named if not inside(n, inner)]
         self._modules: List[Tuple[str, nn.Module, bool]] = self._listed(hot, self._blocks)
         # block granularity: an output that is the tensor reduced just before, unchanged, is not
-        # reduced again (hooks.make_hook's ``last``; off under torch.compile, which traces the hooks)
-        self._last: Optional[List[Any]] = [None] if granularity == "block" and not is_compiled(model) else None
+        # reduced again (hooks.make_hook's ``last``; not while torch.compile traces the hooks)
+        self._last: Optional[List[Any]] = [None] if granularity == "block" else None
         self._ids: List[int] = []
         self._vals: List[Tensor] = []
         self._order: Optional[Tuple[str, ...]] = None
@@ -338,7 +339,6 @@ class ActivationMonitor:
         values: Union[Sequence[float], Tensor],
         *,
         rerun: Any = None,
-        refine_only: bool = False,
         step: Optional[int] = None,
         epoch: Optional[int] = None,
         batch_index: Optional[int] = None,
@@ -350,7 +350,8 @@ class ActivationMonitor:
                 device vector from :meth:`values` (then read here, an extra sync).
             rerun: optional callable that re-runs the forward (e.g. ``lambda: model(x)``); it is
                 run under ``torch.no_grad()`` and :meth:`inspect` (buffers restored) to confirm the
-                finding with an exact check and fill in input/output statistics.
+                finding with an exact check and fill in input/output statistics. A call of a block
+                (:attr:`blocks`) is named there at the module inside it that made the value.
             step: the optimizer step, for the finding.
             epoch: the epoch, for the finding.
             batch_index: the batch index, for the finding.
@@ -387,13 +388,11 @@ class ActivationMonitor:
                     value=float(v),
                 )
                 break
-        if found is None or rerun is None or (refine_only and found.module not in self._blocks):
+        if found is None or rerun is None:
             return found
         with torch.no_grad(), self.inspect() as seen:
             rerun()
         if seen.finding is None:
-            if refine_only:
-                return found
             logger.info(
                 "forward flag at '%s' not confirmed by an exact re-run (sum overflow or transient)", found.module
             )

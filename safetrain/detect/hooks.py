@@ -226,8 +226,12 @@ def _deduping_hook(
     """:func:`make_hook`'s hook when ``last`` is given (``detect.granularity: block``)."""
     ids_append, vals_append = ids.append, vals.append
     tensor_cls, ref = Tensor, weakref.ref
+    traced = make_hook(index, ids, vals, nan_only, guard_growth)
+    compiling = torch.compiler.is_compiling
 
     def dedup_hook(module: nn.Module, args: Any, out: Any) -> None:
+        if compiling():  # traced into a graph (a compiled model): no weak references there
+            return traced(module, args, out)
         prev = last[0]
         seen = prev[0]() if prev is not None else None
         value = None

@@ -114,11 +114,10 @@ class Judge:
                 return Anomaly(Kind.WEIGHTS, {"finding": finding})
         if forward_tripped:
             # The hooks fold a cheap sum; with a finite loss, confirm by an exact re-run (RNG and
-            # buffers kept as they were) before calling it, since a finite sum can overflow. With
-            # the loss non-finite too, a re-run only names the layer inside a tripped block.
-            rerun = lambda: self._confirm(pending.micro)  # noqa: E731
-            finding = self.monitor.locate(read.forward, rerun=rerun, refine_only=loss_tripped, **self.where())
-            if not loss_tripped:  # confirmed on some rank: on all
+            # buffers kept as they were) before calling it, since a finite sum can overflow.
+            rerun = None if loss_tripped else (lambda: self._confirm(pending.micro))
+            finding = self.monitor.locate(read.forward, rerun=rerun, **self.where())
+            if rerun is not None:  # confirmed on some rank: on all
                 finding = self.sync.agree_finding(finding, lambda: self.monitor.locate(read.forward, **self.where()))
             if finding is not None:  # named at the micro-batch whose forward made it
                 finding = finding.with_context(**self.where(pending, pending.micro_of_call(finding.position)))

@@ -93,28 +93,17 @@ def test_the_exact_rerun_names_the_layer_inside_a_block(layer):
     assert cheap.module == (block_of(layer, {f"blocks.{i}": None for i in range(3)}) or layer), "no re-run: the block"
 
 
-def test_refine_only_keeps_the_block_when_the_rerun_does_not_reproduce():
+def test_a_flag_inside_a_block_that_the_rerun_does_not_reproduce_is_cleared():
+    """As in module granularity: an unconfirmed flag (a cheap sum's overflow, or a transient
+    fault) is no finding; the guard asks for a re-run only when the loss did not trip."""
     torch.manual_seed(0)
     model = Stack()
     OutputFault(model.blocks[1].fc1, calls=[1])  # the step's forward only
     monitor = ActivationMonitor(model, granularity="block")
     x = torch.randn(3, 4)
-    found = forward(monitor, model, x, rerun=True, refine_only=True)
-    assert (found.module, found.confirmed) == ("blocks.1", False), "a transient fault: named at its block"
-    OutputFault(model.blocks[1].fc1, calls=[1])
-    assert forward(monitor, model, x, rerun=True) is None, "without refine_only an unconfirmed flag is cleared"
-
-
-def test_refine_only_does_not_rerun_outside_blocks():
-    model = Stack()
-    OutputFault(model.head)
-    runs = []
-    monitor = ActivationMonitor(model, granularity="block")
-    with monitor.attach():
-        monitor.reset()
-        model(torch.randn(3, 4))
-        found = monitor.locate(monitor.values().tolist(), rerun=lambda: runs.append(1), refine_only=True)
-    assert (found.module, runs) == ("head", []), "the head's hook is already exact"
+    assert forward(monitor, model, x, rerun=True) is None
+    OutputFault(model.blocks[1].fc1, calls=[1])  # a new fault: its first call is the next forward
+    assert forward(monitor, model, x).module == "blocks.1", "without a re-run: the block"
 
 
 class InPlaceParent(nn.Module):
