@@ -93,7 +93,8 @@ class ActivationMonitor:
     still trips; :meth:`locate` with a ``rerun`` then names the module inside by the exact hooks
     of :meth:`inspect`, which cover every module in either granularity, as does the guard's step
     replay (without a ``rerun`` the block is named: the guard re-runs only to confirm a flag the
-    loss did not confirm, and its replay names the module otherwise). In this granularity an
+    loss did not confirm, and its replay names the module otherwise). A model without repeated
+    blocks is hooked as in ``module`` granularity. On a model with blocks an
     output that is the very tensor reduced just before, unchanged, is not reduced again (a model
     returning its head's logits).
 
@@ -166,9 +167,10 @@ class ActivationMonitor:
         inner = {n: blocks[n] for n in self._blocks}
         hot = [(n, m) for n, m in named if not inside(n, inner)]
         self._modules: List[Tuple[str, nn.Module, bool]] = self._listed(hot, self._blocks)
-        # block granularity: an output that is the tensor reduced just before, unchanged, is not
-        # reduced again (hooks.make_hook's ``last``; not while torch.compile traces the hooks)
-        self._last: Optional[List[Any]] = [None] if granularity == "block" else None
+        # block granularity, on a model with blocks: an output that is the tensor reduced just
+        # before, unchanged, is not reduced again (hooks.make_hook's ``last``; not while
+        # torch.compile traces the hooks). A model without blocks is hooked as in module granularity.
+        self._last: Optional[List[Any]] = [None] if self._blocks else None
         self._ids: List[int] = []
         self._vals: List[Tensor] = []
         self._order: Optional[Tuple[str, ...]] = None

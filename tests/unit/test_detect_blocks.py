@@ -119,10 +119,42 @@ class InPlaceParent(nn.Module):
         return y
 
 
+class WithBlocks(nn.Module):
+    """``inner`` run under a root that also holds (unused) repeated blocks: block granularity applies."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.blocks = nn.ModuleList(Block(4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
 def test_a_tensor_changed_in_place_after_its_reduction_is_reduced_again():
-    model = InPlaceParent()
+    model = WithBlocks(InPlaceParent())
     found = forward(ActivationMonitor(model, granularity="block"), model, torch.randn(2, 4))
-    assert found is not None and found.module == "", "same object, new version: the parent reduces it"
+    assert found is not None and found.module == "inner", "same object, new version: the parent reduces it"
+
+
+class Returning(nn.Module):
+    """A container returning its child's output as it is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("make", [Returning, InPlaceParent])
+def test_a_model_without_blocks_is_hooked_as_in_module_granularity(make):
+    model = make()
+    for granularity in ("module", "block"):
+        monitor = ActivationMonitor(model, granularity=granularity)
+        forward(monitor, model, torch.randn(2, 4))
+        assert [name for name, _ in monitor.calls] == ["fc", ""], granularity
 
 
 class Reshaping(nn.Module):
@@ -137,9 +169,9 @@ class Reshaping(nn.Module):
         return y[:, :2] if self.part else y.view(-1)
 
 
-@pytest.mark.parametrize("part, recorded", [(False, ["fc"]), (True, ["fc", ""])])
+@pytest.mark.parametrize("part, recorded", [(False, ["inner.fc"]), (True, ["inner.fc", "inner"])])
 def test_a_whole_view_of_a_reduced_tensor_is_not_reduced_again(part, recorded):
-    model = Reshaping(part)
+    model = WithBlocks(Reshaping(part))
     monitor = ActivationMonitor(model, granularity="block")
     forward(monitor, model, torch.randn(2, 4))
     assert [name for name, _ in monitor.calls] == recorded
