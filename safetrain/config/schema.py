@@ -88,7 +88,7 @@ class DetectConfig:
 
     mode: Literal["eager", "lazy", "off"] = _f(
         "eager",
-        "eager: activation hooks on every module (but see skip_passthrough); lazy: loss, gradient and weight "
+        "eager: activation hooks (see granularity and skip_passthrough); lazy: loss, gradient and weight "
         "checks only; off: no checks",
     )
     include: List[str] = _f(
@@ -103,6 +103,12 @@ class DetectConfig:
         True,
         "leave ReLU-like activations, dropout, pooling and reshapes unhooked (finite in, finite out: "
         "never where a NaN starts); about halves the eager hook cost of MLPs and CNNs",
+    )
+    granularity: Literal["block", "module"] = _f(
+        "block",
+        "eager mode: block hooks each repeated block (children of one class in a ModuleList/Sequential: "
+        "transformer layers) instead of the modules inside it, and a trip is named at the layer inside by an "
+        "exact re-run; module hooks every module (the finest, and the dearest on models of many small modules)",
     )
     check_weights_every: int = _f(
         100,

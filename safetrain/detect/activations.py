@@ -9,6 +9,7 @@ host sync, the values ride in the step's one read. Part of ``detect``: the guard
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fnmatch
 import logging
 import math
@@ -19,12 +20,17 @@ from torch import Tensor, nn
 
 from ..config import DetectConfig
 from ..wrappers import is_compiled, plain_namer
+from .blocks import inside, repeated_blocks
 from .exact import ExactTrace, exact_hooks
 from .findings import ModuleFinding
 from .flags import gathered
 from .hooks import PASSTHROUGH, HookHandle, make_hook
 
-__all__ = ["ActivationMonitor"]
+__all__ = ["ActivationMonitor", "GRANULARITIES"]
+
+#: ``detect.granularity``: ``module`` hooks every monitored module; ``block`` hooks each repeated
+#: block (:mod:`safetrain.detect.blocks`) instead of the modules inside it.
+GRANULARITIES = ("module", "block")
 
 logger = logging.getLogger("safetrain")
 
@@ -52,6 +58,10 @@ def _redundant_sequentials(named: List[Tuple[str, nn.Module]]) -> set:
     return redundant
 
 
+def _inner_nan_only(name: str, block: nn.Module, nan_only: Sequence[str]) -> bool:
+    return any(_matches(f"{name}.{sub}", nan_only) for sub, _ in block.named_modules() if sub)
+
+
 def _plain_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     """``named_modules()`` without ``torch.compile`` wrappers (whose inner module runs the same
     forward) and with names as in the user's code (``module._orig_mod.fc`` -> ``module.fc``)."""
@@ -75,6 +85,18 @@ class ActivationMonitor:
     such a module's output (a test's injection hook) is named at the next monitored module. An exact
     ``nn.Sequential`` returns its last child's output object: when that child is monitored the
     container gets no hook of its own (it could only repeat the child's value).
+
+    ``granularity="block"`` (the engine's default, ``detect.granularity``) hooks each repeated
+    block (:func:`~safetrain.detect.blocks.repeated_blocks`: a transformer's layers) instead of the
+    modules inside it: on a tiny GPT-2, 8 hooked calls a step instead of 26. Whatever a module
+    inside makes that the rest of the model sees leaves through the block's output, so the step
+    still trips; :meth:`locate` with a ``rerun`` then names the module inside by the exact hooks
+    of :meth:`inspect`, which cover every module in either granularity, as does the guard's step
+    replay (without a ``rerun`` the block is named: the guard re-runs only to confirm a flag the
+    loss did not confirm, and its replay names the module otherwise). A model without repeated
+    blocks is hooked as in ``module`` granularity. On a model with blocks an
+    output that is the very tensor reduced just before, unchanged, is not reduced again (a model
+    returning its head's logits).
 
     The hot hook is two list appends and one reduction: ``out.detach().sum()`` (fp16 summed in
     float32 so a finite activation cannot overflow the half range): several times cheaper than
@@ -100,6 +122,11 @@ class ActivationMonitor:
         skip_passthrough: leave out modules of the exact types in
             :data:`~safetrain.detect.hooks.PASSTHROUGH` (finite in, finite out: never the origin
             of a real fault); saves their hook cost.
+        granularity: ``"module"`` (every monitored module) or ``"block"`` (repeated blocks in
+            place of their insides, see above).
+
+    Raises:
+        ValueError: an unknown ``granularity``.
 
     Example::
 
@@ -122,24 +149,42 @@ class ActivationMonitor:
         *,
         enabled: bool = True,
         skip_passthrough: bool = False,
+        granularity: str = "module",
     ) -> None:
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"ActivationMonitor: granularity={granularity!r}; expected one of {GRANULARITIES}")
         self.model = model
         self.enabled = enabled
+        self.granularity = granularity
         self.nan_only = tuple(nan_only)
         skip = PASSTHROUGH if skip_passthrough else ()
-        named = [
-            (name, module)
-            for name, module in _plain_modules(model)
-            if _matches(name, include) and not _matches(name, exclude) and type(module) not in skip
-        ]
-        redundant = _redundant_sequentials(named)
-        self._modules: List[Tuple[str, nn.Module, bool]] = [
-            (name, module, _matches(name, self.nan_only)) for name, module in named if id(module) not in redundant
-        ]
+        everything = _plain_modules(model)
+        watched = [(n, m) for n, m in everything if _matches(n, include) and not _matches(n, exclude)]
+        named = [(n, m) for n, m in watched if type(m) not in skip]
+        self._exact = self._listed(named, ())
+        blocks = dict(repeated_blocks(everything)) if granularity == "block" else {}
+        self._blocks = frozenset(n for n, _ in watched if n in blocks)  # a block left out keeps its insides
+        inner = {n: blocks[n] for n in self._blocks}
+        hot = [(n, m) for n, m in named if not inside(n, inner)]
+        self._modules: List[Tuple[str, nn.Module, bool]] = self._listed(hot, self._blocks)
+        # block granularity, on a model with blocks: an output that is the tensor reduced just
+        # before, unchanged, is not reduced again (hooks.make_hook's ``last``; not while
+        # torch.compile traces the hooks). A model without blocks is hooked as in module granularity.
+        self._last: Optional[List[Any]] = [None] if self._blocks else None
         self._ids: List[int] = []
         self._vals: List[Tensor] = []
         self._order: Optional[Tuple[str, ...]] = None
         self._handle: Optional[HookHandle] = None
+
+    def _listed(self, named: List[Tuple[str, nn.Module]], blocks: frozenset) -> List[Tuple[str, nn.Module, bool]]:
+        """``(name, module, nan_only)`` of the modules to hook, without redundant Sequentials; a
+        block is ``nan_only`` when it or a module inside it is (its output carries their -inf)."""
+        redundant = _redundant_sequentials(named)
+        return [
+            (n, m, _matches(n, self.nan_only) or (n in blocks and _inner_nan_only(n, m, self.nan_only)))
+            for n, m in named
+            if id(m) not in redundant
+        ]
 
     @classmethod
     def from_config(cls, model: nn.Module, cfg: DetectConfig, **kwargs: Any) -> "ActivationMonitor":
@@ -155,12 +200,19 @@ class ActivationMonitor:
             An (unattached) monitor.
         """
         kwargs.setdefault("skip_passthrough", cfg.skip_passthrough)
+        kwargs.setdefault("granularity", cfg.granularity)
         return cls(model, cfg.include, cfg.exclude, cfg.nan_only, enabled=cfg.mode == "eager", **kwargs)
 
     @property
     def names(self) -> Tuple[str, ...]:
         """Qualified names of the monitored modules, in ``named_modules()`` order."""
         return tuple(name for name, _, _ in self._modules)
+
+    @property
+    def blocks(self) -> Tuple[str, ...]:
+        """Names of the repeated blocks hooked in place of the modules inside them (``block``
+        granularity; empty in ``module`` granularity or when the model has none)."""
+        return tuple(n for n, _, _ in self._modules if n in self._blocks)
 
     @property
     def attached(self) -> bool:
@@ -182,7 +234,7 @@ class ActivationMonitor:
             self._handle = HookHandle((), self._detached)
             return self._handle
         handles = [
-            module.register_forward_hook(make_hook(i, self._ids, self._vals, nan_only, i == 0))
+            module.register_forward_hook(make_hook(i, self._ids, self._vals, nan_only, i == 0, self._last))
             for i, (name, module, nan_only) in enumerate(self._modules)
         ]
         self._handle = HookHandle(handles, self._detached)
@@ -210,6 +262,8 @@ class ActivationMonitor:
             self._order = self._order_of(self._ids)
         self._ids.clear()
         self._vals.clear()
+        if self._last is not None:
+            self._last[0] = None
 
     def set_aside(self) -> Tuple[List[int], List[Tensor]]:
         """Take the records made so far this step out of the lists the hooks append to, so the
@@ -298,7 +352,8 @@ class ActivationMonitor:
                 device vector from :meth:`values` (then read here, an extra sync).
             rerun: optional callable that re-runs the forward (e.g. ``lambda: model(x)``); it is
                 run under ``torch.no_grad()`` and :meth:`inspect` (buffers restored) to confirm the
-                finding with an exact check and fill in input/output statistics.
+                finding with an exact check and fill in input/output statistics. A call of a block
+                (:attr:`blocks`) is named there at the module inside it that made the value.
             step: the optimizer step, for the finding.
             epoch: the epoch, for the finding.
             batch_index: the batch index, for the finding.
@@ -344,7 +399,8 @@ class ActivationMonitor:
                 "forward flag at '%s' not confirmed by an exact re-run (sum overflow or transient)", found.module
             )
             return None
-        return seen.finding.with_context(step, epoch, batch_index)
+        # position: where in this step's records the value was (which micro-batch made it)
+        return dataclasses.replace(seen.finding.with_context(step, epoch, batch_index), position=found.position)
 
     @contextlib.contextmanager
     def inspect(self, restore_buffers: bool = True) -> Iterator[ExactTrace]:
@@ -363,7 +419,7 @@ class ActivationMonitor:
         mark = len(self._ids)
         saved = [(b, b.detach().clone()) for b in self.model.buffers()] if restore_buffers else []
         try:
-            with exact_hooks(self._modules) as seen:
+            with exact_hooks(self._exact) as seen:
                 yield seen
         finally:
             del self._ids[mark:]

@@ -9,6 +9,7 @@ outputs are reduced tensor by tensor and added; non-floating outputs record noth
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, List, Mapping, Optional, Sequence
 
 import torch
@@ -151,7 +152,22 @@ def _reduce_nested(out: Any, nan_only: bool) -> Optional[Tensor]:
     return value
 
 
-def make_hook(index: int, ids: List[int], vals: List[Tensor], nan_only: bool, guard_growth: bool) -> Any:
+def _too_many(ids: List[int], vals: List[Tensor]) -> None:
+    logger.warning(
+        "ActivationMonitor: %d records without reset(); dropping them (call reset() once per step)", len(ids)
+    )
+    ids.clear()
+    vals.clear()
+
+
+def make_hook(
+    index: int,
+    ids: List[int],
+    vals: List[Tensor],
+    nan_only: bool,
+    guard_growth: bool,
+    last: Optional[List[Any]] = None,
+) -> Any:
     """Build one module's hot hook with everything it needs bound as closure cells.
 
     Args:
@@ -161,12 +177,19 @@ def make_hook(index: int, ids: List[int], vals: List[Tensor], nan_only: bool, gu
         nan_only: record ``clamp(amax, -1, 1)``: NaN trips, infinities do not.
         guard_growth: also cap the lists at :data:`MAX_RECORDS` (given to the outermost monitored
             module's hook, which runs at least once per forward).
+        last: a one-item list shared by the monitor's hooks, holding ``(weakref, version)`` of the
+            tensor reduced last. When given, an output tensor that is that very tensor or a view of
+            all of it, unchanged since (same ``_version``), is not reduced again: a container returning
+            its last child's output (a model's logits, once in ``lm_head`` and again in the
+            model's output) costs no second pass. No reference is kept (a weak one only).
 
     Returns:
         A forward hook ``(module, args, output) -> None``.
     """
     ids_append, vals_append = ids.append, vals.append
     tensor_cls = Tensor
+    if last is not None:
+        return _deduping_hook(index, ids, vals, nan_only, guard_growth, last)
     if nan_only or guard_growth:
 
         def careful_hook(module: nn.Module, args: Any, out: Any) -> None:
@@ -178,12 +201,7 @@ def make_hook(index: int, ids: List[int], vals: List[Tensor], nan_only: bool, gu
                 vals_append(value)
                 ids_append(index)
             if guard_growth and len(ids) > MAX_RECORDS:
-                logger.warning(
-                    "ActivationMonitor: %d records without reset(); dropping them (call reset() once per step)",
-                    len(ids),
-                )
-                ids.clear()
-                vals.clear()
+                _too_many(ids, vals)
 
         return careful_hook
 
@@ -200,3 +218,37 @@ def make_hook(index: int, ids: List[int], vals: List[Tensor], nan_only: bool, gu
                 ids_append(index)
 
     return hook
+
+
+def _deduping_hook(
+    index: int, ids: List[int], vals: List[Tensor], nan_only: bool, guard_growth: bool, last: List[Any]
+) -> Any:
+    """:func:`make_hook`'s hook when ``last`` is given (``detect.granularity: block``)."""
+    ids_append, vals_append = ids.append, vals.append
+    tensor_cls, ref = Tensor, weakref.ref
+    traced = make_hook(index, ids, vals, nan_only, guard_growth)
+    compiling = torch.compiler.is_compiling
+
+    def dedup_hook(module: nn.Module, args: Any, out: Any) -> None:
+        if compiling():  # traced into a graph (a compiled model): no weak references there
+            return traced(module, args, out)
+        prev = last[0]
+        seen = prev[0]() if prev is not None else None
+        value = None
+        for t in (out,) if out.__class__ is tensor_cls else floating_tensors(out):
+            if not t.is_floating_point():
+                continue
+            # that tensor, or a view of all of it (GPT-2 returns ln_f's output reshaped), unchanged
+            if seen is not None and (t is seen or (t._base is seen and t.numel() == seen.numel())):
+                if t._version == prev[1]:
+                    continue
+            r = _reduce(t, nan_only)
+            value = r if value is None else value + r
+            last[0] = (ref(t), t._version)
+        if value is not None:
+            vals_append(value)
+            ids_append(index)
+        if guard_growth and len(ids) > MAX_RECORDS:
+            _too_many(ids, vals)
+
+    return dedup_hook
