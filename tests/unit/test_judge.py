@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 
 import pytest
 import torch
@@ -480,7 +481,7 @@ def test_fp16_overflow_needs_the_scaler():
     """A real CPU GradScaler (amp.dtype=float16): an Inf gradient is the scaler's overflow, with the
     scale as read and the scale after its backoff; without a scaler it is a GRADIENT anomaly."""
     bench = Bench(["amp.dtype=float16", "amp.init_scale=1024"])
-    assert bench.plumbing.scaler is not None, "float16 makes a GradScaler"
+    assert bench.plumbing.scaler.enabled, "float16 makes a GradScaler"
     read, pending, loss = bench.step(bad_grad=("2.bias", math.inf))
     assert read.extra["found_inf"][0] == 1.0 and read.extra["scale"] == (1024.0,), read.extra
     anomaly = bench.judge(read, pending, loss)
@@ -489,9 +490,9 @@ def test_fp16_overflow_needs_the_scaler():
 
 
 class _FakeScalerPlumbing:
-    """A plumbing whose scaler is on (what the judge reads of it: ``scaler`` and ``backoff_factor``)."""
+    """A plumbing whose scaler is on (what the judge reads of it: ``scaler.enabled`` and ``backoff_factor``)."""
 
-    scaler = object()
+    scaler = types.SimpleNamespace(enabled=True)
 
     @staticmethod
     def backoff_factor():
