@@ -158,6 +158,20 @@ def test_at_backward_end_runs_once_the_whole_backward_is_done():
         torch_private.at_backward_end(at_end)  # outside a backward
 
 
+def test_after_backward_end_runs_after_callbacks_queued_later_in_the_backward():
+    """A final callback queued from a final callback runs after every one queued before it: the
+    Hugging Face callback decides after DDP's reducer (which queues its finalize at the last
+    bucket, late in the backward) has written the all-reduced gradients. If it goes, the decision
+    reads each rank's own gradients, before the all-reduce."""
+    order = []
+    w = torch.ones(3, requires_grad=True)
+    loss = (w * 2).sum()
+    loss.register_hook(lambda grad: torch_private.after_backward_end(lambda: order.append("guard")))
+    w.register_hook(lambda grad: torch_private.at_backward_end(lambda: order.append("late")))  # as DDP's
+    loss.backward()
+    assert order == ["late", "guard"]
+
+
 def test_profiler_enabled_says_whether_a_profiler_records():
     """``torch.autograd._profiler_enabled``: the guard frees gradients without ``zero_grad``'s
     profiler range unless one records. If it goes, every step opens the range (a little slower)."""
