@@ -136,14 +136,18 @@ def takes_loss_kwargs(model: torch.nn.Module) -> bool:
 
 def ddp_wrapper_of(model: torch.nn.Module) -> Optional[torch.nn.parallel.DistributedDataParallel]:
     """The ``DistributedDataParallel`` whose ``.module`` is ``model`` (the Trainer's
-    ``model_wrapped``), ``model`` itself when it is one, or ``None``. One ``gc`` scan: call it
-    once per run, not per step."""
+    ``model_wrapped``), ``model`` itself when it is one, or ``None``. Three ``gc`` scans of the
+    heap: call it once per run, not per step.
+
+    Raises:
+        RuntimeError: more than one live wrapper holds ``model`` (an earlier Trainer's still alive).
+    """
     ddp = torch.nn.parallel.DistributedDataParallel
     if isinstance(model, ddp):
         return model
     found = []
-    for modules in gc.get_referrers(model):  # the wrapper's _modules dict holds the model
-        if not isinstance(modules, dict):
+    for modules in gc.get_referrers(model):  # the wrapper's _modules dict holds the model as "module"
+        if not isinstance(modules, dict) or modules.get("module") is not model:
             continue
         for owner in gc.get_referrers(modules):  # the wrapper, or its __dict__ (Python 3.11+)
             owners = gc.get_referrers(owner) if isinstance(owner, dict) else [owner]
@@ -151,7 +155,7 @@ def ddp_wrapper_of(model: torch.nn.Module) -> Optional[torch.nn.parallel.Distrib
     if len({id(w) for w in found}) > 1:
         raise RuntimeError(
             f"SafeTrainingCallback: found {len(found)} DistributedDataParallel wrappers around the model; "
-            "expected one (the Trainer's): wrap the model once"
+            "expected one (this Trainer's): let an earlier Trainer of the same model go (del trainer) or wrap it once"
         )
     return found[0] if found else None
 

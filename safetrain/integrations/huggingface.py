@@ -31,9 +31,9 @@ its sync is a :class:`~safetrain.distributed.DistributedSync` (one collective in
 one read: every rank takes the same action at the same step) and its own re-runs all-reduce
 their gradients. The decision waits for DDP's reducer to finish the all-reduce (it runs after
 every other final callback of the backward). Each rank journals (rank 0 ``events.jsonl`` and
-``metrics.csv``, rank r ``events-rank{r}.jsonl``). FSDP through accelerate works when it is
-FSDP2 (``fsdp_config={"fsdp_version": 2}``: sharded snapshots, replays off); FSDP1 is refused.
-DeepSpeed is refused: its engine owns the backward, the partitioned gradients and the step.
+``metrics.csv``, rank r ``events-rank{r}.jsonl``). FSDP through accelerate is refused at start
+(accelerate runs it on accelerators only, so it is untested here); DeepSpeed is refused: its
+engine owns the backward, the partitioned gradients and the step.
 
 Supported: transformers >= 4.46 (``on_pre_optimizer_step``, ``ExportableState``) with accelerate;
 tested with transformers 5.24 and accelerate 1.15.

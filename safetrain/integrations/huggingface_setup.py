@@ -48,16 +48,26 @@ def with_accumulation(cfg: TrainConfig, model: torch.nn.Module, k: int) -> Train
 
 def guarded_model(model: torch.nn.Module, world: int) -> torch.nn.Module:
     """The model the guard is given: under DDP, the wrapper around the one the Trainer hands
-    callbacks; one process or FSDP (the Trainer hands the sharded root itself), ``model``."""
+    callbacks; in one process, ``model``.
+
+    Raises:
+        SafetrainError: FSDP (refused, with the reason), or many processes with a model that is
+            neither DDP nor FSDP (the ranks could not agree).
+    """
     if world <= 1:
         return model
     wrapper = ddp_wrapper_of(model)
     if wrapper is not None:
         return wrapper
     if any(type(m).__module__.startswith("torch.distributed.fsdp") for m in model.modules()):
-        return model  # FSDP2 (layout_of accepts it) or FSDP1 (layout_of refuses it, naming it)
+        raise SafetrainError(
+            "SafeTrainingCallback does not guard FSDP through accelerate yet: accelerate runs FSDP on accelerators "
+            "only (on the CPU it falls back to DDP), so this path is untested and a sharded restore could not be "
+            "vouched for; use DDP (torchrun / accelerate launch without an FSDP plugin), or safetrain.SafeTrainer "
+            "with torch.distributed.fsdp.fully_shard (FSDP2, sharded snapshots)"
+        )
     raise SafetrainError(
-        f"SafeTrainingCallback: world_size={world} but the model is neither inside a DistributedDataParallel "
-        "nor FSDP-sharded, so the ranks could not agree on each step; expected the Trainer under torchrun or "
-        "accelerate launch with DDP, or FSDP2 through accelerate"
+        f"SafeTrainingCallback: world_size={world} but the model the Trainer trains is not inside a "
+        "DistributedDataParallel, so the ranks could not agree on each step; expected the Trainer under torchrun "
+        "or accelerate launch with DDP"
     )

@@ -135,13 +135,17 @@ def _faults(tmp: Path) -> Dict[str, Any]:
     }
 
 
+def _accelerate(tmp: Path) -> Dict[str, Any]:
+    return {"output": _train(tmp / "accelerate", 6, {"snapshot": {"every": 3}}, _output_fault)}
+
+
 def _resume(tmp: Path) -> Dict[str, Any]:
     return {"resumed": _train(tmp / "resume", 7, {"snapshot": {"every": 2}}, resume=str(tmp / "resume/checkpoint-4"))}
 
 
 def _main(tmp: str, phase: str) -> None:
     torch.set_num_threads(1)
-    out = {"faults": _faults, "resume": _resume}[phase](Path(tmp))
+    out = {"faults": _faults, "resume": _resume, "accelerate": _accelerate}[phase](Path(tmp))
     rank = int(os.environ["RANK"])
     (Path(tmp) / f"{phase}-rank{rank}.json").write_text(json.dumps(out))
 
@@ -149,12 +153,18 @@ def _main(tmp: str, phase: str) -> None:
 # ----------------------------------------------------------------------------- the test's side
 
 
-def _launch(tmp: Path, phase: str) -> List[Dict[str, Any]]:
-    """This file on 2 ranks under torchrun (gloo), killed with its ranks on the timeout."""
+def _launch(tmp: Path, phase: str, launcher: str = "torchrun") -> List[Dict[str, Any]]:
+    """This file on 2 ranks under torchrun or ``accelerate launch`` (gloo), killed with its ranks on
+    the timeout. (``accelerate launch --cpu`` starts one process unless MPI is set up;
+    ``--multi_gpu`` launches through torch.distributed.run, and ``use_cpu=True`` keeps the CPU.)"""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
-           str(tmp), phase]  # fmt: skip
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
+    cmd += [__file__, str(tmp), phase]
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", GOMP_SPINCOUNT="10000")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -244,3 +254,37 @@ def test_resume_from_the_trainers_checkpoint_in_a_new_launch_restores_the_guard_
 
 if __name__ == "__main__":
     _main(sys.argv[1], sys.argv[2])
+
+
+def test_accelerate_launch_with_ddp_guards_the_same_way(tmp_path):
+    r0, r1 = (r["output"] for r in _launch(tmp_path, "accelerate", launcher="accelerate"))
+    _same_everywhere(r0, r1)
+    assert [a[:3] for a in r0["anomalies"]] == [[5, "forward", "skip_batch"]] and r0["anomalies"][0][4] == {
+        "forward": [1]
+    }
+
+
+def test_deepspeed_and_fsdp_are_refused_at_start_naming_the_reason(tmp_path):
+    """Neither can be guarded: DeepSpeed owns the backward and the step; accelerate's FSDP cannot
+    run on the CPU (it falls back to DDP there), so it is refused rather than run untested."""
+    from types import SimpleNamespace
+
+    from safetrain import SafetrainError
+    from safetrain.integrations.huggingface import SafeTrainingCallback
+    from safetrain.integrations.huggingface_setup import guarded_model
+
+    cb = SafeTrainingCallback(QUIET)
+    args = SimpleNamespace(deepspeed={"zero_optimization": {"stage": 2}}, world_size=2, output_dir=str(tmp_path))
+    with pytest.raises(SafetrainError, match="DeepSpeed's engine owns the backward"):
+        cb.on_train_begin(args, SimpleNamespace(), SimpleNamespace(), model=torch.nn.Linear(2, 1), optimizer=object())
+    assert not (tmp_path / "events.jsonl").exists()
+
+    class Sharded(torch.nn.Linear):
+        __module__ = "torch.distributed.fsdp._fully_shard._fully_shard"  # what fully_shard makes
+
+    with pytest.raises(SafetrainError, match="does not guard FSDP through accelerate"):
+        guarded_model(torch.nn.Sequential(Sharded(2, 1)), world=2)
+    with pytest.raises(SafetrainError, match="not inside a DistributedDataParallel"):
+        guarded_model(torch.nn.Linear(2, 1), world=2)
+    plain = torch.nn.Linear(2, 1)
+    assert guarded_model(plain, world=1) is plain
