@@ -58,11 +58,14 @@ def _digest(model: torch.nn.Module) -> str:
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
 
 
-def _train(out: Path, steps: int, cfg: Dict[str, Any], fault: Any = None, resume: Any = None, **kw: Any) -> Dict:
-    """One Trainer run on this rank; ``fault(model, optimizer)`` injects (rank 1 only)."""
+def _train(out: Path, steps: int, cfg: Dict[str, Any], fault: Any = None, resume: Any = None, guarded: bool = True,
+           **kw: Any) -> Dict:  # fmt: skip
+    """One Trainer run on this rank; ``fault(model, optimizer)`` injects (rank 1 only); each step's
+    host syncs are counted (``[count, the step's action, whether it took a snapshot]``)."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from safetrain.integrations.huggingface import SafeTrainingCallback
+    from safetrain.testing import count_host_syncs
 
     rank = int(os.environ["RANK"])
     model = _gpt2()
@@ -70,12 +73,19 @@ def _train(out: Path, steps: int, cfg: Dict[str, Any], fault: Any = None, resume
     if fault is not None and rank == 1:
         fault(model, opt)
     moved: Dict[int, bool] = {}
+    syncs: List[List[Any]] = []
 
     class Moves(TrainerCallback):
         def on_step_begin(self, args: Any, state: Any, control: Any, **k: Any) -> None:
             self.before = _digest(model)
+            self.counting = count_host_syncs()
+            self.seen = self.counting.__enter__()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **k: Any) -> None:
+            self.counting.__exit__(None, None, None)  # (after the guard's finish_step: snapshots count)
+            last = cb.last if guarded else None
+            snap = last is not None and any(e.name == "snapshot" for e in last.events)
+            syncs.append([self.seen.count, last.action if last is not None else "", snap])
             moved[state.global_step] = _digest(model) != self.before
 
     cb = SafeTrainingCallback({**QUIET, **cfg})
@@ -83,9 +93,12 @@ def _train(out: Path, steps: int, cfg: Dict[str, Any], fault: Any = None, resume
                 save_strategy="no", use_cpu=True, logging_steps=1, learning_rate=1e-3, disable_tqdm=True,
                 dataloader_num_workers=0, seed=0, ddp_backend="gloo")  # fmt: skip
     trainer = Trainer(model=model, args=TrainingArguments(**{**base, **kw}), train_dataset=_Tokens(),
-                      callbacks=[cb, Moves()], optimizers=(opt, None))  # fmt: skip
+                      callbacks=[cb, Moves()] if guarded else [Moves()], optimizers=(opt, None))  # fmt: skip
     trainer.train(resume_from_checkpoint=resume)
+    if not guarded:
+        return {"syncs": syncs, "digest": _digest(model)}
     return {
+        "syncs": syncs,
         "rank": rank,
         "world": trainer.args.world_size,
         "ddp": type(trainer.model_wrapped).__name__,
@@ -132,6 +145,7 @@ def _faults(tmp: Path) -> Dict[str, Any]:
         "weight": _train(tmp / "weight", 9, {"snapshot": {"every": 3}}, _weight_fault),
         "abort": _train(tmp / "abort", 30, {"recovery": {"max_retries": 2}}, _persistent),
         "saved": _train(tmp / "resume", 4, {"snapshot": {"every": 2}}, save_strategy="steps", save_steps=4),
+        "plain": _train(tmp / "plain", 4, {}, guarded=False),
     }
 
 
@@ -231,6 +245,16 @@ def test_a_persistent_fault_on_rank_1_aborts_every_rank_at_the_same_step_without
     assert r0["moved"][str(r0["global_step"])] is False, "the optimizer step after the abort changed nothing"
     ends = [e for e in _journal(faults["tmp"] / "abort" / "events.jsonl") if e.get("event") == "run_ended"]
     assert [e["action"] for e in ends] == ["aborted"]
+
+
+def test_a_healthy_ddp_step_adds_one_host_sync_to_the_trainers_own(faults):
+    """The agreement across ranks rides in the step's one read (an all_gather, then one tolist)."""
+    for ranks in faults["ranks"]:
+        plain = {count for count, _, _ in ranks["plain"]["syncs"][1:]}
+        assert len(plain) == 1, ranks["plain"]["syncs"]
+        run = ranks["output"]["syncs"]
+        healthy = [count for count, action, snap in run[1:] if not action and not snap]
+        assert len(healthy) >= 4 and set(healthy) == {plain.pop() + 1}, run
 
 
 def test_a_healthy_ddp_run_logs_the_guards_figures_to_the_trainer(faults):
