@@ -127,6 +127,12 @@ def _output_fault(model: Any, opt: Any) -> None:
     OutputFault(model.transformer.h[1].mlp, calls=[5, 6, 7])  # step 5's forward, and its re-run and replay
 
 
+def _early_fault(model: Any, opt: Any) -> None:
+    from safetrain.testing import OutputFault
+
+    OutputFault(model.transformer.h[1].mlp, calls=[2, 3, 4])  # step 2 skipped: the checkpoint counts it
+
+
 def _weight_fault(model: Any, opt: Any) -> None:
     from safetrain.testing import WeightFault
 
@@ -144,7 +150,9 @@ def _faults(tmp: Path) -> Dict[str, Any]:
         "output": _train(tmp / "output", 8, {"snapshot": {"every": 3}}, _output_fault),
         "weight": _train(tmp / "weight", 9, {"snapshot": {"every": 3}}, _weight_fault),
         "abort": _train(tmp / "abort", 30, {"recovery": {"max_retries": 2}}, _persistent),
-        "saved": _train(tmp / "resume", 4, {"snapshot": {"every": 2}}, save_strategy="steps", save_steps=4),
+        "saved": _train(
+            tmp / "resume", 4, {"snapshot": {"every": 2}}, _early_fault, save_strategy="steps", save_steps=4
+        ),  # fmt: skip
         "plain": _train(tmp / "plain", 4, {}, guarded=False),
     }
 
@@ -271,8 +279,9 @@ def test_resume_from_the_trainers_checkpoint_in_a_new_launch_restores_the_guard_
     assert "SafeTrainingCallback" in state["stateful_callbacks"]
     r0, r1 = _launch(faults["tmp"], "resume")
     for before, after in zip(saved, (r0["resumed"], r1["resumed"])):
-        assert before["steps"] == 4 and after["started"] == [["resume", 4]], after["started"]
-        assert after["steps"] == after["global_step"] == 7 and after["ended"] == "done"
+        assert before["steps"] == 4 and before["skipped"] == 1 and after["started"] == [["resume", 4]], after
+        # the guard's counters come back from the Trainer's checkpoint on every rank: step 2's skip is kept
+        assert after["steps"] == after["global_step"] == 7 and after["skipped"] == 1 and after["ended"] == "done"
     assert r0["resumed"]["digest"] == r1["resumed"]["digest"] and r0["resumed"]["finite"]
 
 
