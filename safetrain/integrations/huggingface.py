@@ -159,7 +159,7 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
             cls._latest = weakref.ref(self)
             return
         origin = cls._latest() if cls._latest is not None else None
-        if origin is not None and origin is not self and origin._survivor is None:
+        if origin is not None and origin is not self:  # (a later resume's instance replaces an earlier one)
             origin._survivor = self
             if step_fn is None:
                 self.step_fn = origin.step_fn
@@ -203,8 +203,8 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
             raise SafetrainError(
                 "SafeTrainingCallback cannot guard a DeepSpeed Trainer: DeepSpeed's engine owns the backward, "
                 "the (ZeRO-partitioned) gradients and the optimizer step, so the guard can neither judge a step "
-                "before it is applied nor restore it; use DDP (torchrun / accelerate launch) or FSDP2 through "
-                'accelerate (fsdp_config={"fsdp_version": 2}), or safetrain.SafeTrainer'
+                "before it is applied nor restore it; use DDP (torchrun / accelerate launch), or safetrain.SafeTrainer "
+                "(DDP or FSDP2 with fully_shard)"
             )
         if model is None or optimizer is None:
             raise RuntimeError("SafeTrainingCallback: the Trainer gave no model or optimizer to on_train_begin")
