@@ -348,9 +348,10 @@ def test_precision_plugin_gives_its_scaler_and_forward_context():
 # ---------------------------------------------------------------- accelerate and transformers
 @pytest.fixture
 def fresh_accelerate():
-    """accelerate's process-wide state is made by the test and reset after it (a later Trainer
-    with another precision would be refused)."""
+    """accelerate's process-wide state is reset before the test (an earlier Trainer's would refuse
+    this test's fp16) and after it (a later Trainer with another precision would be refused)."""
     state = pytest.importorskip("accelerate.state")
+    state.AcceleratorState._reset_state(reset_partial_state=True)
     yield
     state.AcceleratorState._reset_state(reset_partial_state=True)
 
