@@ -29,6 +29,21 @@ accelerate: ``Accelerator.clip_grad_norm_`` calls ``scaler.unscale_(optimizer)``
     undo. If accelerate stops unscaling there, nothing breaks; if torch's stage goes, see
     :mod:`.torch_private`.
 
+transformers: callbacks get ``Trainer.model``, not ``Trainer.model_wrapped`` (:func:`ddp_wrapper_of`)
+    Under torchrun/accelerate DDP the Trainer hands callbacks the model inside accelerate's
+    ``DistributedDataParallel``; the guard needs the wrapper (its re-runs all-reduce their
+    gradients through it, and its sync agrees across ranks because the model is DDP). The wrapper
+    is found once per ``train()`` among the objects that refer to the model (``gc``: the DDP's
+    ``_modules`` dict, held by the DDP or by its ``__dict__``). If transformers starts passing the
+    wrapper, it is used as it is; if the wrapper holds the model otherwise, the callback refuses
+    to start under DDP, naming it.
+
+transformers: ``CallbackHandler.callbacks`` runs reporters first (:func:`log_before_reporters`)
+    The Trainer puts its reporting callbacks (W&B, TensorBoard, ... from ``report_to``) before the
+    user's, so values a callback adds in ``on_log`` never reach them. The callback moves itself
+    in that list, once per ``train()``, to just before the first reporter. If the list is not
+    found, the values still reach the Trainer's ``log_history`` and its printed logs.
+
 transformers: ``Trainer.model_accepts_loss_kwargs`` (:func:`takes_loss_kwargs`; since 4.46)
     The Trainer's rule for whether a model's loss is already normalized over the whole step (it
     gets ``num_items_in_batch``) or is divided by ``gradient_accumulation_steps``: the model's
@@ -39,6 +54,7 @@ transformers: ``Trainer.model_accepts_loss_kwargs`` (:func:`takes_loss_kwargs`; 
 
 from __future__ import annotations
 
+import gc
 import inspect
 from typing import Any, Callable, Optional
 
@@ -46,7 +62,15 @@ import torch
 
 from . import torch_private
 
-__all__ = ["unwrap_optimizer", "optimizer_scaler", "gradient_state", "unscale_once", "takes_loss_kwargs"]
+__all__ = [
+    "unwrap_optimizer",
+    "optimizer_scaler",
+    "gradient_state",
+    "unscale_once",
+    "takes_loss_kwargs",
+    "ddp_wrapper_of",
+    "log_before_reporters",
+]
 
 
 def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -108,3 +132,45 @@ def takes_loss_kwargs(model: torch.nn.Module) -> bool:
         params = inspect.signature(model.forward).parameters.values()
         accepts = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
     return bool(accepts)
+
+
+def ddp_wrapper_of(model: torch.nn.Module) -> Optional[torch.nn.parallel.DistributedDataParallel]:
+    """The ``DistributedDataParallel`` whose ``.module`` is ``model`` (the Trainer's
+    ``model_wrapped``), ``model`` itself when it is one, or ``None``. Three ``gc`` scans of the
+    heap: call it once per run, not per step.
+
+    Raises:
+        RuntimeError: more than one live wrapper holds ``model`` (an earlier Trainer's still alive).
+    """
+    ddp = torch.nn.parallel.DistributedDataParallel
+    if isinstance(model, ddp):
+        return model
+    found = []
+    for modules in gc.get_referrers(model):  # the wrapper's _modules dict holds the model as "module"
+        if not isinstance(modules, dict) or modules.get("module") is not model:
+            continue
+        for owner in gc.get_referrers(modules):  # the wrapper, or its __dict__ (Python 3.11+)
+            owners = gc.get_referrers(owner) if isinstance(owner, dict) else [owner]
+            found += [o for o in owners if isinstance(o, ddp) and o.module is model]
+    if len({id(w) for w in found}) > 1:
+        raise RuntimeError(
+            f"SafeTrainingCallback: found {len(found)} DistributedDataParallel wrappers around the model; "
+            "expected one (this Trainer's): let an earlier Trainer of the same model go (del trainer) or wrap it once"
+        )
+    return found[0] if found else None
+
+
+def log_before_reporters(callback: Any) -> bool:
+    """Move ``callback`` in its Trainer's ``CallbackHandler.callbacks`` to just before the first
+    reporting callback (``report_to``: W&B, TensorBoard, MLflow, ...), so what it adds to the logs
+    in ``on_log`` reaches them. Returns whether it found the list (it then holds ``callback`` once)."""
+    from transformers.trainer_callback import DefaultFlowCallback
+
+    for holder in gc.get_referrers(callback):
+        if isinstance(holder, list) and any(isinstance(c, DefaultFlowCallback) for c in holder):
+            reporters = [i for i, c in enumerate(holder) if type(c).__module__.startswith("transformers.integrations")]
+            mine = holder.index(callback)
+            if reporters and reporters[0] < mine:
+                holder.insert(reporters[0], holder.pop(mine))
+            return True
+    return False

@@ -36,7 +36,9 @@ since 1.6, in ``torch.amp`` since 2.3; checked in 2.13)
     DDP's reducer uses). :func:`at_backward_end` is how the Hugging Face callback decides a step at
     the end of the last micro-batch's backward, before the Trainer clips. If it goes: the decision
     falls back to ``on_pre_optimizer_step``, after the Trainer's clip has already turned a
-    non-finite norm into NaN gradients everywhere.
+    non-finite norm into NaN gradients everywhere. A final callback may queue another, which runs
+    after every callback queued so far: :func:`after_backward_end` uses that to run after DDP's
+    reducer has written the all-reduced gradients (it queues its own callback late in the backward).
 """
 
 from __future__ import annotations
@@ -46,7 +48,16 @@ from typing import Callable, Dict, Optional
 import torch
 from torch.amp.grad_scaler import OptState
 
-__all__ = ["OptState", "unscaled", "rewind_unscale", "found_inf", "scale_tensor", "profiler_enabled", "at_backward_end"]
+__all__ = [
+    "OptState",
+    "unscaled",
+    "rewind_unscale",
+    "found_inf",
+    "scale_tensor",
+    "profiler_enabled",
+    "at_backward_end",
+    "after_backward_end",
+]
 
 _profiler: Callable[[], bool] = getattr(torch.autograd, "_profiler_enabled", lambda: True)
 
@@ -101,3 +112,12 @@ def at_backward_end(callback: Callable[[], None]) -> None:
             during backward pass"); call it from a tensor or module backward hook.
     """
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def after_backward_end(callback: Callable[[], None]) -> None:
+    """Like :func:`at_backward_end`, but after every other final callback of this backward: the
+    callback queued now queues ``callback`` when it runs, so ``callback`` runs after those queued
+    later in the backward (DDP's reducer finalizes the all-reduced gradients in one; FSDP2's
+    root post-backward in another). Call it from a tensor or module backward hook."""
+    queue = torch.autograd.Variable._execution_engine.queue_callback
+    queue(lambda: queue(callback))

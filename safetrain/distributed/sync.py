@@ -139,7 +139,7 @@ class DistributedSync:
         self.group = group
         #: FSDP2: the gradient norms are of each rank's shard, combined as a root of summed squares.
         self.sharded = sharded
-        #: FSDP2: the model's parameter and buffer names (the same on every rank), for weight findings.
+        #: The model's parameter and buffer names (the same on every rank), for weight findings.
         self.names: Tuple[str, ...] = tuple(names)
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -170,10 +170,10 @@ class DistributedSync:
                 dist.get_world_size(group),
             )
             return None
-        if layout == FSDP2 and model is not None:
-            names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
-            return cls(device, group, sharded=True, names=names)
-        return cls(device, group)
+        if model is None:
+            return cls(device, group)
+        names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+        return cls(device, group, sharded=layout == FSDP2, names=names)
 
     # ------------------------------------------------------------------ the step's one read
     def reduce(self, packed: Tensor, layout: Layout) -> List[float]:
@@ -236,11 +236,12 @@ class DistributedSync:
         if not ranks:
             return None
         agreed = empty(ranks) if finding is None else dataclasses.replace(finding, ranks=ranks)
-        return self._all_counts(agreed, finding) if self.sharded and self.names else agreed
+        return self._all_counts(agreed, finding) if self.names else agreed
 
     def _all_counts(self, agreed: Any, finding: Any) -> Any:
-        """FSDP2: every rank's NaN/Inf counts of its shards, summed per parameter (one small
-        collective, slow path only), so that every rank's finding names the same parameters."""
+        """Every rank's NaN/Inf counts (of its shards under FSDP2), summed per parameter (one small
+        collective, slow path only), so that every rank's finding names the same parameters: under
+        DDP rank 0's journal names the tensor that went bad on rank 1."""
         index = {n: i for i, n in enumerate(self.names)}
         mine = torch.zeros(2 * len(self.names), dtype=torch.float64, device=self.device)
         strays = []

@@ -24,31 +24,44 @@ at the last good snapshot. The guard's state goes into the Trainer's checkpoints
 (``TrainerState.stateful_callbacks``) and ``trainer.train(resume_from_checkpoint=...)`` puts it
 back. The journal (``events.jsonl``, ``metrics.csv``) lands in ``log.dir`` or ``args.output_dir``.
 
-Supported: transformers >= 4.46 (``on_pre_optimizer_step``, ``ExportableState``) with accelerate,
-one process (no DDP/FSDP/DeepSpeed yet); tested with transformers 5.24 and accelerate 1.15.
+Many processes (``torchrun --nproc_per_node N``, ``accelerate launch``): the Trainer wraps the
+model in accelerate's ``DistributedDataParallel`` and hands callbacks the model inside it; the
+guard is given the wrapper (:func:`~safetrain.adapters.huggingface_private.ddp_wrapper_of`), so
+its sync is a :class:`~safetrain.distributed.DistributedSync` (one collective inside the step's
+one read: every rank takes the same action at the same step) and its own re-runs all-reduce
+their gradients. The decision waits for DDP's reducer to finish the all-reduce (it runs after
+every other final callback of the backward). Each rank journals (rank 0 ``events.jsonl`` and
+``metrics.csv``, rank r ``events-rank{r}.jsonl``). FSDP through accelerate is refused at start
+(accelerate runs it on accelerators only, so it is untested here); DeepSpeed is refused: its
+engine owns the backward, the partitioned gradients and the step.
+
+Supported: transformers >= 4.46 (``on_pre_optimizer_step``, ``ExportableState``) with accelerate;
+tested with transformers 5.24 and accelerate 1.15.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from collections.abc import Mapping
+import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 from ..adapters.huggingface_private import (
     gradient_state,
+    log_before_reporters,
     optimizer_scaler,
     takes_loss_kwargs,
     unscale_once,
     unwrap_optimizer,
 )
-from ..adapters.torch_private import at_backward_end
-from ..config import ConfigLike, TrainConfig, as_config, to_dict
-from ..errors import TrainingAborted
+from ..adapters.torch_private import after_backward_end
+from ..config import ConfigLike, as_config, to_dict
+from ..errors import SafetrainError, TrainingAborted
 from ..guard import Guard, StepResult
 from ..run import FitResult, Run
+from .huggingface_logs import TrainerLogs
+from .huggingface_setup import guarded_model, loss_of, model_loss, with_accumulation
 
 __all__ = ["SafeTrainingCallback", "MIN_TRANSFORMERS", "model_loss"]
 
@@ -79,35 +92,6 @@ _transformers = _require_transformers()
 from transformers.trainer_callback import ExportableState, TrainerCallback  # noqa: E402
 
 
-def _loss_of(output: Any) -> Optional[torch.Tensor]:
-    """The loss in a model's output: ``output.loss`` / ``output["loss"]``, or a tuple's first item."""
-    if isinstance(output, Mapping):
-        return output.get("loss")
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        loss = output[0] if output[0].dim() == 0 else None
-    return loss
-
-
-def model_loss(model: torch.nn.Module, batch: Mapping) -> torch.Tensor:
-    """The default ``step_fn``: ``model(**batch)``'s loss, as the Trainer computes it (labels in the batch)."""
-    loss = _loss_of(model(**batch))
-    if loss is None:
-        raise RuntimeError("model(**batch) returned no loss; SafeTrainingCallback needs labels in the batch")
-    return loss
-
-
-def _with_accumulation(cfg: TrainConfig, model: torch.nn.Module, k: int) -> TrainConfig:
-    """The config with ``guard.accumulate_steps`` as the Trainer divides each micro-batch's loss for
-    its backward (the guard's re-runs and replays do the same): by ``gradient_accumulation_steps``,
-    or not at all for a model that takes ``num_items_in_batch`` (its loss is already normalized over
-    the whole step; the Trainer's rule: ``accepts_loss_kwargs``, else a ``**kwargs`` forward)."""
-    k = 1 if takes_loss_kwargs(model) else max(int(k), 1)
-    if cfg.guard.accumulate_steps == k:
-        return cfg
-    return dataclasses.replace(cfg, guard=dataclasses.replace(cfg.guard, accumulate_steps=k))
-
-
 class SafeTrainingCallback(TrainerCallback, ExportableState):
     """safetrain's detection, diagnosis and recovery inside a ``transformers.Trainer``.
 
@@ -116,6 +100,10 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
         step_fn: ``step_fn(model, batch) -> loss`` for the guard's own re-runs and replays; the
             default runs ``model(**batch)`` and takes its ``loss``.
         resume_state: the guard's state to start from (the Trainer passes it back on resume).
+        restored: set by the Trainer when ``restore_callback_states_from_checkpoint=True`` rebuilds
+            the callback from a checkpoint (``state()``'s args): the new instance takes the place
+            of the last one made in this process, whose :attr:`aborted`, :attr:`result` and
+            :meth:`raise_if_aborted` then answer for it (and whose ``step_fn`` it keeps).
 
     Attributes:
         guard: the :class:`~safetrain.Guard` while training (made in ``on_train_begin``).
@@ -130,23 +118,30 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
         callback.raise_if_aborted()
     """
 
+    _latest: "Optional[weakref.ref[SafeTrainingCallback]]" = None  # the last instance a user made
+
     def __init__(
         self,
         cfg: ConfigLike = None,
         step_fn: Optional[Callable[[torch.nn.Module, Any], torch.Tensor]] = None,
         resume_state: Optional[Dict[str, Any]] = None,
+        restored: bool = False,
     ) -> None:
         self.cfg = as_config(cfg)
         self.step_fn = step_fn if step_fn is not None else model_loss
         self.resume_state = resume_state
         self.guard: Optional[Guard] = None
-        self.aborted: Optional[TrainingAborted] = None
-        self.result: Optional[FitResult] = None
+        self._aborted: Optional[TrainingAborted] = None
+        self._result: Optional[FitResult] = None
+        self._survivor: Optional[SafeTrainingCallback] = None  # made by the Trainer in this one's place
+        self._adopt(restored, step_fn)
         self.last: Optional[StepResult] = None  # the last decided step
         self._run: Optional[Run] = None
         self._handles: List[Any] = []
         self._undo: List[Callable[[], None]] = []  # what on_train_begin changed on the Trainer's objects
         self._gradient_state: Any = None
+        self._optimizer: Optional[torch.optim.Optimizer] = None  # the torch optimizer inside accelerate's wrapper
+        self._lr: Optional[float] = None  # the LR in force at the last update
         self._busy = False  # the guard runs forwards of its own: the hooks pass through
         self._open = False  # a micro-batch begun, its loss not yet seen
         self._undecided = False  # the step's last micro-batch seen, its decision not yet made
@@ -154,6 +149,39 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
         self._finish_due = False  # decided: finish_step() at the step's end
         self._window = 0  # training forwards begun since the last decision (fewer at an epoch's end)
         self._accumulates = False  # gradient accumulation: each micro-batch's loss divided by the window's size
+        self._logs = TrainerLogs()  # what the Trainer's logs show of the steps since its last log
+
+    def _adopt(self, restored: bool, step_fn: Any) -> None:
+        """Made by the Trainer from a checkpoint: take the place of the last instance the user made
+        (its answers follow this one); made by the user: be that instance."""
+        cls = SafeTrainingCallback
+        if not restored:
+            cls._latest = weakref.ref(self)
+            return
+        origin = cls._latest() if cls._latest is not None else None
+        if origin is not None and origin is not self:  # (a later resume's instance replaces an earlier one)
+            origin._survivor = self
+            if step_fn is None:
+                self.step_fn = origin.step_fn
+
+    @property
+    def aborted(self) -> Optional[TrainingAborted]:
+        """The :class:`~safetrain.TrainingAborted` that stopped training, or ``None`` (the
+        instance the Trainer restored in this one's place answers, if it did)."""
+        return self._survivor.aborted if self._survivor is not None else self._aborted
+
+    @aborted.setter
+    def aborted(self, value: Optional[TrainingAborted]) -> None:
+        self._aborted = value
+
+    @property
+    def result(self) -> Optional[FitResult]:
+        """The :class:`~safetrain.FitResult` of the last ``train()`` (the restored instance's, if any)."""
+        return self._survivor.result if self._survivor is not None else self._result
+
+    @result.setter
+    def result(self, value: Optional[FitResult]) -> None:
+        self._result = value
 
     # ----------------------------------------------------------------- the Trainer's events
     def on_train_begin(
@@ -168,35 +196,41 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
     ) -> None:
         """Make the guard around the Trainer's model, optimizer, scheduler and fp16 scaler."""
         self.close()
+        self._survivor = None  # this instance trains: it answers for itself
         self.aborted, self.result, self.last = None, None, None
-        if getattr(args, "world_size", 1) > 1 or getattr(args, "deepspeed", None):
-            raise RuntimeError(
-                "SafeTrainingCallback supports one process for now (found world_size "
-                f"{getattr(args, 'world_size', 1)}, deepspeed {bool(getattr(args, 'deepspeed', None))}); "
-                "expected a single-process Trainer"
+        self._logs, self._lr = TrainerLogs(), None
+        if getattr(args, "deepspeed", None):
+            raise SafetrainError(
+                "SafeTrainingCallback cannot guard a DeepSpeed Trainer: DeepSpeed's engine owns the backward, "
+                "the (ZeRO-partitioned) gradients and the optimizer step, so the guard can neither judge a step "
+                "before it is applied nor restore it; use DDP (torchrun / accelerate launch), or safetrain.SafeTrainer "
+                "(DDP or FSDP2 with fully_shard)"
             )
         if model is None or optimizer is None:
             raise RuntimeError("SafeTrainingCallback: the Trainer gave no model or optimizer to on_train_begin")
-        cfg = _with_accumulation(self.cfg, model, args.gradient_accumulation_steps)
+        guarded = guarded_model(model, int(getattr(args, "world_size", 1)))
+        cfg = with_accumulation(self.cfg, model, args.gradient_accumulation_steps)
         logger.setLevel(cfg.log.level)
-        self._run = run = Run(cfg.log.dir or args.output_dir, 0, cfg)
+        self._run = run = Run(cfg.log.dir or args.output_dir, int(getattr(args, "process_index", 0)), cfg)
         run.open()
+        log_before_reporters(self)
         try:
-            self._start(state, model, optimizer, lr_scheduler, run)
+            self._start(state, guarded, model, optimizer, lr_scheduler, run)
         except BaseException as exc:  # the journal says why the run never trained
             self.close(error=exc)
             raise
 
-    def _start(self, state: Any, model: Any, optimizer: Any, lr_scheduler: Any, run: Run) -> None:
+    def _start(self, state: Any, guarded: Any, model: Any, optimizer: Any, lr_scheduler: Any, run: Run) -> None:
         self._accumulates, self._window = run.cfg.guard.accumulate_steps > 1, 0
         self._gradient_state = gradient_state(optimizer)
         scaler = optimizer_scaler(optimizer)  # fp16: accelerate's GradScaler
         if scaler is not None and scaler.is_enabled():
             self._undo.append(unscale_once(scaler))
+        self._optimizer = torch_optimizer = unwrap_optimizer(optimizer)
         guard = self.guard = run.attach(
             Guard(
-                model,
-                unwrap_optimizer(optimizer),
+                guarded,  # under DDP the wrapper: the guard's sync agrees across ranks, its re-runs all-reduce
+                torch_optimizer,
                 run.cfg,
                 step_fn=self._step_fn,
                 scheduler=lr_scheduler,
@@ -216,7 +250,7 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
             self._snapshot_due = True
         elif run.dir is not None:
             guard.check_fresh()
-        self._handles = [
+        self._handles = [  # on the model inside a DDP wrapper: it runs the forward the batch reaches
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward),
         ]
@@ -239,6 +273,8 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
         and make the optimizer step that follows change nothing."""
         if self._undecided:  # (the loss did not require grad: decided after the Trainer's clipping)
             self._decide()
+        if self._optimizer is not None and self._optimizer.param_groups:
+            self._lr = float(self._optimizer.param_groups[0]["lr"])  # the LR this step's update uses
         if self.aborted is not None and self.guard is not None:
             self.guard.stop()  # no gradient: the Trainer's optimizer.step() moves nothing, nor its scheduler.step()
             control.should_training_stop = True
@@ -250,19 +286,26 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
             return control
         self._finish_due = False
         self.last = self.guard.finish_step()
+        self._logs.step(self.last.trained, self.last.loss, self._lr)
         if self._run is not None:
             self._run.record(self.last)
         return control
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Optional[Dict[str, Any]] = None, **kwargs: Any) -> None:
-        """The guard's gradient norm (the one read before any clipping or dropping) and LR scale
-        into the Trainer's logs and ``state.log_history``."""
+        """The guard's figures into the Trainer's training logs and ``state.log_history`` (see
+        :mod:`.huggingface_logs`): the LR in force, the loss of the applied steps, the gradient norm
+        it read, the LR scale and its counts of skipped batches, restores and LR backoffs. The
+        callback runs before the Trainer's reporters (W&B, TensorBoard), so they log the same."""
         if self.guard is None or logs is None or "loss" not in logs:
             return
-        extra = {"grad_norm": self.guard.last_grad_norm, "lr_scale": self.guard.lr_scale}
-        logs.update(extra)
+        changed = self._logs.fill(logs, self.guard)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1].update(extra)
+            entry = state.log_history[-1]
+            for key, value in changed.items():
+                if value is None:
+                    entry.pop(key, None)
+                else:
+                    entry[key] = value
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """The end-of-run checks (a trained step, finite parameters), then the journal's ``run_ended``."""
@@ -280,7 +323,7 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
         """What the Trainer's checkpoint keeps (``TrainerState.stateful_callbacks``): the config and
         the guard's state (counters, LR backoff, spike and divergence windows, policy history)."""
         guard_state = self.guard.state_dict() if self.guard is not None else self.resume_state
-        return {"args": {"cfg": to_dict(self.cfg)}, "attributes": {"resume_state": guard_state}}
+        return {"args": {"cfg": to_dict(self.cfg), "restored": True}, "attributes": {"resume_state": guard_state}}
 
     def _saved_state(self, state: Any) -> Optional[Dict[str, Any]]:
         """The guard's state of the checkpoint being resumed (``global_step`` > 0), if it has one."""
@@ -340,7 +383,7 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
         if not self._open:
             return
         self._open = False
-        loss = _loss_of(output)
+        loss = loss_of(output)
         if loss is None:
             raise RuntimeError(
                 "SafeTrainingCallback: the model's output has no loss; expected the model to compute it "
@@ -354,7 +397,7 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
                 loss.register_hook(self._at_backward)
 
     def _at_backward(self, grad: torch.Tensor) -> None:
-        at_backward_end(self._decide)
+        after_backward_end(self._decide)  # after DDP's reducer wrote the all-reduced gradients
 
     def _decide(self) -> None:
         """The step's decision, before the Trainer clips (the end of the last backward)."""

@@ -158,6 +158,20 @@ def test_at_backward_end_runs_once_the_whole_backward_is_done():
         torch_private.at_backward_end(at_end)  # outside a backward
 
 
+def test_after_backward_end_runs_after_callbacks_queued_later_in_the_backward():
+    """A final callback queued from a final callback runs after every one queued before it: the
+    Hugging Face callback decides after DDP's reducer (which queues its finalize at the last
+    bucket, late in the backward) has written the all-reduced gradients. If it goes, the decision
+    reads each rank's own gradients, before the all-reduce."""
+    order = []
+    w = torch.ones(3, requires_grad=True)
+    loss = (w * 2).sum()
+    loss.register_hook(lambda grad: torch_private.after_backward_end(lambda: order.append("guard")))
+    w.register_hook(lambda grad: torch_private.at_backward_end(lambda: order.append("late")))  # as DDP's
+    loss.backward()
+    assert order == ["late", "guard"]
+
+
 def test_profiler_enabled_says_whether_a_profiler_records():
     """``torch.autograd._profiler_enabled``: the guard frees gradients without ``zero_grad``'s
     profiler range unless one records. If it goes, every step opens the range (a little slower)."""
@@ -334,9 +348,10 @@ def test_precision_plugin_gives_its_scaler_and_forward_context():
 # ---------------------------------------------------------------- accelerate and transformers
 @pytest.fixture
 def fresh_accelerate():
-    """accelerate's process-wide state is made by the test and reset after it (a later Trainer
-    with another precision would be refused)."""
+    """accelerate's process-wide state is reset before the test (an earlier Trainer's would refuse
+    this test's fp16) and after it (a later Trainer with another precision would be refused)."""
     state = pytest.importorskip("accelerate.state")
+    state.AcceleratorState._reset_state(reset_partial_state=True)
     yield
     state.AcceleratorState._reset_state(reset_partial_state=True)
 
@@ -428,3 +443,46 @@ def test_takes_loss_kwargs_is_the_trainers_own_rule(model_type, tmp_path):
         warnings.simplefilter("ignore")
         trainer = transformers.Trainer(model=model, args=args)
     assert takes_loss_kwargs(model) is trainer.model_accepts_loss_kwargs, model_type.__name__
+
+
+def test_ddp_wrapper_of_finds_the_trainers_wrapper_around_the_model_it_hands_callbacks(tmp_path):
+    """transformers hands callbacks ``Trainer.model`` (inside accelerate's DDP), not
+    ``model_wrapped``: the wrapper is found among the model's referrers. If this breaks, the
+    callback refuses to start under DDP (naming it) instead of guarding each rank on its own."""
+    import gc
+
+    import torch.distributed as dist
+
+    from safetrain.adapters.huggingface_private import ddp_wrapper_of
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        inner = torch.nn.Linear(4, 2)
+        assert ddp_wrapper_of(inner) is None
+        wrapper = torch.nn.parallel.DistributedDataParallel(inner)
+        assert ddp_wrapper_of(inner) is wrapper and ddp_wrapper_of(wrapper) is wrapper
+        other = torch.nn.parallel.DistributedDataParallel(inner)  # an earlier Trainer's, still alive
+        with pytest.raises(RuntimeError, match="found 2 DistributedDataParallel wrappers"):
+            ddp_wrapper_of(inner)
+        del other, wrapper
+        gc.collect()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_log_before_reporters_moves_the_callback_ahead_of_report_to_integrations():
+    """``CallbackHandler.callbacks``: the Trainer puts ``report_to`` integrations before the user's
+    callbacks; the callback moves itself ahead of them so the values it adds reach them."""
+    pytest.importorskip("transformers")
+    from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, TrainerCallback
+
+    from safetrain.adapters.huggingface_private import log_before_reporters
+
+    class Reporter(TrainerCallback):
+        __module__ = "transformers.integrations.integration_utils"
+
+    mine, reporter, other = TrainerCallback(), Reporter(), TrainerCallback()
+    handler = CallbackHandler([DefaultFlowCallback, reporter, other, mine], None, None, None, None)
+    assert log_before_reporters(mine)
+    assert handler.callbacks[1:] == [mine, reporter, other]
+    assert not log_before_reporters(TrainerCallback()), "not in any Trainer's list"
