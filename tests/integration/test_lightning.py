@@ -115,7 +115,7 @@ def finite(model: torch.nn.Module) -> bool:
 
 
 def journal(tmp: Path) -> List[Dict[str, Any]]:
-    return [json.loads(line) for line in (tmp / "events.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (tmp / "safetrain" / "events.jsonl").read_text().splitlines()]
 
 
 def anomalies(tmp: Path) -> List[Dict[str, Any]]:
@@ -509,16 +509,17 @@ def test_a_run_dir_another_run_holds_is_refused_at_once_and_let_go_after(tmp_pat
 
     from safetrain.rundir import RunDirBusy, lock_run_dir
 
-    held = lock_run_dir(tmp_path)
+    (tmp_path / "safetrain").mkdir()  # the callback's own subdirectory of Lightning's log dir
+    held = lock_run_dir(tmp_path / "safetrain")
     try:
         with pytest.raises(RunDirBusy, match=f"pid {os.getpid()} on host "):
             fit(Net(), tmp_path)
-        assert not (tmp_path / "events.jsonl").exists(), "refused before writing the journal"
+        assert not (tmp_path / "safetrain" / "events.jsonl").exists(), "refused before writing the journal"
     finally:
         held.release()
     cb = fit(Net(), tmp_path)
     assert cb.result.ended == "done"
-    lock_run_dir(tmp_path).release()  # the finished run let it go
+    lock_run_dir(tmp_path / "safetrain").release()  # the finished run let it go
 
 
 class SpikyNet(Net):

@@ -1,0 +1,241 @@
+"""The Lightning callback under ``Trainer(accelerator="cpu", devices=2, strategy="ddp")``, launched
+as a user launches it (issue #25): this file is also the script; ``python this_file TMP SCENARIO``
+runs ``trainer.fit`` and Lightning's own launcher starts rank 1 by running it again. A fault is
+injected on rank 1 only. Each launch is one subprocess session killed on a timeout, so a hang
+fails the test instead of blocking CI; each rank writes what it saw to ``TMP/SCENARIO-rank{r}.json``.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 90  # seconds for one 2-rank launch; each takes ~10-20 s on a shared CPU
+FAULT_STEP = 4
+CFG: Dict[str, Any] = {"snapshot": {"every": 3}, "detect": {"check_weights_every": 0}, "log": {"level": "WARNING"}}
+
+
+# ----------------------------------------------------------------------------- the ranks' side
+
+
+def _module() -> Any:
+    import lightning.pytorch as pl
+    import torch.nn.functional as F
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.body = torch.nn.Linear(4, 16)
+            self.head = torch.nn.Linear(16, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return F.mse_loss(self.head(torch.tanh(self.body(x))), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    return Net()
+
+
+def _loader() -> Any:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 4, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True) / 2), batch_size=8, shuffle=False)
+
+
+def _digest(model: torch.nn.Module) -> str:
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+
+
+def main(tmp: str, scenario: str) -> None:
+    """One rank's run of ``scenario`` (rank 0 is this process; Lightning starts rank 1)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+
+    from safetrain import TrainingAborted
+    from safetrain.integrations.lightning import SafeTraining
+    from safetrain.testing import OutputFault, WeightFault
+
+    torch.set_num_threads(1)
+    rank = int(os.environ.get("LOCAL_RANK", "0"))  # set by Lightning's launcher for rank 1 only
+    model = _module()
+    cfg: Dict[str, Any] = json.loads(json.dumps(CFG))
+    out: Dict[str, Any] = {"rank": rank, "aborted_at": None}
+    if scenario in ("output", "first") and rank == 1:
+        OutputFault(model.body, calls=[FAULT_STEP])  # the forward of step 4 on rank 1 only
+    if scenario == "abort":
+        cfg["recovery"] = {"max_retries": 2}
+        if rank == 1:
+            OutputFault(model.body, calls=range(FAULT_STEP, 10**9))  # persistent, on rank 1 only
+
+    class Probe(pl.Callback):
+        """Listed after SafeTraining: sees its guard as built (resumed) and as it ends."""
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            out["start"] = vars(cb.guard.counts)
+            out["lr_scale_at_start"] = cb.guard.lr_scale
+            if scenario == "weight" and rank == 1:  # a weight turns NaN on rank 1 after step 5's update
+                WeightFault(trainer.optimizers[0], pl_module.head.weight, (0, 3), steps=[5])
+
+    cb = SafeTraining(cfg, run_dir=None if scenario == "output" else f"{tmp}/run")
+    logger = CSVLogger(tmp) if scenario == "output" else False
+    steps = {"resume": 12}.get(scenario, 8)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=steps, callbacks=[cb, Probe()], logger=logger,
+        log_every_n_steps=2, enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+        default_root_dir=tmp,
+    )  # fmt: skip
+    try:
+        trainer.fit(model, _loader(), ckpt_path=f"{tmp}/first.ckpt" if scenario == "resume" else None)
+    except TrainingAborted as exc:
+        out["aborted_at"] = cb.guard.steps if cb.guard is not None else -1
+        out["abort_message"] = str(exc)
+    if scenario == "first":
+        trainer.save_checkpoint(f"{tmp}/first.ckpt")  # rank 0 writes it; every rank calls
+    out["end"] = vars(cb.guard.counts)
+    out["digest"], out["finite"] = _digest(model), all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    out["ended"] = cb.result.ended if cb.result is not None else None
+    with open(os.path.join(tmp, f"{scenario}-rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+
+
+# ----------------------------------------------------------------------------- the test's side
+
+
+def launch(tmp: Path, scenario: str, timeout: float = TIMEOUT) -> List[Dict[str, Any]]:
+    """Run ``scenario`` on 2 ranks as a user would (``python script``; Lightning launches rank 1),
+    in its own session killed on the timeout; the ranks' results in rank order."""
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "RANK", "NODE_RANK")}
+    env.update(PYTHONPATH=path, OMP_NUM_THREADS="1", PL_DISABLE_FORK="1")
+    env.setdefault("GOMP_SPINCOUNT", "10000")
+    proc = subprocess.Popen(
+        [sys.executable, __file__, str(tmp), scenario],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # the whole session: rank 0 and the rank 1 it launched
+        log, _ = proc.communicate()
+        pytest.fail(f"the 2-rank Lightning run {scenario!r} hung for {timeout} s:\n{log[-4000:]}")
+    assert proc.returncode == 0, log[-4000:]
+    results = []
+    for r in range(2):
+        f = tmp / f"{scenario}-rank{r}.json"
+        assert f.exists(), f"rank {r} wrote no result:\n{log[-4000:]}"
+        results.append(json.loads(f.read_text()))
+    return results
+
+
+def journal(run_dir: Path, rank: int = 0) -> List[Dict[str, Any]]:
+    name = "events.jsonl" if rank == 0 else f"events-rank{rank}.jsonl"
+    return [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
+
+
+def anomalies(run_dir: Path, rank: int = 0) -> List[Dict[str, Any]]:
+    return [e for e in journal(run_dir, rank) if e["event"] == "anomaly"]
+
+
+@pytest.fixture(scope="module")
+def first(tmp_path_factory: Any) -> Any:
+    pytest.importorskip("lightning")
+    tmp = tmp_path_factory.mktemp("first")
+    return tmp, launch(tmp, "first")
+
+
+def test_a_nan_forward_on_rank_1_is_retried_on_both_ranks_at_that_step(first):
+    """A layer's output goes NaN on rank 1 at step 4 (rank 0's data and forward are clean): both
+    ranks retry step 4, the run trains to the end, the parameters are finite and equal, and rank
+    0's journal names the rank and the layer."""
+    tmp, (r0, r1) = first
+    assert r0["digest"] == r1["digest"] and r0["finite"] and r1["finite"], "parameters differ across ranks"
+    assert r0["end"] == r1["end"], "the ranks counted differently"
+    assert r0["end"]["retries"] == 1 and r0["end"]["optimizer_steps"] == 8 and r0["ended"] == "done", r0
+    (found,) = anomalies(tmp / "run")
+    assert (found["kind"], found["step"], found["action"], found["rank"]) == ("forward", FAULT_STEP, "retry", 0)
+    assert found["detail"]["ranks"] == {"forward": [1]}, found["detail"]
+    assert found["detail"]["finding"]["module"].endswith("body"), found["detail"]["finding"]
+    (mine,) = anomalies(tmp / "run", rank=1)  # rank 1 journals beside it, stamped with its rank
+    assert (mine["step"], mine["action"], mine["rank"]) == (FAULT_STEP, "retry", 1)
+
+
+def test_resume_from_lightnings_checkpoint_in_a_new_launch_restores_the_guard_on_every_rank(first):
+    tmp, _ = first
+    r0, r1 = launch(tmp, "resume")
+    for r in (r0, r1):
+        assert r["start"]["steps"] == 8 and r["start"]["retries"] == 1, r["start"]
+        assert r["end"]["steps"] == 12 and r["end"]["retries"] == 1 and r["ended"] == "done", r["end"]
+    assert r0["digest"] == r1["digest"] and r0["finite"]
+    started = [e for e in journal(tmp / "run") if e["event"] == "run_started"]
+    assert [e["action"] for e in started] == ["start", "resume"], started
+
+
+def test_a_nan_weight_on_rank_1_is_restored_on_both_ranks_bitwise_equal(tmp_path):
+    """After step 5's update a weight entry of rank 1 turns NaN (a bit flip on one replica): step 6
+    trips on rank 1 only; both ranks restore the last good snapshot and end equal and finite."""
+    pytest.importorskip("lightning")
+    r0, r1 = launch(tmp_path, "weight")
+    assert r0["digest"] == r1["digest"] and r0["finite"] and r1["finite"], "parameters differ across ranks"
+    assert r0["end"] == r1["end"] and r0["end"]["restores"] == 1 and r0["ended"] == "done", r0["end"]
+    (found,) = anomalies(tmp_path / "run")
+    assert (found["kind"], found["step"], found["action"]) == ("weights", 6, "restore"), found
+    finding = found["detail"]["finding"]
+    assert finding["ranks"] == [1] and finding["nonfinite"] == ["module.head.weight"], finding
+
+
+def test_a_persistent_fault_on_rank_1_aborts_both_ranks_at_the_same_step_without_a_hang(tmp_path):
+    pytest.importorskip("lightning")
+    r0, r1 = launch(tmp_path, "abort")  # the launch's timeout: a rank left waiting fails the test
+    assert r0["aborted_at"] is not None and r0["aborted_at"] == r1["aborted_at"], (r0, r1)
+    assert r0["finite"] and r0["digest"] == r1["digest"], "not both at the last good snapshot"
+    assert "forward" in r0["abort_message"]
+    ended = [e for e in journal(tmp_path / "run") if e["event"] == "run_ended"]
+    assert ended and ended[-1]["action"] == "aborted", ended
+
+
+def test_csv_logger_keeps_its_metrics_file_and_gets_the_lr_and_the_counters(tmp_path):
+    """The README's snippet with Lightning's CSV logger (no tensorboard installed): the callback's
+    journal and metrics go to ``<log_dir>/safetrain/``, Lightning's ``metrics.csv`` stays Lightning's
+    alone, carries the LR in force and the intervention counters, and ``safetrain report`` reads
+    the run from the logger's directory."""
+    pytest.importorskip("lightning")
+    from safetrain.runlog import read_run
+
+    launch(tmp_path, "output")
+    version = tmp_path / "lightning_logs" / "version_0"
+    rows = list(csv.DictReader((version / "metrics.csv").open()))
+    assert rows and all(set(r) == set(rows[0]) for r in rows)
+    assert "step" in rows[0] and "loss" not in rows[0], "safetrain's own rows are in Lightning's file"
+    lrs = [float(r["safetrain/lr"]) for r in rows if r.get("safetrain/lr")]
+    assert lrs and all(math.isclose(v, 0.05) for v in lrs), lrs
+    retries = [(int(r["step"]), float(r["safetrain/retries"])) for r in rows if r.get("safetrain/retries")]
+    assert (FAULT_STEP - 1, 1.0) in retries, retries  # logged at the step acted on (global_step 3 = step 4)
+    run = read_run(version)
+    assert run.metrics is not None and run.metrics["step"] == [float(s) for s in range(1, 9)], run.metrics
+    assert [e["kind"] for e in anomalies(version / "safetrain")] == ["forward"]
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
