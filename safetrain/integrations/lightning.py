@@ -29,6 +29,7 @@ from typing import Any, Dict, Literal, Mapping, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import FSDPStrategy
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from ..adapters.lightning_private import precision_scaler, silenced_logging
@@ -361,7 +362,7 @@ def _guarded_module(trainer: Trainer, pl_module: LightningModule) -> torch.nn.Mo
     if isinstance(model, torch.nn.parallel.DistributedDataParallel) and model.module is pl_module:
         return model
     strategy = type(trainer.strategy).__name__
-    if strategy == "FSDPStrategy":
+    if isinstance(trainer.strategy, FSDPStrategy):
         raise ValueError(
             "SafeTraining: strategy='fsdp' is Lightning's FSDPStrategy, which wraps the module in "
             "FullyShardedDataParallel (FSDP1): its flattened parameters cannot be checked, named or "

@@ -50,6 +50,26 @@ def _module() -> Any:
     return Net()
 
 
+def _sharded_module() -> Any:
+    """The same module, FSDP2-sharded in ``configure_model`` (Lightning's ``ModelParallelStrategy``)."""
+    net = _module()
+
+    def configure_model() -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = net.device_mesh["data_parallel"]
+        for part in (net.body, net.head, net):
+            fully_shard(part, mesh=mesh)
+
+    net.configure_model = configure_model
+    return net
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole value (a DTensor's gathered on every rank: a collective)."""
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
 def _loader() -> Any:
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -59,7 +79,7 @@ def _loader() -> Any:
 
 
 def _digest(model: torch.nn.Module) -> str:
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    flat = torch.cat([_full(p.detach()).reshape(-1) for p in model.parameters()])
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
 
 
@@ -67,6 +87,7 @@ def main(tmp: str, scenario: str) -> None:
     """One rank's run of ``scenario`` (rank 0 is this process; Lightning starts rank 1)."""
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.strategies import ModelParallelStrategy
 
     from safetrain import TrainingAborted
     from safetrain.integrations.lightning import SafeTraining
@@ -74,10 +95,11 @@ def main(tmp: str, scenario: str) -> None:
 
     torch.set_num_threads(1)
     rank = int(os.environ.get("LOCAL_RANK", "0"))  # set by Lightning's launcher for rank 1 only
-    model = _module()
+    sharded = scenario.startswith("fsdp")
+    model = _sharded_module() if sharded else _module()
     cfg: Dict[str, Any] = json.loads(json.dumps(CFG))
     out: Dict[str, Any] = {"rank": rank, "aborted_at": None}
-    if scenario in ("output", "first") and rank == 1:
+    if scenario in ("output", "first", "fsdp_first") and rank == 1:
         OutputFault(model.body, calls=[FAULT_STEP])  # the forward of step 4 on rank 1 only
     if scenario == "abort":
         cfg["recovery"] = {"max_retries": 2}
@@ -93,21 +115,28 @@ def main(tmp: str, scenario: str) -> None:
             if scenario == "weight" and rank == 1:  # a weight turns NaN on rank 1 after step 5's update
                 WeightFault(trainer.optimizers[0], pl_module.head.weight, (0, 3), steps=[5])
 
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if scenario == "fsdp_first" and rank == 1 and batch_idx == 5:  # rank 1's shard, after step 6
+                with torch.no_grad():
+                    pl_module.body.weight.to_local()[0, 0] = math.nan
+
     cb = SafeTraining(cfg, run_dir=None if scenario == "output" else f"{tmp}/run")
     logger = CSVLogger(tmp) if scenario == "output" else False
-    steps = {"resume": 12}.get(scenario, 8)
+    steps = {"resume": 12, "fsdp_resume": 12}.get(scenario, 8)
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if sharded else "ddp"
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_steps=steps, callbacks=[cb, Probe()], logger=logger,
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, callbacks=[cb, Probe()], logger=logger,
         log_every_n_steps=2, enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
         default_root_dir=tmp,
     )  # fmt: skip
     try:
-        trainer.fit(model, _loader(), ckpt_path=f"{tmp}/first.ckpt" if scenario == "resume" else None)
+        ckpt = {"resume": f"{tmp}/first.ckpt", "fsdp_resume": f"{tmp}/fsdp_first.ckpt"}.get(scenario)
+        trainer.fit(model, _loader(), ckpt_path=ckpt)
     except TrainingAborted as exc:
         out["aborted_at"] = cb.guard.steps if cb.guard is not None else -1
         out["abort_message"] = str(exc)
-    if scenario == "first":
-        trainer.save_checkpoint(f"{tmp}/first.ckpt")  # rank 0 writes it; every rank calls
+    if scenario in ("first", "fsdp_first"):
+        trainer.save_checkpoint(f"{tmp}/{scenario}.ckpt")  # every rank calls (FSDP2: each writes its shards)
     out["end"] = vars(cb.guard.counts)
     out["digest"], out["finite"] = _digest(model), all(bool(torch.isfinite(p).all()) for p in model.parameters())
     out["ended"] = cb.result.ended if cb.result is not None else None
@@ -235,6 +264,59 @@ def test_csv_logger_keeps_its_metrics_file_and_gets_the_lr_and_the_counters(tmp_
     run = read_run(version)
     assert run.metrics is not None and run.metrics["step"] == [float(s) for s in range(1, 9)], run.metrics
     assert [e["kind"] for e in anomalies(version / "safetrain")] == ["forward"]
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory: Any) -> Any:
+    pytest.importorskip("lightning")
+    tmp = tmp_path_factory.mktemp("fsdp")
+    return tmp, launch(tmp, "fsdp_first")
+
+
+def test_fsdp2_through_model_parallel_strategy_agrees_on_a_forward_and_a_weight_fault(sharded):
+    """``ModelParallelStrategy`` with ``fully_shard`` in ``configure_model`` (FSDP2) on CPU gloo: a NaN
+    forward on rank 1 at step 4 is skipped on both ranks (replays are off under FSDP2), a NaN in
+    rank 1's shard after step 6 makes both restore their shards of the same snapshot; the whole
+    parameters end finite and equal on both ranks."""
+    tmp, (r0, r1) = sharded
+    assert r0["digest"] == r1["digest"] and r0["finite"] and r1["finite"]
+    assert r0["end"] == r1["end"] and r0["ended"] == "done", (r0["end"], r1["end"])
+    found = anomalies(tmp / "run")
+    assert [(e["kind"], e["step"], e["action"]) for e in found] == [
+        ("forward", FAULT_STEP, "skip_batch"),
+        ("weights", 7, "restore"),
+    ], found
+    assert found[0]["detail"]["ranks"] == {"forward": [1]} and found[0]["detail"]["finding"]["module"] == "body"
+    assert found[1]["detail"]["finding"]["ranks"] == [1] and found[1]["detail"]["finding"]["nonfinite"] == [
+        "body.weight"
+    ]
+    restored = [e for e in journal(tmp / "run") if e["event"] == "restored"]
+    assert [e["detail"]["snapshot_step"] for e in restored] == [3], restored
+
+
+def test_fsdp2_resume_from_lightnings_distributed_checkpoint_restores_the_guard_on_every_rank(sharded):
+    tmp, (first0, _) = sharded
+    r0, r1 = launch(tmp, "fsdp_resume")
+    for r in (r0, r1):
+        assert r["start"] == {**first0["end"]}, (r["start"], first0["end"])
+        assert r["end"]["steps"] == 12 and r["end"]["restores"] == 1 and r["ended"] == "done", r["end"]
+    assert r0["digest"] == r1["digest"] and r0["finite"]
+
+
+def test_lightnings_fsdp1_strategy_is_refused_naming_the_alternatives():
+    """``strategy="fsdp"`` is FSDP1 (``FullyShardedDataParallel``, flattened parameters)."""
+    pytest.importorskip("lightning")
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from safetrain.integrations.lightning import _guarded_module
+
+    module = _module()
+    strategy = FSDPStrategy.__new__(FSDPStrategy)  # as on_train_start finds it, without processes
+    strategy._model, strategy._lightning_module = torch.nn.Linear(1, 1), module
+    with pytest.raises(ValueError, match=r"FSDP1.*strategy='ddp'.*ModelParallelStrategy"):
+        _guarded_module(SimpleNamespace(world_size=2, strategy=strategy), module)
 
 
 if __name__ == "__main__":
