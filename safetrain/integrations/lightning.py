@@ -33,7 +33,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from ..adapters.lightning_private import precision_scaler, silenced_logging
-from ..config import ConfigLike, TrainConfig, as_config
+from ..config import ConfigLike, TrainConfig, as_config, to_dict
 from ..distributed import FSDP2, layout_of
 from ..errors import TrainingAborted
 from ..guard import Guard
@@ -125,6 +125,17 @@ class SafeTraining(Callback):
         self._loaded: Optional[Dict[str, Any]] = None  # a checkpoint's guard state, until the guard exists
         self._batch_idx = 0
         self._decided = False  # decide() ran for this batch
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """What ``strategy="ddp_spawn"`` pickles into each spawned rank: the settings and the
+        configuration (as a plain dict: the validated config holds read-only mappings), never a
+        fit's guard or open run."""
+        state = dict(self.__dict__)
+        state.update(cfg=to_dict(self.cfg), guard=None, _run=None)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state, cfg=as_config(state["cfg"]))
 
     # ------------------------------------------------------------------ building the guard
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

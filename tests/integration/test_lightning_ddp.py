@@ -29,24 +29,33 @@ CFG: Dict[str, Any] = {"snapshot": {"every": 3}, "detect": {"check_weights_every
 # ----------------------------------------------------------------------------- the ranks' side
 
 
+pl = pytest.importorskip("lightning.pytorch")
+
+
+class Net(pl.LightningModule):
+    """A small MLP (module level: ``ddp_spawn`` pickles it into the spawned ranks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(4, 16)
+        self.head = torch.nn.Linear(16, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.head(torch.tanh(self.body(x))), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def on_train_start(self) -> None:
+        from safetrain.testing import OutputFault
+
+        if getattr(self, "spawned_fault", False) and self.global_rank == 1:  # ddp_spawn: rank known only here
+            OutputFault(self.body, calls=[FAULT_STEP])
+
+
 def _module() -> Any:
-    import lightning.pytorch as pl
-    import torch.nn.functional as F
-
-    class Net(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.body = torch.nn.Linear(4, 16)
-            self.head = torch.nn.Linear(16, 1)
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            return F.mse_loss(self.head(torch.tanh(self.body(x))), y)
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
-
     return Net()
 
 
@@ -85,7 +94,7 @@ def _digest(model: torch.nn.Module) -> str:
 
 def main(tmp: str, scenario: str) -> None:
     """One rank's run of ``scenario`` (rank 0 is this process; Lightning starts rank 1)."""
-    import lightning.pytorch as pl
+
     from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -124,8 +133,11 @@ def main(tmp: str, scenario: str) -> None:
     logger = CSVLogger(tmp) if scenario == "output" else False
     steps = {"resume": 12, "fsdp_resume": 12}.get(scenario, 8)
     strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if sharded else "ddp"
+    if scenario == "spawn":  # the ranks are spawned processes: the fault is set where the rank is known
+        strategy, model.spawned_fault = "ddp_spawn", True
+    callbacks = [cb] if scenario == "spawn" else [cb, Probe()]  # (spawn pickles them: no local class)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, callbacks=[cb, Probe()], logger=logger,
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, callbacks=callbacks, logger=logger,
         log_every_n_steps=2, enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
         default_root_dir=tmp,
     )  # fmt: skip
@@ -137,6 +149,12 @@ def main(tmp: str, scenario: str) -> None:
         out["abort_message"] = str(exc)
     if scenario in ("first", "fsdp_first"):
         trainer.save_checkpoint(f"{tmp}/{scenario}.ckpt")  # every rank calls (FSDP2: each writes its shards)
+    if scenario == "spawn":  # the guard lived in the spawned ranks; the main process has the journal
+        with open(os.path.join(tmp, "spawn-rank0.json"), "w") as f:
+            json.dump({"guard": cb.guard is None, "digest": _digest(model), "finite": True}, f)
+        with open(os.path.join(tmp, "spawn-rank1.json"), "w") as f:
+            json.dump({}, f)
+        return
     out["end"] = vars(cb.guard.counts)
     out["digest"], out["finite"] = _digest(model), all(bool(torch.isfinite(p).all()) for p in model.parameters())
     out["ended"] = cb.result.ended if cb.result is not None else None
@@ -189,7 +207,6 @@ def anomalies(run_dir: Path, rank: int = 0) -> List[Dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def first(tmp_path_factory: Any) -> Any:
-    pytest.importorskip("lightning")
     tmp = tmp_path_factory.mktemp("first")
     return tmp, launch(tmp, "first")
 
@@ -224,7 +241,6 @@ def test_resume_from_lightnings_checkpoint_in_a_new_launch_restores_the_guard_on
 def test_a_nan_weight_on_rank_1_is_restored_on_both_ranks_bitwise_equal(tmp_path):
     """After step 5's update a weight entry of rank 1 turns NaN (a bit flip on one replica): step 6
     trips on rank 1 only; both ranks restore the last good snapshot and end equal and finite."""
-    pytest.importorskip("lightning")
     r0, r1 = launch(tmp_path, "weight")
     assert r0["digest"] == r1["digest"] and r0["finite"] and r1["finite"], "parameters differ across ranks"
     assert r0["end"] == r1["end"] and r0["end"]["restores"] == 1 and r0["ended"] == "done", r0["end"]
@@ -235,7 +251,6 @@ def test_a_nan_weight_on_rank_1_is_restored_on_both_ranks_bitwise_equal(tmp_path
 
 
 def test_a_persistent_fault_on_rank_1_aborts_both_ranks_at_the_same_step_without_a_hang(tmp_path):
-    pytest.importorskip("lightning")
     r0, r1 = launch(tmp_path, "abort")  # the launch's timeout: a rank left waiting fails the test
     assert r0["aborted_at"] is not None and r0["aborted_at"] == r1["aborted_at"], (r0, r1)
     assert r0["finite"] and r0["digest"] == r1["digest"], "not both at the last good snapshot"
@@ -249,7 +264,6 @@ def test_csv_logger_keeps_its_metrics_file_and_gets_the_lr_and_the_counters(tmp_
     journal and metrics go to ``<log_dir>/safetrain/``, Lightning's ``metrics.csv`` stays Lightning's
     alone, carries the LR in force and the intervention counters, and ``safetrain report`` reads
     the run from the logger's directory."""
-    pytest.importorskip("lightning")
     from safetrain.runlog import read_run
 
     launch(tmp_path, "output")
@@ -266,9 +280,21 @@ def test_csv_logger_keeps_its_metrics_file_and_gets_the_lr_and_the_counters(tmp_
     assert [e["kind"] for e in anomalies(version / "safetrain")] == ["forward"]
 
 
+def test_ddp_spawn_agrees_like_ddp_and_the_callback_pickles_without_its_config_mappings(tmp_path):
+    """``strategy="ddp_spawn"`` pickles the callback into each spawned rank (the validated config's
+    read-only mappings did not pickle); the ranks agree as under ``ddp``; the journal is the record
+    (the guard and its result live in the spawned processes)."""
+    r0, _ = launch(tmp_path, "spawn")
+    assert r0["guard"], "the main process's callback never built a guard"
+    (found,) = anomalies(tmp_path / "run")
+    assert (found["kind"], found["step"], found["action"]) == ("forward", FAULT_STEP, "retry"), found
+    assert found["detail"]["ranks"] == {"forward": [1]}
+    ended = [e for e in journal(tmp_path / "run") if e["event"] == "run_ended"]
+    assert [e["action"] for e in ended] == ["done"] and anomalies(tmp_path / "run", rank=1)
+
+
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory: Any) -> Any:
-    pytest.importorskip("lightning")
     tmp = tmp_path_factory.mktemp("fsdp")
     return tmp, launch(tmp, "fsdp_first")
 
@@ -305,7 +331,6 @@ def test_fsdp2_resume_from_lightnings_distributed_checkpoint_restores_the_guard_
 
 def test_lightnings_fsdp1_strategy_is_refused_naming_the_alternatives():
     """``strategy="fsdp"`` is FSDP1 (``FullyShardedDataParallel``, flattened parameters)."""
-    pytest.importorskip("lightning")
     from types import SimpleNamespace
 
     from lightning.pytorch.strategies import FSDPStrategy
