@@ -21,10 +21,12 @@ from typing import Any, Dict, List, Optional, Union
 from .errors import SafetrainError
 from .records import METRICS_COLUMNS, Unsound, sound_event, sound_metrics_row, sound_summary
 
-__all__ = ["JOURNAL_FILE", "METRICS_FILE", "ReportError", "RunLog", "Skipped", "read_run"]
+__all__ = ["JOURNAL_FILE", "METRICS_FILE", "OWN_SUBDIR", "ReportError", "RunLog", "Skipped", "read_run"]
 
 JOURNAL_FILE = "events.jsonl"
 METRICS_FILE = "metrics.csv"
+#: A framework callback's run directory inside the framework logger's directory (never sharing its files).
+OWN_SUBDIR = "safetrain"
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -94,7 +96,8 @@ def read_run(run_dir: PathLike) -> RunLog:
     used is skipped and listed with its reason.
 
     Args:
-        run_dir: a run directory (``log.dir`` of a run).
+        run_dir: a run directory (``log.dir`` of a run), or a framework logger's directory whose
+            :data:`OWN_SUBDIR` holds the run (the Lightning callback's default).
 
     Returns:
         The :class:`RunLog`. A cut last line sets ``cut_at``; other unusable lines are in
@@ -113,6 +116,8 @@ def read_run(run_dir: PathLike) -> RunLog:
     root = Path(run_dir)
     if not root.is_dir():
         raise ReportError(f"{root}: no such run directory (expected the log.dir of a run, with events.jsonl)")
+    if not (root / JOURNAL_FILE).is_file() and (root / OWN_SUBDIR / JOURNAL_FILE).is_file():
+        root = root / OWN_SUBDIR  # a framework logger's directory: the callback's run is beside the logger's files
     path = root / JOURNAL_FILE
     if not path.is_file():
         raise ReportError(f"{path}: no journal here; was the run started with log.dir={root}?")

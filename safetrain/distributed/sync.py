@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..detect.flags import Layout, packed_order, parse_read
+from ..wrappers import plain_namer
 from .group import active, rank
 from .sharding import DDP, FSDP2, layout_of
 
@@ -172,7 +173,8 @@ class DistributedSync:
             return None
         if model is None:
             return cls(device, group)
-        names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+        plain = plain_namer(model)  # the names the weight findings use (no torch.compile segment)
+        names = [plain(n) for n, _ in model.named_parameters()] + [plain(n) for n, _ in model.named_buffers()]
         return cls(device, group, sharded=layout == FSDP2, names=names)
 
     # ------------------------------------------------------------------ the step's one read
@@ -239,9 +241,10 @@ class DistributedSync:
         return self._all_counts(agreed, finding) if self.names else agreed
 
     def _all_counts(self, agreed: Any, finding: Any) -> Any:
-        """Every rank's NaN/Inf counts (of its shards under FSDP2), summed per parameter (one small
-        collective, slow path only), so that every rank's finding names the same parameters: under
-        DDP rank 0's journal names the tensor that went bad on rank 1."""
+        """Every rank's NaN/Inf counts per parameter (one small collective, slow path only), so that
+        every rank's finding, rank 0's journal among them, names the same parameters: summed under
+        FSDP2 (each rank counts its shards), the largest replica's under DDP (each rank counts a
+        whole copy)."""
         index = {n: i for i, n in enumerate(self.names)}
         mine = torch.zeros(2 * len(self.names), dtype=torch.float64, device=self.device)
         strays = []
@@ -252,7 +255,8 @@ class DistributedSync:
                 strays.append((name, nan, inf))
         out = torch.empty(self.world * mine.numel(), dtype=torch.float64, device=self.device)
         self._gather(out, mine, group=self.group)
-        total = out.view(self.world, len(self.names), 2).sum(0).tolist()  # host sync: slow path only
+        per_rank = out.view(self.world, len(self.names), 2)
+        total = (per_rank.sum(0) if self.sharded else per_rank.amax(0)).tolist()  # host sync: slow path only
         counts = [(n, int(c[0]), int(c[1])) for n, c in zip(self.names, total) if c[0] or c[1]] + strays
         return dataclasses.replace(agreed, nonfinite=tuple(n for n, _, _ in counts), counts=tuple(counts))
 

@@ -313,7 +313,8 @@ class Recovery:
                 ``SnapshotError`` out of the step; the reason lists why each one was not usable.
         """
         passed = None
-        if decision.pass_over_newest:
+        # Every rank passes over the newest or none does (a rank's diagnosis may differ: its own rows).
+        if self.sync.total(int(decision.pass_over_newest)):
             # No healthy step has run since the newest snapshot and the fault implicates the weights:
             # it may hold the update that broke the run (an LR blow-up leaves finite but ruined
             # weights). Go one further back; the file is kept (rotation drops it in its time).

@@ -14,28 +14,48 @@ Lightning offers, and a :class:`~safetrain.run.Run` around them::
 
 The guard's state (counters, LR backoff, spike and divergence windows, policy history) travels in
 Lightning's checkpoint through :meth:`SafeTraining.state_dict`, so ``trainer.fit(ckpt_path=...)``
-resumes it. Requires ``lightning>=2.2`` (``pip install safetrain[lightning]``).
+resumes it. Under ``strategy="ddp"`` the guard wraps the strategy's ``DistributedDataParallel``:
+its sync combines every rank's read in the step's one collective, so every rank takes the same
+action at the same step and restores the same snapshot; rank 0 journals to ``events.jsonl``, rank
+r to ``events-rank{r}.jsonl``. Requires ``lightning>=2.2`` (``pip install safetrain[lightning]``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any, Dict, Literal, Mapping, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import FSDPStrategy
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from ..adapters.lightning_private import forward_context, precision_scaler, silenced_logging
-from ..config import ConfigLike, TrainConfig, as_config
+from ..adapters.lightning_private import precision_scaler, silenced_logging
+from ..config import ConfigLike, TrainConfig, as_config, to_dict
+from ..distributed import FSDP2, layout_of
 from ..errors import TrainingAborted
 from ..guard import Guard
 from ..run import FitResult, Run
+from ..runlog import OWN_SUBDIR
 
 __all__ = ["SafeTraining"]
 
 logger = logging.getLogger("safetrain")
+
+#: The guard's counters sent to Lightning's loggers as ``safetrain/<name>`` (see ``FitResult``).
+LOGGED_COUNTS = (
+    "skipped_batches",
+    "dropped_rows",
+    "replaced_rows",
+    "zeroed_grads",
+    "retries",
+    "restores",
+    "lr_backoffs",
+    "scaler_skips",
+    "warnings",
+)
 
 #: Lightning's mixed-precision settings -> the autocast dtype the guard's re-runs and replays use.
 AMP_DTYPES = {"16-mixed": "float16", "bf16-mixed": "bfloat16"}
@@ -44,9 +64,11 @@ AMP_DTYPES = {"16-mixed": "float16", "bf16-mixed": "bfloat16"}
 class SafeTraining(Callback):
     """Detect, diagnose and recover from NaN/Inf and loss spikes inside a Lightning ``Trainer``.
 
-    Add it to the trainer's callbacks; the ``LightningModule`` is unchanged::
+    Add it to the trainer's callbacks; the ``LightningModule`` is unchanged, in one process or
+    under DDP::
 
         trainer = Trainer(callbacks=[SafeTraining("configs/default.yaml")], max_steps=1000)
+        trainer = Trainer(callbacks=[SafeTraining()], accelerator="cpu", devices=2, strategy="ddp")
         trainer.fit(model, loader)
 
     When training starts it builds a :class:`~safetrain.Guard` on the module and
@@ -58,16 +80,20 @@ class SafeTraining(Callback):
 
     Args:
         cfg: anything :func:`safetrain.as_config` accepts.
-        run_dir: where ``events.jsonl`` and ``metrics.csv`` go (default ``log.dir``, else
-            ``trainer.log_dir``, else ``trainer.default_root_dir``); also the snapshot directory
-            when ``snapshot.store`` is ``safetensors`` and ``snapshot.dir`` is unset.
+        run_dir: where ``events.jsonl`` and ``metrics.csv`` go (default ``log.dir``, else the
+            subdirectory ``safetrain`` of ``trainer.log_dir``: never a file a Lightning logger
+            writes, such as the CSV logger's ``metrics.csv``); also the snapshot directory when
+            ``snapshot.store`` is ``safetensors`` and ``snapshot.dir`` is unset.
         on_abort: ``"raise"`` (default): :class:`~safetrain.TrainingAborted` propagates out of
             ``trainer.fit`` (Lightning tears down and re-raises it); ``"stop"``: the exception is
             kept in :attr:`aborted`, ``trainer.should_stop`` is set and ``fit`` returns. Either way
             the model and optimizer are at the last good snapshot.
-        log_grad_norm: send ``safetrain/grad_norm``, ``safetrain/lr_scale`` and ``safetrain/trained``
-            to the trainer's loggers every ``log_every_n_steps`` steps and at every step the guard
-            acted on (straight to the loggers: not in ``callback_metrics``).
+        log_grad_norm: send ``safetrain/grad_norm``, ``safetrain/lr`` (the LR in force: the
+            schedule's times the backoff), ``safetrain/lr_scale``, ``safetrain/trained`` and the
+            intervention counters (``safetrain/skipped_batches``, ``restores``, ``lr_backoffs``,
+            ... see :data:`LOGGED_COUNTS`) to the trainer's loggers every ``log_every_n_steps``
+            steps and at every step the guard acted on (straight to the loggers: not in
+            ``callback_metrics``; host values, no sync).
 
     Attributes:
         guard: the :class:`~safetrain.Guard` of the current (or last) ``fit``.
@@ -76,7 +102,8 @@ class SafeTraining(Callback):
 
     Raises:
         ValueError: (when training starts) manual optimization, several optimizers, several
-            step-interval schedulers, or more than one process.
+            step-interval schedulers, or a multi-process strategy other than DDP and FSDP2
+            (Lightning's ``strategy="fsdp"`` is FSDP1: refused, naming the alternatives).
     """
 
     def __init__(
@@ -99,25 +126,35 @@ class SafeTraining(Callback):
         self._batch_idx = 0
         self._decided = False  # decide() ran for this batch
 
+    def __getstate__(self) -> Dict[str, Any]:
+        """What ``strategy="ddp_spawn"`` pickles into each spawned rank: the settings and the
+        configuration (as a plain dict: the validated config holds read-only mappings), never a
+        fit's guard or open run."""
+        state = dict(self.__dict__)
+        state.update(cfg=to_dict(self.cfg), guard=None, _run=None)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state, cfg=as_config(state["cfg"]))
+
     # ------------------------------------------------------------------ building the guard
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Build the guard (after Lightning restored the optimizer, schedulers and loops)."""
         self._close(None)  # a previous fit's guard, if the callback is reused
         self.aborted, self._decided = None, False
-        optimizer, scheduler = self._check(trainer, pl_module)
+        model, optimizer, scheduler = self._check(trainer, pl_module)
         scaler = precision_scaler(trainer)
         cfg = self._config(trainer)
         logger.setLevel(cfg.log.level)
-        run_dir = self.run_dir or cfg.log.dir or trainer.log_dir or trainer.default_root_dir
-        self._run = run = Run(run_dir, trainer.global_rank, cfg)
+        self._run = run = Run(self._run_dir(trainer, cfg), trainer.global_rank, cfg)
         self.result = run.result
         run.open()
         guard = self.guard = run.attach(
             Guard(
-                pl_module,
+                model,
                 optimizer,
                 cfg,
-                step_fn=self._step_fn(trainer),
+                step_fn=self._step_fn(trainer, pl_module),
                 scheduler=scheduler,
                 scaler=scaler,
                 bus=run.bus,
@@ -146,6 +183,8 @@ class SafeTraining(Callback):
             guard.snapshot(force=True)  # the resumed state is the first good one a restore goes back to
 
     def _check(self, trainer: Trainer, pl_module: LightningModule) -> tuple:
+        """The module the guard wraps (the strategy's: the ``DistributedDataParallel`` around the
+        ``LightningModule`` under DDP, so that the ranks agree), the optimizer and the scheduler."""
         if not pl_module.automatic_optimization:
             raise ValueError(
                 "SafeTraining guards Lightning's automatic optimization; this module sets "
@@ -153,15 +192,21 @@ class SafeTraining(Callback):
             )
         if len(trainer.optimizers) != 1:
             raise ValueError(f"SafeTraining: got {len(trainer.optimizers)} optimizers; expected exactly one")
-        if trainer.world_size > 1:
-            raise ValueError(
-                f"SafeTraining: got world_size={trainer.world_size}; the Lightning callback supports one process "
-                "(use SafeTrainer or Guard with DDP for distributed runs)"
-            )
+        model = _guarded_module(trainer, pl_module)
         per_step = [c.scheduler for c in trainer.lr_scheduler_configs if c.interval == "step"]
         if len(per_step) > 1:
             raise ValueError(f"SafeTraining: got {len(per_step)} step-interval LR schedulers; expected at most one")
-        return trainer.optimizers[0], (per_step[0] if per_step else None)
+        return model, trainer.optimizers[0], (per_step[0] if per_step else None)
+
+    def _run_dir(self, trainer: Trainer, cfg: TrainConfig) -> Optional[str]:
+        """``run_dir=``, else ``log.dir``, else :data:`OWN_SUBDIR` in Lightning's log directory: the
+        journal and ``metrics.csv`` never share a file with a Lightning logger (the CSV logger
+        writes its own ``metrics.csv`` in ``trainer.log_dir``). ``trainer.log_dir`` is the same on
+        every rank (Lightning broadcasts rank 0's)."""
+        if self.run_dir or cfg.log.dir:
+            return self.run_dir or cfg.log.dir
+        base = trainer.log_dir or trainer.default_root_dir
+        return os.path.join(base, OWN_SUBDIR) if base else None
 
     def _config(self, trainer: Trainer) -> TrainConfig:
         """The configuration, with what Lightning decides: accumulation and the autocast dtype."""
@@ -172,13 +217,15 @@ class SafeTraining(Callback):
             logger.warning("guard.clip_grad_norm and Trainer(gradient_clip_val=...) are both set: both clip")
         return dataclasses.replace(cfg, guard=guard, amp=amp)
 
-    def _step_fn(self, trainer: Trainer) -> Any:
-        """The guard's own forward (re-runs, replays): ``training_step`` under Lightning's
-        forward context, with ``self.log`` silenced (a replay's values are not the run's)."""
+    def _step_fn(self, trainer: Trainer, pl_module: LightningModule) -> Any:
+        """The guard's own forward (re-runs, replays): ``training_step`` as Lightning's strategy
+        runs it (under the precision plugin's autocast, and through the DDP wrapper's forward so
+        that a re-run's gradients are all-reduced like the step's), with ``self.log`` silenced (a
+        replay's values are not the run's)."""
 
-        def step_fn(model: LightningModule, batch: Any) -> torch.Tensor:
-            with silenced_logging(model), forward_context(trainer):
-                out = model.training_step(batch, self._batch_idx)
+        def step_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+            with silenced_logging(pl_module):
+                out = trainer.strategy.training_step(batch, self._batch_idx)
             loss = out.get("loss") if isinstance(out, Mapping) else out
             if not isinstance(loss, torch.Tensor):
                 raise ValueError(
@@ -234,7 +281,7 @@ class SafeTraining(Callback):
         if self.log_grad_norm and trainer.loggers:
             step = trainer.global_step
             if result.action or (step + 1) % max(trainer.log_every_n_steps, 1) == 0:
-                self._log(trainer, step, result.grad_norm, guard.lr_scale, result.trained)
+                self._log(trainer, step, result.grad_norm, guard, result.trained)
 
     def _keep_epoch_lr(self, trainer: Trainer) -> None:
         """A restore put the snapshot's LR back; an epoch-interval scheduler is not in the snapshot
@@ -246,12 +293,21 @@ class SafeTraining(Callback):
             guard.keep_schedule(epoch[0].get_last_lr())
 
     @staticmethod
-    def _log(trainer: Trainer, step: int, grad_norm: float, lr_scale: float, trained: bool) -> None:
+    def _log(trainer: Trainer, step: int, grad_norm: float, guard: Guard, trained: bool) -> None:
         """The guard's values to Lightning's loggers, directly (``pl_module.log`` costs ~0.7 ms a
-        call in Lightning's result collection, a third of a small model's step)."""
-        metrics = {"safetrain/lr_scale": lr_scale, "safetrain/trained": float(trained)}
+        call in Lightning's result collection, a third of a small model's step): the gradient norm,
+        the LR in force (the schedule's times the backoff, as the optimizer holds it; one per param
+        group when there are several), the backoff's scale, whether the step trained, and the
+        intervention counters. All host values: no sync. Lightning's loggers write on rank 0 only."""
+        metrics = {"safetrain/lr_scale": guard.lr_scale, "safetrain/trained": float(trained)}
         if grad_norm == grad_norm:  # (NaN: a step with no norm)
             metrics["safetrain/grad_norm"] = grad_norm
+        groups = trainer.optimizers[0].param_groups
+        for i, group in enumerate(groups):
+            metrics["safetrain/lr" if len(groups) == 1 else f"safetrain/lr-pg{i}"] = float(group["lr"])
+        counts = guard.counts
+        for name in LOGGED_COUNTS:
+            metrics[f"safetrain/{name}"] = float(getattr(counts, name))
         for lg in trainer.loggers:
             lg.log_metrics(metrics, step=step)
 
@@ -300,6 +356,37 @@ class SafeTraining(Callback):
             self.guard.load_state_dict(state)
         else:
             self._loaded = state
+
+
+def _guarded_module(trainer: Trainer, pl_module: LightningModule) -> torch.nn.Module:
+    """What the guard wraps: the ``LightningModule`` in one process; under DDP the strategy's
+    ``DistributedDataParallel`` around it (the guard's sync then combines every rank's read in the
+    step's one collective, and its snapshots and replays agree across ranks); under FSDP2
+    (``ModelParallelStrategy`` with ``fully_shard`` on the module) the module itself.
+
+    Raises:
+        ValueError: a multi-process strategy safetrain cannot guard, naming it and what works.
+    """
+    model = trainer.strategy.model
+    if trainer.world_size <= 1 or model is None:
+        return pl_module
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and model.module is pl_module:
+        return model
+    strategy = type(trainer.strategy).__name__
+    if isinstance(trainer.strategy, FSDPStrategy):
+        raise ValueError(
+            "SafeTraining: strategy='fsdp' is Lightning's FSDPStrategy, which wraps the module in "
+            "FullyShardedDataParallel (FSDP1): its flattened parameters cannot be checked, named or "
+            "snapshotted per layer. Use strategy='ddp', or FSDP2: strategy=ModelParallelStrategy("
+            "data_parallel_size=N, tensor_parallel_size=1) with fully_shard(...) in configure_model"
+        )
+    if model is pl_module and layout_of(pl_module) == FSDP2:
+        return pl_module
+    raise ValueError(
+        f"SafeTraining: strategy {strategy} with world_size={trainer.world_size} is not supported; "
+        "supported: one process, strategy='ddp' (or DDPStrategy), and FSDP2 through ModelParallelStrategy "
+        "with fully_shard(...) on the LightningModule in configure_model"
+    )
 
 
 def _aliases(batch: Any) -> Any:

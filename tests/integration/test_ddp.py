@@ -299,9 +299,10 @@ def test_weights_broken_on_one_rank_are_a_weights_fault_on_both_restored_without
     waits on another), and both restore."""
     r0, r1 = ranks[0]["weights"], ranks[1]["weights"]
     f0, f1 = r0["anomalies"][0][6], r1["anomalies"][0][6]
-    # rank 0's own are finite: it names rank 1 and the tensor that went bad there (summed counts)
+    # Rank 0's own are finite; its finding (rank 0's journal is the run's) names rank 1 and the parameter.
     assert (f0["nonfinite"], f0["ranks"]) == (["module.2.weight"], [1]), f0
     assert f1["nonfinite"] == ["module.2.weight"] and f1["ranks"] == [1], f1
+    assert f0["counts"] == f1["counts"] == [["module.2.weight", 1, 0]], "one replica's count, not a sum"
     assert _decisions(r0) == _decisions(r1)
     assert [a[:3] for a in r0["anomalies"]] == [[5, "weights", "restore"]], r0["anomalies"]
     assert [a[:3] for a in r1["anomalies"]] == [[5, "weights", "restore"]], r1["anomalies"]

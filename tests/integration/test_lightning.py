@@ -115,7 +115,7 @@ def finite(model: torch.nn.Module) -> bool:
 
 
 def journal(tmp: Path) -> List[Dict[str, Any]]:
-    return [json.loads(line) for line in (tmp / "events.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (tmp / "safetrain" / "events.jsonl").read_text().splitlines()]
 
 
 def anomalies(tmp: Path) -> List[Dict[str, Any]]:
@@ -503,22 +503,49 @@ def test_import_safetrain_imports_no_lightning():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
+def test_the_readme_snippet_with_the_csv_logger_keeps_the_loggers_file_its_own(tmp_path):
+    """Issue 25: with ``pip install lightning`` (no tensorboard) Lightning falls back to its CSV logger,
+    whose ``metrics.csv`` sits in ``trainer.log_dir``; the callback's journal and metrics go to its
+    own ``safetrain/`` there (both files appended to one ``metrics.csv`` before), the logger's file
+    gets the LR in force and the counters, and ``safetrain report`` reads the run from the logger's
+    directory."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from safetrain.runlog import read_run
+
+    model = Net()
+    OutputFault(model.conv, calls=[3])
+    cb = SafeTraining(CFG)
+    trainer(cb, tmp_path, logger=CSVLogger(tmp_path), log_every_n_steps=4).fit(model, loader())
+    version = tmp_path / "lightning_logs" / "version_0"
+    rows = list(csv.DictReader((version / "metrics.csv").open()))
+    assert rows and "trained" not in rows[0] and all(None not in r for r in rows), rows[:2]
+    acted = [r for r in rows if r.get("safetrain/retries") == "1.0"]
+    assert acted and acted[0]["step"] == "2" and float(acted[0]["safetrain/lr"]) == 0.05, rows
+    run = read_run(version)
+    assert run.metrics is not None and run.metrics["step"] == [float(s) for s in range(1, 9)]
+    assert [e["kind"] for e in anomalies(version)] == ["forward"]
+
+
 def test_a_run_dir_another_run_holds_is_refused_at_once_and_let_go_after(tmp_path):
     """Issue 26: one run per run directory, for the callback too (its RunWriters lock the run dir)."""
     import os
 
     from safetrain.rundir import RunDirBusy, lock_run_dir
 
-    held = lock_run_dir(tmp_path)
+    (tmp_path / "safetrain").mkdir()  # the callback's own subdirectory of Lightning's log dir
+    held = lock_run_dir(tmp_path / "safetrain")
     try:
         with pytest.raises(RunDirBusy, match=f"pid {os.getpid()} on host "):
             fit(Net(), tmp_path)
-        assert not (tmp_path / "events.jsonl").exists(), "refused before writing the journal"
+        assert not (tmp_path / "safetrain" / "events.jsonl").exists(), "refused before writing the journal"
     finally:
         held.release()
     cb = fit(Net(), tmp_path)
     assert cb.result.ended == "done"
-    lock_run_dir(tmp_path).release()  # the finished run let it go
+    lock_run_dir(tmp_path / "safetrain").release()  # the finished run let it go
 
 
 class SpikyNet(Net):
