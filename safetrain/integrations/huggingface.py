@@ -47,6 +47,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from .. import distributed
 from ..adapters.huggingface_private import (
     gradient_state,
     log_before_reporters,
@@ -212,7 +213,7 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
         cfg = with_accumulation(self.cfg, model, args.gradient_accumulation_steps)
         logger.setLevel(cfg.log.level)
         self._run = run = Run(cfg.log.dir or args.output_dir, int(getattr(args, "process_index", 0)), cfg)
-        run.open()
+        run.open(share=lambda value: distributed.from_rank0(value, guarded))  # a refused directory stops every rank
         log_before_reporters(self)
         try:
             self._start(state, guarded, model, optimizer, lr_scheduler, run)

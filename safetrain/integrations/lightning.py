@@ -32,6 +32,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from .. import distributed
 from ..adapters.lightning_private import precision_scaler, silenced_logging
 from ..config import ConfigLike, TrainConfig, as_config, to_dict
 from ..distributed import FSDP2, layout_of
@@ -148,7 +149,7 @@ class SafeTraining(Callback):
         logger.setLevel(cfg.log.level)
         self._run = run = Run(self._run_dir(trainer, cfg), trainer.global_rank, cfg)
         self.result = run.result
-        run.open()
+        run.open(share=lambda value: distributed.from_rank0(value, model))  # a refused directory stops every rank
         guard = self.guard = run.attach(
             Guard(
                 model,
