@@ -15,6 +15,9 @@ if TYPE_CHECKING:
 
 __all__ = ["AgreedReplay", "wrap_replayer"]
 
+#: What a replay says of where a fault went non-finite: shared by the rank it reproduced on.
+_ORIGIN = ("module", "module_type", "call_index", "op", "op_line", "op_caller")
+
 
 def wrap_replayer(replayer: Any, sync: Any, model: torch.nn.Module) -> Any:
     """The guard's step replayer for ``sync``: as it is when the rank steps alone
@@ -67,6 +70,11 @@ class AgreedReplay:
             raise RuntimeError(
                 f"the replay failed on rank(s) {[r for r, v in enumerate(votes) if v == 4]}; see their log"
             )
+        # Where the fault went non-finite, from the first rank it reproduced on: every rank's journal
+        # names the layer of a fault in another rank's data (every rank gathers: the votes are shared).
+        reproduced = [r for r, v in enumerate(votes) if v & 1]
+        mine = {f: getattr(diagnosis, f) for f in _ORIGIN} if diagnosis is not None and diagnosis.reproducible else None
+        origins = self._sync.gather_object(mine) if reproduced else []
         if any(v & 2 for v in votes) and diagnosis.kind != "weights":
             diagnosis = dataclasses.replace(
                 diagnosis,
@@ -75,7 +83,7 @@ class AgreedReplay:
                 note=f"non-finite parameters on rank(s) {[r for r, v in enumerate(votes) if v & 2]}",
             )
         elif any(votes) and not diagnosis.reproducible:
-            diagnosis = dataclasses.replace(
-                diagnosis, reproducible=True, note=f"reproduced on rank(s) {[r for r, v in enumerate(votes) if v]}"
-            )
+            first = (origins[reproduced[0]] if reproduced else None) or {}
+            note = f"reproduced on rank(s) {[r for r, v in enumerate(votes) if v]}"
+            diagnosis = dataclasses.replace(diagnosis, reproducible=True, note=note, **first)
         return diagnosis
