@@ -127,10 +127,10 @@ def test_metrics_writer_rows_header_once_and_flush(tmp_path):
     resumed.write(2, 1, 0, 0.25, 0.75, 1.0, True, "")
     resumed.close()
     assert path.read_text().splitlines() == [
-        "step,epoch,batch,loss,grad_norm,lr_scale,trained,action",
-        "0,0,0,0.5,1.25,1,1,",
-        "1,0,1,nan,inf,0.5,0,skip_batch",
-        "2,1,0,0.25,0.75,1,1,",
+        "step,epoch,batch,loss,grad_norm,lr_scale,trained,action,clipped_to",
+        "0,0,0,0.5,1.25,1,1,,nan",
+        "1,0,1,nan,inf,0.5,0,skip_batch,nan",
+        "2,1,0,0.25,0.75,1,1,,nan",
     ]
     (tmp_path / "events.jsonl").write_text('{"event": "run_started"}\n')
     m = rundir.read_run(tmp_path).metrics
