@@ -83,5 +83,6 @@ def test_both_ranks_clip_identically_when_one_ranks_data_makes_the_outlier(ranks
     assert all(a == "" for step, a in decided.items() if step != 12), "the rest clipped or left, never skipped"
     assert all(s[5] == 1 for s in r0["steps"][1:]), "one host sync per step (the read's collective)"
 
+
 if __name__ == "__main__":
     torch.multiprocessing.spawn(_worker, args=(2, sys.argv[1]), nprocs=2, join=True)
