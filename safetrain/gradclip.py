@@ -78,38 +78,43 @@ class NormStats:
         """The warm-up is over: :meth:`limit` and :meth:`outlier` judge."""
         return self.mean is not None
 
-    def _z(self, norm: float, floor: float) -> float:
-        mean = self.mean
-        assert mean is not None
-        std = max(math.sqrt(self.var), floor * abs(mean))
-        return (norm - mean) / std if std > 0 else (math.inf if norm > mean else 0.0)
+    def _std(self, floor: float) -> float:
+        """The standard deviation, floored at ``floor`` times the mean (``mean`` is set)."""
+        std, low = math.sqrt(self.var), floor * abs(self.mean)  # type: ignore[arg-type]
+        return std if std > low else low
 
     def limit(self, norm: float) -> Optional[float]:
         """The norm this step's gradients are clipped to, or ``None`` (no adaptive clip: in the
-        warm-up, a non-finite norm, or ``z <= zscore``)."""
-        if self.mean is None or not math.isfinite(norm):
+        warm-up, a non-finite norm, ``z <= zscore``, or statistics of all-zero norms, which give no scale)."""
+        mean = self.mean
+        if mean is None or not mean < norm < math.inf:  # (False for NaN too)
             return None
-        z = self._z(norm, STD_FLOOR)
-        if z <= self.zscore:
+        std = self._std(STD_FLOOR)
+        if std <= 0.0:
             return None
-        std = max(math.sqrt(self.var), STD_FLOOR * abs(self.mean))
-        return self.mean + self.zscore * self.zscore * std / z
+        z = (norm - mean) / std
+        return mean + self.zscore * self.zscore * std / z if z > self.zscore else None
 
     def zscore_of(self, norm: float) -> float:
-        """``norm``'s z-score as the clip judges it (``nan`` in the warm-up)."""
-        return self._z(norm, STD_FLOOR) if self.mean is not None else math.nan
+        """``norm``'s z-score as the clip judges it (``nan`` in the warm-up or without a scale)."""
+        if self.mean is None:
+            return math.nan
+        std = self._std(STD_FLOOR)
+        return (norm - self.mean) / std if std > 0.0 else math.nan
 
     def outlier(self, norm: float) -> bool:
         """``norm`` is a far outlier: more than ``anomaly_zscore`` floored standard deviations above the mean."""
-        if self.mean is None or not math.isfinite(norm):
+        mean = self.mean
+        if mean is None or not mean < norm < math.inf:
             return False
-        return self._z(norm, ANOMALY_STD_FLOOR) > self.anomaly_zscore
+        std = self._std(ANOMALY_STD_FLOOR)
+        return std > 0.0 and (norm - mean) / std > self.anomaly_zscore
 
     def anomaly_threshold(self) -> Optional[float]:
         """The norm above which :meth:`outlier` is true (``None`` in the warm-up): for findings."""
         if self.mean is None:
             return None
-        return self.mean + self.anomaly_zscore * max(math.sqrt(self.var), ANOMALY_STD_FLOOR * abs(self.mean))
+        return self.mean + self.anomaly_zscore * self._std(ANOMALY_STD_FLOOR)
 
     def update(self, norm: float) -> None:
         """A trained step's norm as applied (clipped or not) joins the statistics; a non-finite one is ignored."""

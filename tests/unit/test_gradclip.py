@@ -104,3 +104,12 @@ def test_the_adaptive_anomaly_fires_on_a_far_outlier_at_any_scale(norms, factor)
     assert stats.outlier(factor * stats.mean), f"{factor:.3g}x the EMA mean is a far outlier"
     limit = stats.limit(factor * stats.mean)
     assert limit is not None and limit < 2 * stats.mean, "...and the clip would bring it back near the mean"
+
+
+def test_statistics_of_all_zero_norms_give_no_scale_and_never_zero_the_gradients():
+    """A model whose gradients were all zero in the warm-up (a frozen head, a dead ReLU net): the
+    first nonzero norm must not be clipped to 0 (it would zero the update) nor called an outlier."""
+    stats = NormStats(warmup_steps=3)
+    for _ in range(3):
+        stats.update(0.0)
+    assert stats.limit(1.0) is None and not stats.outlier(1.0) and math.isnan(stats.zscore_of(1.0))
