@@ -41,6 +41,7 @@ from torch import nn  # noqa: E402
 import safetrain  # noqa: E402
 
 VOCAB, SEQ, BATCH = 64, 32, 16
+OPTIMIZER = {"name": "adamw"}  # set by --optimizer
 VARIANTS = {
     "none": [],
     "fixed": ["guard.clip_grad_norm=1.0"],
@@ -51,11 +52,13 @@ VARIANTS = {
 class TinyLM(nn.Module):
     """A 2-layer pre-norm causal transformer language model."""
 
+    post_norm = False  # post-LN layers (set by --post-norm)
+
     def __init__(self, d: int = 64, heads: int = 4, layers: int = 2) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, d)
         self.pos = nn.Parameter(torch.randn(SEQ, d) * 0.02)
-        layer = nn.TransformerEncoderLayer(d, heads, 2 * d, dropout=0.0, batch_first=True, norm_first=True)
+        layer = nn.TransformerEncoderLayer(d, heads, 2 * d, dropout=0.0, batch_first=True, norm_first=not self.post_norm)
         self.body = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, VOCAB)
@@ -91,7 +94,10 @@ def run(seed: int, lr: float, variant: str, steps: int) -> Dict[str, Any]:
     batches = [(s[:, :-1], s[:, 1:]) for s in train.split(BATCH)]
     torch.manual_seed(seed)
     model = TinyLM()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    if OPTIMIZER["name"] == "sgd":
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     overrides = ["log.progress=false", "log.level=ERROR", "detect.replay.enabled=false", *VARIANTS[variant]]
     cfg = safetrain.load_config(None, overrides)
     trainer = safetrain.SafeTrainer(model, opt, cfg, loss_fn=lm_loss)
@@ -144,10 +150,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--lrs", default="0.001,0.03", help="comma-separated AdamW learning rates")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw", help="sgd: momentum 0.9")
+    parser.add_argument("--post-norm", action="store_true", help="post-LN layers (less stable without warm-up)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     logging.getLogger("safetrain").setLevel(logging.ERROR)
     lrs = [float(x) for x in args.lrs.split(",")]
+    TinyLM.post_norm = args.post_norm
+    OPTIMIZER["name"] = args.optimizer
     results: Dict[tuple, List[Dict[str, Any]]] = {(lr, v): [] for lr in lrs for v in VARIANTS}
     started = time.perf_counter()
     for seed in range(args.seeds):
