@@ -99,7 +99,10 @@ class Diagnoser:
         its batches for a weight replay. ``total``: the norm clipping uses (``None``: gradients
         used as they were); ``clip``: the norm this update was clipped to (``None``: none; adaptive
         clipping changes it step by step), by default ``guard.clip_grad_norm``."""
-        self.weight_replay.record(step, micro, total, self.rng.state, clip=clip)
+        if clip is ...:  # as configured
+            self.weight_replay.record(step, micro, total, self.rng.state)
+        else:
+            self.weight_replay.record(step, micro, total, self.rng.state, clip=clip)
 
     def clear(self, step: int) -> None:
         """A snapshot of ``step`` was taken or restored: the kept updates start again from it."""
