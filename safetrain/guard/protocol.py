@@ -361,8 +361,13 @@ class Guard(Parts):
             verdict = self.decisions.run(self._read(), lambda: self._pending, self._loss, self.rules, self._again)
         finally:
             self.forward.accumulate = k
+        clipped_to = math.nan
         if verdict.trains:
-            self.updates.prepare(verdict.total_norm, self._pending.micro)
+            clipped_to, clip_event = self.updates.prepare(
+                verdict.total_norm, self._pending.micro, verdict.outcome is None
+            )
+            if clip_event is not None:
+                verdict.events.append(clip_event)
         result = StepResult(
             self.counters.steps,
             verdict.trains,
@@ -371,6 +376,7 @@ class Guard(Parts):
             verdict.action,
             tuple(verdict.events),
             restored=self.counters.restores != restores,
+            clipped_to=clipped_to,
         )
         return verdict, result
 
