@@ -201,16 +201,6 @@ class Parts:
         self.last_loss = math.nan
         self.last_grad_norm = math.nan
         self._run_start = (0, 0)  # steps and optimizer steps when this run (or its resume) began
-        # The step being taken (the verbs of :mod:`.protocol` move it on).
-        self._started = False  # the first batch checks that the run does not start broken
-        self._driver: Optional[str] = None  # who drives the steps: "Guard.step" or "the verbs", fixed by the first verb
-        self._stepping = False  # inside Guard.step: the verbs are the guard's own
-        self._window = 0  # micro-batches begun in this step, skipped ones included (empty ones left out)
-        self._skipping = False  # this step's data is skipped (it led into a restore)
-        self._skip_forward = False  # the micro-batch begun last is not trained (skipped, or empty)
-        self._loss_due = False  # a micro-batch begun, its loss not recorded yet
-        self._forwarded = False  # a skipped micro-batch went forward (its buffer updates are put back)
-        self._decided: Optional[Tuple[Any, Any]] = None  # (verdict, result) of decide(), finish_step() due
         # Two parameters looked at per step for gradients left by someone else (O(1), not O(P)).
         self._probe = (params[0][1], params[-1][1]) if params else ()
 
