@@ -1,7 +1,8 @@
 """Typed, frozen events and the bus that delivers them.
 
 A closed, small set: :class:`RunStarted`, :class:`AnomalyFound`, :class:`SnapshotTaken`,
-:class:`Restored`, :class:`LRChanged`, :class:`Quarantined`, :class:`Aborted`, :class:`RunEnded`.
+:class:`Restored`, :class:`LRChanged`, :class:`Quarantined`, :class:`Clipped`, :class:`Aborted`,
+:class:`RunEnded`.
 Observers get each event after it happened and cannot change it; only the guard acts. Every
 event goes to the ``safetrain`` logger and, with ``log.dir`` set, to the journal
 (:class:`safetrain.rundir.Journal`); this module writes no file.
@@ -24,6 +25,7 @@ __all__ = [
     "Restored",
     "LRChanged",
     "Quarantined",
+    "Clipped",
     "Aborted",
     "RunEnded",
     "EventBus",
@@ -124,6 +126,15 @@ class Quarantined(Event):
     """Samples were put in or skipped from quarantine; detail lists the dataset indices."""
 
     name: ClassVar[str] = "quarantine"
+
+
+@dataclass(frozen=True)
+class Clipped(Event):
+    """An episode of clipped steps began (one event per episode, not per step: a run of trained steps
+    each clipped); detail has the norm, what it was clipped to and, adaptive, the EMA statistics.
+    Clipped steps are healthy: counted in ``clipped_steps`` and in ``metrics.csv``'s ``clipped_to``."""
+
+    name: ClassVar[str] = "clipped"
 
 
 @dataclass(frozen=True)

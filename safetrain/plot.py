@@ -32,6 +32,7 @@ _MARKERS = {  # action -> (marker, colour); the order is the legend's
     "restore": ("^", "#2ca02c"),
     "scale_lr": ("s", "#9467bd"),
     "abort": ("*", "#000000"),
+    "clip": ("|", "#8c564b"),  # the start of an episode of clipped steps (a healthy step)
 }
 
 
@@ -124,6 +125,7 @@ def _draw(run: RunLog, out: Path) -> None:
         title += (
             f", {s.get('healthy_steps', '?')} healthy, {s.get('skipped_batches', '?')} skipped, "
             f"{s.get('dropped_rows', '?')} rows dropped, {s.get('restores', '?')} restores"
+            + (f", {s['clipped_steps']} clipped" if s.get("clipped_steps") else "")
             + (" - ABORTED" if s.get("aborted") else "")
         )
     elif run.cut_at is not None or not s:
@@ -134,14 +136,18 @@ def _draw(run: RunLog, out: Path) -> None:
 
 
 def _marks(run: RunLog) -> List[Tuple[int, str, str]]:
-    """(step, action, kind) of every anomaly and recovery worth a marker, one per (step, action).
+    """(step, action, kind) of every anomaly and recovery worth a marker, one per (step, action);
+    a clip episode's start (``clipped``) too.
 
     An escalation journals the anomaly, the restore and the LR change at one step; one marker
     (with the anomaly's kind) says it. A data skip after a restore is not marked: the restore is.
     """
     marks, seen = [], set()
     for e in run.events:
-        if e["event"] not in ("anomaly", "restored", "lr_changed", "aborted", "quarantine") or not e["action"]:
+        if (
+            e["event"] not in ("anomaly", "restored", "lr_changed", "aborted", "quarantine", "clipped")
+            or not e["action"]
+        ):
             continue
         step, action = e["step"], e["action"]
         if e["event"] == "restored" and action not in ("restore", "scale_lr", "abort"):

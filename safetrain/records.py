@@ -46,6 +46,7 @@ SUMMARY_COUNTERS = (
     "lr_backoffs",
     "retries",
     "rejected_batches",
+    "clipped_steps",
 )
 #: Summary fields that count something (the counters, where the run stood, the journal's length).
 _COUNTS = (*SUMMARY_COUNTERS, "epoch", "batch", "events")

@@ -47,7 +47,7 @@ class FitResult(Counters):
     Attributes:
         (the counters): every field of :class:`~safetrain.steps.Counters` (steps, optimizer_steps,
             healthy_steps, skipped_batches, dropped_rows, replaced_rows, zeroed_grads, restores,
-            scaler_skips, warnings, lr_backoffs, retries, rejected_batches, epoch, batch), as they
+            scaler_skips, warnings, lr_backoffs, retries, rejected_batches, clipped_steps, epoch, batch), as they
             stood at the end: every action the guard took is counted in one of them.
         lr_scale: the LR scale in force at the end.
         final_loss: the loss of the last trained step (``nan`` if none).
@@ -208,6 +208,7 @@ class Run:
                 step.trained,
                 step.action,
                 flush=bool(step.events),
+                clipped_to=step.clipped_to,
             )
         if step.trained:  # the last trained step's loss, non-finite too (a run of `warn` steps)
             self.result.final_loss = step.loss

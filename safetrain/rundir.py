@@ -16,6 +16,7 @@ started on it is refused at once, naming the process that holds it). Nothing her
 from __future__ import annotations
 
 import json
+import math
 import os
 import uuid
 from pathlib import Path
@@ -306,16 +307,17 @@ def _close_quietly(f: Any) -> None:
 class MetricsWriter:
     """Per-step ``metrics.csv`` (buffered; ``report`` and ``plot`` read it). Appends after a resume.
 
-    Columns: step, epoch, batch, loss, grad_norm, lr_scale, trained, action. Rows go to the OS
-    on every eventful step (an anomaly or a snapshot), at least every ``flush_every`` rows, and
-    on :meth:`close`.
+    Columns: step, epoch, batch, loss, grad_norm, lr_scale, trained, action, clipped_to (the
+    norm after clipping on a clipped step, else ``nan``; a file an earlier version began keeps its
+    header, and its rows go on without that column). Rows go to the OS on every eventful step (an
+    anomaly or a snapshot), at least every ``flush_every`` rows, and on :meth:`close`.
 
     Args:
         path: the ``metrics.csv`` file; its directory is created, and the header written when it is new.
         flush_every: hand the rows to the OS after at most this many (``fit`` passes ``snapshot.every``).
     """
 
-    COLUMNS = METRICS_COLUMNS
+    COLUMNS = (*METRICS_COLUMNS, "clipped_to")
 
     def __init__(self, path: PathLike, flush_every: int = 100) -> None:
         self.path = Path(path)
@@ -323,8 +325,12 @@ class MetricsWriter:
         _end_cut_line(self.path)
         self.flush_every, self._unflushed = max(1, int(flush_every)), 0
         self._file = open(self.path, "a", encoding="utf-8")
+        self._clip_column = True
         if self._file.tell() == 0:
             self._file.write(",".join(self.COLUMNS) + "\n")
+        else:  # appending after a resume: the rows follow the file's own header
+            with open(self.path, encoding="utf-8", errors="replace") as f:
+                self._clip_column = "clipped_to" in f.readline().strip().split(",")
 
     def write(
         self,
@@ -337,6 +343,7 @@ class MetricsWriter:
         trained: bool,
         action: str,
         flush: bool = False,
+        clipped_to: float = math.nan,
     ) -> None:
         """Append one row; ``flush`` (an anomaly or a snapshot), or ``flush_every`` rows since the
         last flush, hands every row so far to the OS, so that a killed run keeps them.
@@ -345,9 +352,8 @@ class MetricsWriter:
             RunDirError: the rows could not be written (a full disk); the message names the file.
         """
         try:
-            self._file.write(
-                f"{step},{epoch},{batch},{loss:.6g},{grad_norm:.6g},{lr_scale:.6g},{int(trained)},{action}\n"
-            )
+            row = f"{step},{epoch},{batch},{loss:.6g},{grad_norm:.6g},{lr_scale:.6g},{int(trained)},{action}"
+            self._file.write(f"{row},{clipped_to:.6g}\n" if self._clip_column else row + "\n")
             self._unflushed += 1
             if flush or self._unflushed >= self.flush_every:
                 self._file.flush()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -34,6 +35,7 @@ class StepResult:
         action: ``""`` for a healthy step, else the action taken (``skip_batch``, ``restore``...).
         events: the events this step emitted.
         restored: the step restored a snapshot (the model, optimizer state and LR are the snapshot's now).
+        clipped_to: the total gradient norm after clipping when the step's update was clipped, else ``nan``.
     """
 
     step: int
@@ -43,6 +45,7 @@ class StepResult:
     action: str = ""
     events: Tuple[Event, ...] = ()
     restored: bool = False
+    clipped_to: float = math.nan
 
 
 @dataclass
@@ -63,6 +66,8 @@ class Counters:
         lr_backoffs: LR backoffs (``scale_lr``; each also restores).
         retries: transient faults run once more (``retry``).
         rejected_batches: batches refused with ``BatchError`` (``sanitize.*: raise``).
+        clipped_steps: trained steps whose gradients were clipped (``guard.clip_grad_norm`` or
+            ``guard.clip.mode: adaptive``): healthy steps, not failures.
         epoch: the current epoch.
         batch: batches of the current epoch consumed so far.
     """
@@ -80,6 +85,7 @@ class Counters:
     lr_backoffs: int = 0
     retries: int = 0
     rejected_batches: int = 0
+    clipped_steps: int = 0
     epoch: int = 0
     batch: int = 0
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from .loader import ConfigLike, as_config, load_config
 from .schema import (
     AmpConfig,
+    ClipConfig,
     DetectConfig,
     DivergenceConfig,
     GuardConfig,
@@ -35,6 +36,7 @@ __all__ = [
     "SanitizeConfig",
     "SpikeConfig",
     "DivergenceConfig",
+    "ClipConfig",
     "GuardConfig",
     "AmpConfig",
     "RecoveryConfig",

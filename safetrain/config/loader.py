@@ -216,9 +216,13 @@ def _check_keys(data: Any, cls: type, prefix: str, source: str, root: Any = None
 
 
 def _yaml_off(section: Dict[str, Any], key: str, value: Any, tp: Any) -> None:
-    """YAML 1.1 reads a bare ``off`` as ``false``: give choice fields that allow 'off' their string back."""
+    """YAML 1.1 reads a bare ``off`` as ``false``: give choice fields that allow 'off' their string back.
+    A whole number given to a field that takes a number or a named choice becomes a float (OmegaConf
+    converts it for a plain float field, not for a union)."""
     if value is False and typing.get_origin(tp) is Literal and "off" in typing.get_args(tp):
         section[key] = "off"
+    elif type(value) is int and typing.get_origin(tp) is Union and float in typing.get_args(tp):
+        section[key] = float(value)
 
 
 def _lookup(data: Any, dotted: str) -> Any:

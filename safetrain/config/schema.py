@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Literal, Mapping, Optional
+from typing import Any, Dict, Iterable, List, Literal, Mapping, Optional, Union
 
 import yaml
 
@@ -25,6 +25,7 @@ __all__ = [
     "SpikeConfig",
     "DivergenceConfig",
     "GuardConfig",
+    "ClipConfig",
     "AmpConfig",
     "RecoveryConfig",
     "SnapshotConfig",
@@ -177,12 +178,40 @@ class DivergenceConfig:
 
 
 @dataclass(frozen=True)
+class ClipConfig:
+    """Gradient-norm clipping: a fixed norm, or adaptive (ZClip: z-score of the norm against its EMA statistics)."""
+
+    mode: Literal["fixed", "adaptive"] = _f(
+        "fixed",
+        "fixed: clip to guard.clip_grad_norm (if set); adaptive: clip a norm more than zscore EMA standard "
+        "deviations above its EMA mean to mean + zscore^2 * std / z (ZClip); guard.clip_grad_norm, if set, stays a "
+        "ceiling (the only clip in the warm-up)",
+    )
+    zscore: float = _f(2.5, "adaptive: a norm more than this many standard deviations above the mean is clipped", gt=0)
+    alpha: float = _f(0.97, "adaptive: smoothing factor of the EMA mean and variance of the total norm", gt=0, lt=1)
+    warmup_steps: int = _f(
+        25, "adaptive: trained steps whose norms start the statistics (no adaptive clip or anomaly before)", ge=1
+    )
+    anomaly_zscore: float = _f(
+        12.0,
+        "guard.grad_norm_threshold: adaptive: a norm this many standard deviations (at least a quarter of the "
+        "mean each) above the EMA mean is a grad_norm anomaly",
+        gt=0,
+        finite=True,
+    )
+
+
+@dataclass(frozen=True)
 class GuardConfig:
     """The per-step guard: clipping, gradient-norm threshold, spikes, accumulation, schedulers."""
 
     clip_grad_norm: Optional[float] = _f(None, "clip the total gradient norm to this value (null: no clipping)", gt=0)
-    grad_norm_threshold: Optional[float] = _f(
-        None, "a total gradient norm above this is a grad_norm anomaly; parameters above it are named (null: off)", gt=0
+    clip: ClipConfig = _f(doc="fixed or adaptive (ZClip) gradient-norm clipping", factory=ClipConfig)
+    grad_norm_threshold: Optional[Union[float, Literal["adaptive"]]] = _f(
+        None,
+        "a total gradient norm above this is a grad_norm anomaly; parameters above it are named; adaptive: above "
+        "guard.clip.anomaly_zscore standard deviations of its EMA statistics (null: off)",
+        gt=0,
     )
     end_margin: Optional[float] = _f(
         4.0,

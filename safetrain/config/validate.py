@@ -114,8 +114,13 @@ def _raw_ok(tp: Any, value: Any) -> bool:
     if origin in (Union, types.UnionType) and type(None) in args:
         if value is None:
             return True
-        tp = next(a for a in args if a is not type(None))
+        rest = tuple(a for a in args if a is not type(None))
+        tp = rest[0] if len(rest) == 1 else Union[rest]
         origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (Union, types.UnionType):  # a number or a named choice (guard.grad_norm_threshold)
+        return any(_raw_ok(a, value) for a in args)
+    if origin is Literal:
+        return isinstance(value, str)
     if origin in (list, List, tuple):
         return isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
     if origin in (dict, Dict):
@@ -134,9 +139,9 @@ def describe(tp: Any) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Literal:
         return "one of " + " | ".join(repr(a) for a in args)
-    if origin in (Union, types.UnionType) and type(None) in args:
+    if origin in (Union, types.UnionType):
         rest = [a for a in args if a is not type(None)]
-        return " or ".join([describe(rest[0]) if len(rest) == 1 else str(rest), "null"])
+        return " or ".join([describe(a) for a in rest] + (["null"] if type(None) in args else []))
     if origin in (list, List):
         return "a list of strings" if args == (str,) else f"a list of {describe(args[0]) if args else 'values'}"
     if origin in (dict, Dict):
@@ -204,8 +209,16 @@ def _check_value(dotted: str, tp: Any, rules: Mapping[str, Any], value: Any) -> 
     if origin in (Union, types.UnionType) and type(None) in args:
         if value is None:
             return
-        tp = next(a for a in args if a is not type(None))
+        rest = tuple(a for a in args if a is not type(None))
+        tp = rest[0] if len(rest) == 1 else Union[rest]
         origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (Union, types.UnionType):  # a number or a named choice: the choice, else the number's rules
+        choice = next((a for a in args if typing.get_origin(a) is Literal), None)
+        if isinstance(value, str) and choice is not None:
+            tp, origin, args = choice, Literal, typing.get_args(choice)
+        else:
+            tp = next((a for a in args if a in (int, float)), tp)
+            origin = None
     if origin is Literal:
         if value not in args:
             fail()

@@ -107,11 +107,15 @@ class Diagnoser:
         """The RNG was set or drawn from outside the steps (a restore, an epoch's shuffle)."""
         self.rng.reset()
 
-    def record_update(self, step: int, micro: List[Any], total: Optional[float]) -> None:
+    def record_update(self, step: int, micro: List[Any], total: Optional[float], clip: Any = ...) -> None:
         """An update is about to be applied (just before ``optimizer.step()``): keep references to
         its batches for a weight replay. ``total``: the norm clipping uses (``None``: gradients
-        used as they were)."""
-        self.weight_replay.record(step, micro, total, self.rng.state)
+        used as they were); ``clip``: the norm this update was clipped to (``None``: none; adaptive
+        clipping changes it step by step), by default ``guard.clip_grad_norm``."""
+        if clip is ...:  # as configured
+            self.weight_replay.record(step, micro, total, self.rng.state)
+        else:
+            self.weight_replay.record(step, micro, total, self.rng.state, clip=clip)
 
     def clear(self, step: int) -> None:
         """A snapshot of ``step`` was taken or restored: the kept updates start again from it."""

@@ -64,6 +64,7 @@ class _Applied(NamedTuple):
     lrs: List[Any]
     total: Optional[float]
     rng: Any
+    clip: Optional[float] = None  # the norm the update was clipped to (None: not clipped)
 
 
 class WeightReplay:
@@ -151,7 +152,7 @@ class WeightReplay:
         """How many applied updates are kept for a replay now."""
         return len(self._steps)
 
-    def record(self, step: int, micro: List[Any], total: Optional[float], rng: Any) -> None:
+    def record(self, step: int, micro: List[Any], total: Optional[float], rng: Any, clip: Any = ...) -> None:
         """Keep a reference to an update about to be applied (call just before ``optimizer.step()``).
 
         Args:
@@ -160,6 +161,7 @@ class WeightReplay:
             total: the total gradient norm clipping uses (``None``: the gradients were used as
                 they were, non-finite ones included, as under the ``warn`` action).
             rng: the RNG state the step started from (:attr:`~.rng.StepRNG.state`).
+            clip: the norm the update was clipped to (``None``: not clipped; by default ``self.clip``).
         """
         if self.keep == 0:
             return
@@ -168,7 +170,7 @@ class WeightReplay:
             self._bytes += sum(t.numel() * t.element_size() for b in micro for _, t in iter_tensors(b))
             if self._bytes <= self.budget:
                 lrs = [g["lr"] for g in self.state.optimizer.param_groups]
-                self._steps.append(_Applied(step, micro, lrs, total, rng))
+                self._steps.append(_Applied(step, micro, lrs, total, rng, self.clip if clip is ... else clip))
                 return
             self._over_budget = True
         if self._steps:
@@ -331,8 +333,8 @@ class WeightReplay:
             for n, g in with_grad:
                 if n in bad:
                     g.zero_()
-        if self.clip is not None and applied.total is not None and math.isfinite(applied.total):
-            self._clipper.clip_(self.clip, applied.total)  # as the guard clipped, with the step's norm
+        if applied.clip is not None and applied.total is not None and math.isfinite(applied.total):
+            self._clipper.clip_(applied.clip, applied.total)  # as the guard clipped, with the step's norm
         for group, lr in zip(optimizer.param_groups, applied.lrs):
             group["lr"] = lr
         return bad

@@ -15,6 +15,7 @@ from .. import detect
 from ..batches import row_findings
 from ..config import SanitizeConfig, TrainConfig
 from ..divergence import DivergenceDetector
+from ..gradclip import NormStats
 from ..kinds import Kind
 from ..policy import Anomaly
 from ..spike import SpikeDetector
@@ -51,6 +52,8 @@ class Judge:
         divergence: the divergence detector (``None``: off); ``lrs()`` gives the schedule's LRs
             (the held ones under an LR hold) its evidence carries, for the policy's
             ``recovery.min_lr`` limit and abort message.
+        norm_stats: the gradient norm's EMA statistics, which ``guard.grad_norm_threshold: adaptive``
+            judges by (a far z-score; nothing before their warm-up is over).
     """
 
     def __init__(
@@ -66,11 +69,14 @@ class Judge:
         confirm: Callable[[List[Any]], None],
         divergence: Optional[DivergenceDetector] = None,
         lrs: Callable[[], List[float]] = list,
+        norm_stats: Optional[NormStats] = None,
     ) -> None:
         self.counters, self.monitor, self.grads, self.all_weights = counters, monitor, grads, all_weights
         self.spike, self.plumbing, self.sync, self._confirm = spike, plumbing, sync, confirm
         self.sanitize = cfg.sanitize
-        self.threshold = cfg.guard.grad_norm_threshold
+        threshold = cfg.guard.grad_norm_threshold
+        self.threshold: Optional[float] = None if threshold == "adaptive" else threshold  # type: ignore[assignment]
+        self.norm_stats = norm_stats if threshold == "adaptive" else None
         self.weights_checked = cfg.detect.mode != "off"
         self.divergence = divergence if divergence is not None else DivergenceDetector(enabled=False)
         self.lrs = lrs
@@ -127,13 +133,15 @@ class Judge:
         if overflowed:
             scale = read.extra["scale"][0]
             return Anomaly(Kind.OVERFLOW, {"scale": scale, "new_scale": scale * self.plumbing.backoff_factor()})
-        total = read.total_norm
+        total, threshold = read.total_norm, self.threshold
+        if self.norm_stats is not None and total is not None and self.norm_stats.outlier(total):
+            threshold = self.norm_stats.anomaly_threshold()  # adaptive: far beyond the EMA statistics
         if read.gradient or (
-            total is not None and (total >= detect.HUGE_NORM or (self.threshold is not None and total > self.threshold))
+            total is not None and (total >= detect.HUGE_NORM or (threshold is not None and total > threshold))
         ):
             # An Inf norm of finite elements (float32 squares overflowed) is GRAD_NORM with its true
             # norm, whatever the threshold; only NaN/Inf elements are GRADIENT.
-            finding = self.sync.agree_gradient(self.grads.finding(read.grad_norms, self.threshold, **self.where()))
+            finding = self.sync.agree_gradient(self.grads.finding(read.grad_norms, threshold, **self.where()))
             return Anomaly(Kind.GRADIENT if finding.kind == "gradient" else Kind.GRAD_NORM, {"finding": finding})
         diverged = self.divergence.check(loss)  # a climb over steps; a single jump is a spike, below
         if diverged is not None:

@@ -22,6 +22,7 @@ from ..config import ConfigLike, TrainConfig, as_config
 from ..diagnose import Diagnoser
 from ..divergence import DivergenceDetector
 from ..events import AnomalyFound, Event, EventBus, LRChanged
+from ..gradclip import NormStats
 from ..kinds import Action
 from ..lr import LRBackoff
 from ..policy import History, Rules
@@ -63,6 +64,7 @@ class Parts:
     weights: detect.WeightCheck  # the periodic weight check
     spike: SpikeDetector  # loss spikes
     divergence: DivergenceDetector  # a loss growing geometrically
+    norm_stats: NormStats  # the gradient norm's EMA statistics (adaptive clipping, the adaptive grad_norm anomaly)
     judge: Judge  # a step's read -> its anomaly
     recovery: Recovery  # carries out decisions
     updates: Updates  # applies a step's update, or drops it; the scheduler
@@ -106,6 +108,8 @@ class Parts:
         sp = c.guard.spike
         self.spike = SpikeDetector(sp.window, sp.min_history, sp.zscore, sp.enabled, sp.min_ratio, sp.hard_ratio)
         self.divergence = DivergenceDetector.from_config(c.guard.divergence, recover_after=c.recovery.reset_after)
+        cl = c.guard.clip
+        self.norm_stats = NormStats(cl.alpha, cl.zscore, cl.warmup_steps, cl.anomaly_zscore)
         self.state = state = distributed.train_state(layout, named, optimizer, scheduler=scheduler, scaler=self.scaler)
         # Buffers non-finite by design (a -inf causal mask) are part of the model: snapshots take them
         # while their pattern is unchanged (host sync: once, at the start).
@@ -160,8 +164,11 @@ class Parts:
             fwd.confirm,
             divergence=self.divergence,
             lrs=backoff.effective,
+            norm_stats=self.norm_stats,
         )
-        self.updates = Updates(c.guard, pipes, grads, counters, scheduler, backoff, diag.record_update)
+        self.updates = Updates(
+            c.guard, pipes, grads, counters, scheduler, backoff, diag.record_update, self.norm_stats, self._emit
+        )
         self.recovery = Recovery(
             c,
             counters,
@@ -194,16 +201,6 @@ class Parts:
         self.last_loss = math.nan
         self.last_grad_norm = math.nan
         self._run_start = (0, 0)  # steps and optimizer steps when this run (or its resume) began
-        # The step being taken (the verbs of :mod:`.protocol` move it on).
-        self._started = False  # the first batch checks that the run does not start broken
-        self._driver: Optional[str] = None  # who drives the steps: "Guard.step" or "the verbs", fixed by the first verb
-        self._stepping = False  # inside Guard.step: the verbs are the guard's own
-        self._window = 0  # micro-batches begun in this step, skipped ones included (empty ones left out)
-        self._skipping = False  # this step's data is skipped (it led into a restore)
-        self._skip_forward = False  # the micro-batch begun last is not trained (skipped, or empty)
-        self._loss_due = False  # a micro-batch begun, its loss not recorded yet
-        self._forwarded = False  # a skipped micro-batch went forward (its buffer updates are put back)
-        self._decided: Optional[Tuple[Any, Any]] = None  # (verdict, result) of decide(), finish_step() due
         # Two parameters looked at per step for gradients left by someone else (O(1), not O(P)).
         self._probe = (params[0][1], params[-1][1]) if params else ()
 
@@ -382,12 +379,13 @@ class Parts:
 
     def state_dict(self) -> Dict[str, Any]:
         """The guard's own state, JSON-ready: the run's id, counters, policy history (with the fp16
-        overflow streak), LR backoff, spike window, divergence window and episode, and the epoch's
-        loss sum and count."""
+        overflow streak), LR backoff, spike window, divergence window and episode, the gradient
+        norm's EMA statistics (``grad_norm``), and the epoch's loss sum and count."""
         return {
             "run_id": self.run_id,
             "counters": vars(self.counters).copy(),
             "lr": self.backoff.state_dict(),
+            "grad_norm": self.norm_stats.state_dict(),
             **self.judge.state_dict(),
             **self.recovery_state.state_dict(),
         }
@@ -399,6 +397,7 @@ class Parts:
             self.store.adopt(state["run_id"])
         vars(self.counters).update(vars(Counters(**state["counters"])))  # in place: the parts hold it
         self.backoff.load_state_dict(state["lr"])
+        self.norm_stats.load_state_dict(state.get("grad_norm", {}))  # (absent from earlier snapshots)
         self.judge.load_state_dict(state)
         self.recovery_state.load_state_dict(state)
         self._run_start = (self.counters.steps, self.counters.optimizer_steps)
@@ -407,7 +406,9 @@ class Parts:
     def _not_applied(self) -> None:
         self.updates.not_applied(self.last_loss)
 
-    def _after_restore(self, step: int) -> None:
+    def _after_restore(self, step: int, extra: Mapping[str, Any]) -> None:
+        # The gradient norm's statistics go back with the weights they describe.
+        self.norm_stats.load_state_dict(extra.get("grad_norm", {}))
         self.diagnoser.rng_reset()  # the snapshot's RNG state is back
         self.diagnoser.clear(step)
         self._pending.weights = None

@@ -88,6 +88,17 @@ class Guard(Parts):
     #: sum, not their mean. Set by the caller; the guard's own re-runs keep the same convention.
     loss_shares = False
 
+    # The step being taken, as the verbs move it on (class-level: the state before the first verb).
+    _started = False  # the first batch checks that the run does not start broken
+    _driver: Optional[str] = None  # who drives the steps: GUARD or CALLER, fixed by the first verb
+    _stepping = False  # inside Guard.step: the verbs are the guard's own
+    _window = 0  # micro-batches begun in this step, skipped ones included (empty ones left out)
+    _skipping = False  # this step's data is skipped (it led into a restore)
+    _skip_forward = False  # the micro-batch begun last is not trained (skipped, or empty)
+    _loss_due = False  # a micro-batch begun, its loss not recorded yet
+    _forwarded = False  # a skipped micro-batch went forward (its buffer updates are put back)
+    _decided: Optional[Tuple[Optional[Verdict], StepResult]] = None  # decide()'s, while finish_step() is due
+
     # ----------------------------------------------------------------- the guard's own step
     def step(self, batch: Any, indices: Optional[Sequence[int]] = None) -> Optional[StepResult]:
         """Feed one (micro-)batch; returns the :class:`StepResult` when an optimizer step was decided.
@@ -361,8 +372,13 @@ class Guard(Parts):
             verdict = self.decisions.run(self._read(), lambda: self._pending, self._loss, self.rules, self._again)
         finally:
             self.forward.accumulate = k
+        clipped_to = math.nan
         if verdict.trains:
-            self.updates.prepare(verdict.total_norm, self._pending.micro)
+            clipped_to, clip_event = self.updates.prepare(
+                verdict.total_norm, self._pending.micro, verdict.outcome is None
+            )
+            if clip_event is not None:
+                verdict.events.append(clip_event)
         result = StepResult(
             self.counters.steps,
             verdict.trains,
@@ -371,6 +387,7 @@ class Guard(Parts):
             verdict.action,
             tuple(verdict.events),
             restored=self.counters.restores != restores,
+            clipped_to=clipped_to,
         )
         return verdict, result
 

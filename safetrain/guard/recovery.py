@@ -52,7 +52,8 @@ class Recovery:
         params: trained parameters by name.
         emit: journals an event.
         not_applied: drops the step's gradients and counts it as skipped.
-        after_restore: called with the restored step (replays forget what came after it).
+        after_restore: called with the restored step and the snapshot's guard state (replays forget
+            what came after it; the gradient norm's statistics go back).
         sync: agreement across ranks (the micro-batches left after ``drop_rows``).
         put_back: puts the buffers back as they were before the step's first forward (a step
             not applied, or run again, leaves none of its BatchNorm updates behind); returns the
@@ -69,7 +70,7 @@ class Recovery:
     params: Dict[str, torch.Tensor]
     emit: Emit
     not_applied: Callable[[], None]
-    after_restore: Callable[[int], None]
+    after_restore: Callable[[int, Mapping[str, Any]], None]
     sync: Any
     put_back: Callable[[], Tuple[str, ...]] = tuple
     masked_targets: int = 0  # steps whose targets held NaN/Inf while their loss was finite
@@ -336,7 +337,7 @@ class Recovery:
                 f"{decision.kind}: {decision.action} found no usable snapshot ({exc}); model and optimizer left as "
                 "they were; fix: check the snapshot directory (disk full, files damaged or from another model)",
             )
-        self.after_restore(info.step)
+        self.after_restore(info.step, info.extra)
         self.backoff.load_state_dict({"unscaled": info.extra["lr"]["unscaled"]})
         self.counters.restores += 1
         self.state.since_snapshot = 0

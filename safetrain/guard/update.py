@@ -1,16 +1,23 @@
 """Applying a step's update, or not: clip, optimizer (and scaler) step, scheduler, free gradients.
 
-The healthy path's last stretch. The scheduler follows optimizer steps by default (skipped and
-restored steps do not advance it), or every batch (``guard.scheduler_follows: batch``); the LR
-backoff stays a scale on top of the schedule.
+The healthy path's last stretch. Clipping uses the total norm the step's one read brought to the
+host: a fixed norm (``guard.clip_grad_norm``), or adaptive (``guard.clip.mode: adaptive``, ZClip:
+:class:`~safetrain.gradclip.NormStats`, a few float operations on that number, no sync and no
+device op). A clipped step is counted (``clipped_steps``) and journaled once per episode (a run of
+clipped trained steps). The scheduler follows optimizer steps by default (skipped and restored
+steps do not advance it), or every batch (``guard.scheduler_follows: batch``); the LR backoff stays
+a scale on top of the schedule.
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Set
+import math
+from typing import Any, List, Optional, Set, Tuple
 
 from .. import detect
 from ..config import GuardConfig
+from ..events import Clipped, Event
+from ..gradclip import NormStats
 from ..lr import LRBackoff
 from ..steps import Counters
 from .plumbing import Plumbing
@@ -28,7 +35,9 @@ class Updates:
         counters: ``optimizer_steps`` and ``skipped_batches`` move here.
         scheduler: the user's LR scheduler, if any.
         backoff: the LR scale kept on top of the schedule.
-        record: ``record(step, micro, total)`` just before an update (the weight replay keeps references).
+        record: ``record(step, micro, total, clip=limit)`` just before an update (the weight replay keeps references).
+        stats: the gradient norm's EMA statistics (adaptive clipping and the adaptive ``grad_norm`` anomaly).
+        emit: ``emit(cls, kind, action, message, detail)`` journals an event (a clip episode's start).
 
     A scheduler the caller's loop steps is followed (:meth:`follow`) instead of stepped.
     """
@@ -42,22 +51,68 @@ class Updates:
         scheduler: Any,
         backoff: LRBackoff,
         record: Any,
+        stats: Optional[NormStats] = None,
+        emit: Any = None,
     ) -> None:
         self.plumbing, self.grads, self.counters = plumbing, grads, counters
         self.scheduler, self.backoff, self.record = scheduler, backoff, record
         self.clip = cfg.clip_grad_norm
+        self.adaptive = cfg.clip.mode == "adaptive"
+        # The statistics run when adaptive clipping or the adaptive grad_norm anomaly reads them.
+        self.stats = stats if stats is not None and (self.adaptive or cfg.grad_norm_threshold == "adaptive") else None
+        self.emit = emit
+        self._episode = False  # the last trained step was clipped: a clipped step goes on its episode
         self.per_step = scheduler is not None and cfg.scheduler_interval == "step"
         self.on_skips = cfg.scheduler_follows == "batch"
         self.applied_last = True  # whether the last step's update was applied (a followed scheduler may step)
         self._followed: Set[int] = set()  # the schedulers followed (their step is wrapped once)
 
-    def prepare(self, total: Optional[float], micro: List[Any]) -> None:
-        """Before the optimizer steps: clip with the norm already read, keep the step's references."""
+    def prepare(self, total: Optional[float], micro: List[Any], clean: bool = True) -> Tuple[float, Optional[Event]]:
+        """Before the optimizer steps: clip with the norm already read, keep the step's references.
+
+        Args:
+            total: the step's total gradient norm as read (``None``: not known, no clipping).
+            micro: the step's micro-batches (the weight replay keeps references).
+            clean: the step read clean; only such a step's norm joins the statistics (an anomalous
+                step applied anyway, ``warn`` or ``zero_grads``, is clipped but does not teach them).
+
+        Returns:
+            ``(clipped_to, event)``: the norm after clipping (``nan``: not clipped) and the
+            :class:`~safetrain.events.Clipped` event when this step begins a clip episode.
+        """
         self.applied_last = True  # (a followed scheduler steps between this and applied())
         self.backoff.mark_used()  # the LRs this update uses: trusted once a later step reads clean
-        if self.clip is not None and total is not None:
-            self.grads.clip_(self.clip, total)
-        self.record(self.counters.steps, micro, total)  # references only
+        limit, adaptive, seen = self.clip, None, {}
+        stats = self.stats
+        if stats is not None and total is not None:
+            adaptive = stats.limit(total) if self.adaptive else None
+            if adaptive is not None:
+                limit = adaptive if limit is None else min(limit, adaptive)
+                # (before this step joins them: for the event)
+                seen = {"mean": stats.mean, "std": math.sqrt(stats.var), "zscore": stats.zscore_of(total)}
+            if clean:
+                stats.update(total if adaptive is None else adaptive)  # the norm as the clip leaves it
+        clipped = limit is not None and total is not None and math.isfinite(total) and limit / (total + 1e-6) < 1.0
+        if limit is not None and total is not None:
+            self.grads.clip_(limit, total)
+        self.record(self.counters.steps, micro, total, clip=limit)  # references only
+        if not clipped:
+            self._episode = False
+            return math.nan, None
+        self.counters.clipped_steps += 1
+        if self._episode or self.emit is None:
+            return float(limit), None  # type: ignore[arg-type]
+        self._episode = True
+        detail = {"total_norm": total, "clipped_to": limit, "mode": "adaptive" if self.adaptive else "fixed"}
+        why = "guard.clip_grad_norm"
+        if seen and limit == adaptive:
+            detail.update(seen)
+            why = f"adaptive: {seen['zscore']:.3g} standard deviations above its EMA mean {seen['mean']:.4g}"
+        message = (
+            f"gradient norm {total:.4g} clipped to {limit:.4g} ({why}); the clipped steps that follow in a row are "
+            "counted in clipped_steps, not journaled"
+        )
+        return float(limit), self.emit(Clipped, "grad_norm", "clip", message, detail)  # type: ignore[arg-type]
 
     def applied(self, loss: float) -> None:
         """After the optimizer stepped: count it, step the scheduler, free the gradients."""

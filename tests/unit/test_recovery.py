@@ -76,7 +76,7 @@ class Rig:
             self.params,
             self.emit,
             lambda: self.not_applied.append(True),
-            self.restored.append,
+            lambda step, extra: self.restored.append(step),
             LocalSync(),
         )
 

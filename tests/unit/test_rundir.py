@@ -127,10 +127,10 @@ def test_metrics_writer_rows_header_once_and_flush(tmp_path):
     resumed.write(2, 1, 0, 0.25, 0.75, 1.0, True, "")
     resumed.close()
     assert path.read_text().splitlines() == [
-        "step,epoch,batch,loss,grad_norm,lr_scale,trained,action",
-        "0,0,0,0.5,1.25,1,1,",
-        "1,0,1,nan,inf,0.5,0,skip_batch",
-        "2,1,0,0.25,0.75,1,1,",
+        "step,epoch,batch,loss,grad_norm,lr_scale,trained,action,clipped_to",
+        "0,0,0,0.5,1.25,1,1,,nan",
+        "1,0,1,nan,inf,0.5,0,skip_batch,nan",
+        "2,1,0,0.25,0.75,1,1,,nan",
     ]
     (tmp_path / "events.jsonl").write_text('{"event": "run_started"}\n')
     m = rundir.read_run(tmp_path).metrics
@@ -145,3 +145,16 @@ def test_metrics_rows_reach_the_os_every_flush_every_rows(tmp_path):
     assert len((tmp_path / "metrics.csv").read_text().splitlines()) == 4
     w.close()
     w.close()
+
+
+def test_metrics_appended_to_an_earlier_versions_file_keep_its_columns(tmp_path):
+    """A resume into a run directory an earlier version began: its header has no clipped_to, and
+    a row with one cell more would be skipped by the reader as unsound."""
+    path = tmp_path / "metrics.csv"
+    path.write_text("step,epoch,batch,loss,grad_norm,lr_scale,trained,action\n0,0,0,0.5,1.25,1,1,\n")
+    resumed = MetricsWriter(path)
+    resumed.write(1, 0, 1, 0.25, 0.75, 1.0, True, "", clipped_to=0.5)
+    resumed.close()
+    assert path.read_text().splitlines()[-1] == "1,0,1,0.25,0.75,1,1,"
+    (tmp_path / "events.jsonl").write_text('{"event": "run_started"}\n')
+    assert rundir.read_run(tmp_path).metrics["step"] == [0.0, 1.0]
