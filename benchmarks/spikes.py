@@ -11,14 +11,24 @@ configuration (spike, divergence, the end check and the recovery ladder on; repl
 - ``fixed``: ``guard.clip_grad_norm=1.0``;
 - ``adaptive``: ``guard.clip.mode=adaptive`` (ZClip's defaults: z 2.5, alpha 0.97, 25 warm-up steps).
 
-Per (LR, variant): loss spikes the guard saw (its ``spike`` anomalies), all anomalies, restores,
+The junk scenario (``--junk-lr``, default 0.3: a healthy LR) puts gradient outliers after
+adaptive's warm-up, where real LM runs meet them: the batches of steps ``--junk-steps``
+(40, 60, 80, 100, the same for every variant and seed) are boilerplate, a short loop of likely
+tokens (a token that likely follows itself, or a likely pair or triple) repeated over every row,
+a different loop each time, like a separator line, a table template or a duplicated page that a
+corpus' dedup and repetition filters missed. Its loss is 0.4-1.3x a normal batch's (the text
+is predictable, so the loss-spike detector sees nothing), but every position pushes the weights
+the same way: the total gradient norm is 10-25x a normal batch's (probe at step 47, 3 seeds:
+normal 0.57-0.63, junk 6.4-15.7).
+
+Per (scenario, variant): loss spikes the guard saw (its ``spike`` anomalies), all anomalies, restores,
 skipped steps, clipped steps, runs aborted (an abort includes the end check: a run that ends
 worse than it started), the final loss (held-out, median over seeds, min-max) and the step time
 against ``none`` (median of the per-seed ratios; noisy on a shared machine). Prints a markdown
 table. Nothing here is timed in a test. (AdamW at LRs up to 0.3 and post-LN layers made no spike
 in runs this short: Adam's normalised update hides the gradient's scale.)
 
-Run: ``.venv/bin/python benchmarks/spikes.py`` (3 seeds x 2 LRs x 3 variants x 120 steps).
+Run: ``.venv/bin/python benchmarks/spikes.py`` (3 seeds x (2 LRs + the junk scenario) x 3 variants x 120 steps).
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ import safetrain  # noqa: E402
 
 VOCAB, SEQ, BATCH = 64, 32, 16
 OPTIMIZER = {"name": "sgd"}  # set by --optimizer
+JUNK_ROWS = {"rows": BATCH}  # set by --junk-rows
 VARIANTS = {
     "none": [],
     "fixed": ["guard.clip_grad_norm=1.0"],
@@ -92,11 +103,54 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
-def run(seed: int, lr: float, variant: str, steps: int) -> Dict[str, Any]:
-    """One training run; returns its counts, held-out loss and seconds per step."""
+def successors(seed: int) -> torch.Tensor:
+    """The Markov chain of :func:`markov_data`'s 4 likely successors of each token, ``(VOCAB, 4)``."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    return torch.randn(VOCAB, VOCAB, generator=g).topk(4, dim=1).indices
+
+
+def boilerplate(seed: int, n: int) -> List[List[int]]:
+    """``n`` short loops of likely transitions in the seed's chain, shortest first (a token that
+    likely follows itself, a likely ``a b a`` pair, a likely three-token loop): text the model
+    predicts well, like a separator line or a table template's repeated cells."""
+    nxt = [set(row.tolist()) for row in successors(seed)]
+    found: List[List[int]] = []
+    for length in (1, 2, 3):
+        for a in range(VOCAB):
+            paths = [[a]]
+            for _ in range(length - 1):
+                paths = [p + [b] for p in paths for b in nxt[p[-1]] if b > a]  # a: the loop's lowest token
+            found += [p for p in paths if a in nxt[p[-1]] and len(set(p)) == length]
+            if len(found) >= n:
+                return found[:n]
+    raise ValueError(f"seed {seed}: fewer than {n} likely loops of up to 3 tokens in the chain")
+
+
+def junk_batches(batches: List[tuple], seed: int, at: List[int], rows: int) -> List[tuple]:
+    """``batches`` with the batches of steps ``at`` (1-based) made outliers: their first ``rows``
+    sequences become a piece of boilerplate (:func:`boilerplate`, a different one each time) repeated over the whole
+    sequence, every row alike: a duplicated page of a separator line or a table template that a
+    web-corpus dedup or repetition filter missed. Its loss is *lower* than a normal batch's (the
+    text is predictable), but every position pushes the weights the same way, so the gradient
+    norm is 10-20x a normal batch's: an outlier of the gradient that the loss does not show."""
+    out = list(batches)
+    for step, cycle in zip(at, boilerplate(seed, len(at))):
+        text = torch.tensor((cycle * (SEQ + 1))[: SEQ + 1])
+        if 0 < step <= len(out):
+            x, y = (t.clone() for t in out[step - 1])
+            x[:rows], y[:rows] = text[:-1], text[1:]
+            out[step - 1] = (x, y)
+    return out
+
+
+def run(seed: int, lr: float, variant: str, steps: int, junk: Optional[List[int]] = None) -> Dict[str, Any]:
+    """One training run (``junk``: the steps whose batch is an outlier, :func:`junk_batches`);
+    returns its counts, held-out loss and seconds per step."""
     data = markov_data(seed, steps * BATCH + 256)
     train, held = data[: steps * BATCH], data[steps * BATCH :]
     batches = [(s[:, :-1], s[:, 1:]) for s in train.split(BATCH)]
+    if junk:
+        batches = junk_batches(batches, seed, junk, JUNK_ROWS["rows"])
     torch.manual_seed(seed)
     model = TinyLM()
     if OPTIMIZER["name"] == "sgd":
@@ -128,19 +182,19 @@ def run(seed: int, lr: float, variant: str, steps: int) -> Dict[str, Any]:
     }
 
 
-def table(results: Dict[tuple, List[Dict[str, Any]]], lrs: List[float], seeds: int) -> str:
+def table(results: Dict[tuple, List[Dict[str, Any]]], scenarios: List[str], seeds: int) -> str:
     head = (
         "| LR | variant | loss spikes | anomalies | restores | skipped steps | clipped steps | aborted "
         "| final loss, median (min-max) | step time vs none |"
     )
     lines = [head, "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
-    for lr in lrs:
+    for sc in scenarios:
         for v in VARIANTS:
-            runs = results[(lr, v)]
+            runs = results[(sc, v)]
             finals = [r["final"] for r in runs]
-            ratio = statistics.median(r["step_s"] / b["step_s"] for r, b in zip(runs, results[(lr, "none")]))
+            ratio = statistics.median(r["step_s"] / b["step_s"] for r, b in zip(runs, results[(sc, "none")]))
             lines.append(
-                f"| {lr:g} | {v} | {sum(r['spikes'] for r in runs)} | {sum(r['anomalies'] for r in runs)} "
+                f"| {sc} | {v} | {sum(r['spikes'] for r in runs)} | {sum(r['anomalies'] for r in runs)} "
                 f"| {sum(r['restores'] for r in runs)} | {sum(r['skipped'] for r in runs)} "
                 f"| {sum(r['clipped'] for r in runs)} | {sum(r['aborted'] for r in runs)}/{seeds} "
                 f"| {statistics.median(finals):.3f} ({min(finals):.3f}-{max(finals):.3f}) | {ratio:.2f}x |"
@@ -157,23 +211,32 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd", help="sgd: momentum 0.9")
     parser.add_argument("--post-norm", action="store_true", help="post-LN layers (less stable without warm-up)")
+    parser.add_argument("--junk-lr", type=float, default=0.3, help="the junk scenario's LR (0: no junk scenario)")
+    parser.add_argument("--junk-steps", default="40,60,80,100", help="steps whose batch is boilerplate junk")
+    parser.add_argument("--junk-rows", type=int, default=BATCH, help="rows of a junk batch that are junk")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     logging.getLogger("safetrain").setLevel(logging.ERROR)
-    lrs = [float(x) for x in args.lrs.split(",")]
+    lrs = [float(x) for x in args.lrs.split(",") if x]
+    junk = [int(x) for x in args.junk_steps.split(",") if x]
     TinyLM.post_norm = args.post_norm
     OPTIMIZER["name"] = args.optimizer
-    results: Dict[tuple, List[Dict[str, Any]]] = {(lr, v): [] for lr in lrs for v in VARIANTS}
+    JUNK_ROWS["rows"] = args.junk_rows
+    # (label, LR, junk steps): the clean runs at each LR, then the junk scenario
+    scenarios = [(f"{lr:g}", lr, []) for lr in lrs]
+    if args.junk_lr > 0 and junk:
+        scenarios.append((f"{args.junk_lr:g} + {len(junk)} junk", args.junk_lr, junk))
+    results: Dict[tuple, List[Dict[str, Any]]] = {(sc[0], v): [] for sc in scenarios for v in VARIANTS}
     started = time.perf_counter()
     for seed in range(args.seeds):
-        for lr in lrs:
+        for label, lr, at in scenarios:
             for v in VARIANTS:  # interleaved: the machine's load hits each variant alike
-                results[(lr, v)].append(run(seed, lr, v, args.steps))
+                results[(label, v)].append(run(seed, lr, v, args.steps, at))
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.seeds} seeds x {len(lrs)} LRs x "
-        f"{len(VARIANTS)} variants x {args.steps} steps, {time.perf_counter() - started:.0f} s"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.seeds} seeds x {len(scenarios)} "
+        f"scenarios x {len(VARIANTS)} variants x {args.steps} steps, {time.perf_counter() - started:.0f} s"
     )
-    print(table(results, lrs, args.seeds))
+    print(table(results, [sc[0] for sc in scenarios], args.seeds))
     return 0
 
 

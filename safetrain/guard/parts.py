@@ -380,12 +380,14 @@ class Parts:
     def state_dict(self) -> Dict[str, Any]:
         """The guard's own state, JSON-ready: the run's id, counters, policy history (with the fp16
         overflow streak), LR backoff, spike window, divergence window and episode, the gradient
-        norm's EMA statistics (``grad_norm``), and the epoch's loss sum and count."""
+        norm's EMA statistics (``grad_norm``), whether a clip episode is open (``clip_episode``: a resumed
+        run's next clipped step goes on it, not journaled again), and the epoch's loss sum and count."""
         return {
             "run_id": self.run_id,
             "counters": vars(self.counters).copy(),
             "lr": self.backoff.state_dict(),
             "grad_norm": self.norm_stats.state_dict(),
+            "clip_episode": self.updates.episode,
             **self.judge.state_dict(),
             **self.recovery_state.state_dict(),
         }
@@ -398,6 +400,7 @@ class Parts:
         vars(self.counters).update(vars(Counters(**state["counters"])))  # in place: the parts hold it
         self.backoff.load_state_dict(state["lr"])
         self.norm_stats.load_state_dict(state.get("grad_norm", {}))  # (absent from earlier snapshots)
+        self.updates.episode = bool(state.get("clip_episode", False))
         self.judge.load_state_dict(state)
         self.recovery_state.load_state_dict(state)
         self._run_start = (self.counters.steps, self.counters.optimizer_steps)

@@ -61,7 +61,7 @@ class Updates:
         # The statistics run when adaptive clipping or the adaptive grad_norm anomaly reads them.
         self.stats = stats if stats is not None and (self.adaptive or cfg.grad_norm_threshold == "adaptive") else None
         self.emit = emit
-        self._episode = False  # the last trained step was clipped: a clipped step goes on its episode
+        self.episode = False  # the last trained step was clipped: a clipped step goes on its episode (state)
         self.per_step = scheduler is not None and cfg.scheduler_interval == "step"
         self.on_skips = cfg.scheduler_follows == "batch"
         self.applied_last = True  # whether the last step's update was applied (a followed scheduler may step)
@@ -97,12 +97,12 @@ class Updates:
             self.grads.clip_(limit, total)
         self.record(self.counters.steps, micro, total, clip=limit)  # references only
         if not clipped:
-            self._episode = False
+            self.episode = False
             return math.nan, None
         self.counters.clipped_steps += 1
-        if self._episode or self.emit is None:
+        if self.episode or self.emit is None:
             return float(limit), None  # type: ignore[arg-type]
-        self._episode = True
+        self.episode = True
         detail = {"total_norm": total, "clipped_to": limit, "mode": "adaptive" if self.adaptive else "fixed"}
         why = "guard.clip_grad_norm"
         if seen and limit == adaptive:

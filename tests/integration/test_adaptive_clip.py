@@ -124,6 +124,25 @@ def test_the_statistics_round_trip_bitwise_through_a_snapshot_and_resume(tmp_pat
     assert [(r.grad_norm, repr(r.clipped_to)) for r in first] == [(r.grad_norm, repr(r.clipped_to)) for r in second]
 
 
+def test_a_clip_episode_open_at_a_snapshot_goes_on_after_resume_without_a_second_event(tmp_path):
+    opts = [*ADAPTIVE, "snapshot.store=safetensors", f"snapshot.dir={tmp_path}", "snapshot.every=10"]
+    data = batches(24)
+    model = mlp()
+    GradFault(model[2].weight, calls=[19, 20, 21, 22], value=30.0)  # one episode, steps 19-22, across the snapshot
+    with guard_of(opts, model=model) as a:
+        first = [a.step(b) for b in data]
+    assert all(math.isfinite(r.clipped_to) for r in first[18:22]), "the outliers were clipped"
+    assert [r.step for r in first if any(e.name == "clipped" for e in r.events)] == [19], "one event: the episode's"
+    model = mlp()
+    GradFault(model[2].weight, calls=[1, 2], value=30.0)  # steps 21 and 22 again, after the resume
+    with guard_of([*opts, "snapshot.overwrite=true"], model=model) as b_guard:
+        b_guard.resume(tmp_path / "snapshot-0000000020.safetensors")
+        assert b_guard.state_dict()["clip_episode"] is True, "the snapshot carries the open episode"
+        second = [b_guard.step(b) for b in data[20:]]
+    assert [r.clipped_to for r in second[:2]] == [r.clipped_to for r in first[20:22]], "clipped as the first run did"
+    assert not [e for r in second for e in r.events if e.name == "clipped"], "the same episode: not journaled again"
+
+
 def test_a_restore_puts_the_statistics_back_with_the_weights():
     model = mlp()
     overrides = [*ADAPTIVE, "snapshot.every=10", "recovery.actions.gradient=restore", "detect.replay.enabled=false"]
