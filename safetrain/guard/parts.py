@@ -410,8 +410,11 @@ class Parts:
         self.updates.not_applied(self.last_loss)
 
     def _after_restore(self, step: int, extra: Mapping[str, Any]) -> None:
-        # The gradient norm's statistics go back with the weights they describe.
+        # The gradient norm's statistics and the loss-spike window go back with the weights they
+        # describe (the divergence episode does not: it is what the restore answers).
         self.norm_stats.load_state_dict(extra.get("grad_norm", {}))
+        if "spike" in extra:
+            self.spike.load_state_dict(extra["spike"])
         self.diagnoser.rng_reset()  # the snapshot's RNG state is back
         self.diagnoser.clear(step)
         self._pending.weights = None
