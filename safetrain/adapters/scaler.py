@@ -62,6 +62,12 @@ class NoScaler:
         """Never: no gradient is scaled."""
         return False
 
+    def join_read(self, flags: Any) -> None:
+        """Nothing joins the step's read."""
+
+    def update_if_read(self) -> None:
+        """Nothing to update."""
+
     def update(self) -> None:
         """Nothing to update."""
 
@@ -157,6 +163,20 @@ class FP16Scaler:
         """Whether the optimizer's gradients were unscaled since the last :meth:`update` (a step
         was read): an :meth:`update` is due after its optimizer step, taken or not."""
         return torch_private.unscaled(self.scaler, self.optimizer)
+
+    def join_read(self, flags: Any) -> None:
+        """Unscale (once) and put ``found_inf`` and ``scale`` into the step's read (``flags``:
+        a :class:`~safetrain.detect.StepFlags`), as device tensors."""
+        self.unscale_()
+        found_inf, scale = self.values()
+        flags.put("found_inf", found_inf)
+        flags.put("scale", scale)
+
+    def update_if_read(self) -> None:
+        """:meth:`update` after a step whose gradients were unscaled (read): an overflow lowers the
+        scale, a run of good steps raises it; nothing after a step that read nothing (its data skipped)."""
+        if self.unscaled:
+            self.scaler.update()
 
     def update(self) -> None:
         """The scaler's ``update()``: back off after an overflow, grow after enough clean steps;

@@ -98,9 +98,9 @@ def scale_tensor(scaler: torch.amp.GradScaler) -> Optional[torch.Tensor]:
     return scaler._scale
 
 
-def profiler_enabled() -> bool:
-    """Whether a torch profiler is recording (``True`` if torch ever stops saying)."""
-    return _profiler()
+#: Whether a torch profiler is recording (``True`` if torch ever stops saying): the private
+#: function itself, called once a step (no wrapper call on the healthy path).
+profiler_enabled: Callable[[], bool] = _profiler
 
 
 def at_backward_end(callback: Callable[[], None]) -> None:

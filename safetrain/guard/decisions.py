@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
+from typing import Callable, Tuple
 
 from .. import detect
 from ..diagnose import Diagnoser, Diagnosis
@@ -60,31 +60,31 @@ class Decisions:
     def run(
         self,
         read: detect.StepRead,
-        pending: Callable[[], Pending],
-        loss: Callable[[], float],
+        pending: Pending,
+        loss: float,
         rules: Rules,
-        again: Callable[[Rerun, detect.StepRead], detect.StepRead],
+        again: Callable[[Rerun, detect.StepRead], Tuple[detect.StepRead, Pending, float]],
     ) -> Verdict:
-        """The decision loop from the step's read: each turn judges, diagnoses, decides and
-        carries out; ``again(rerun, read)`` runs the step again and returns the next turn's read.
-        ``pending()`` and ``loss()`` give the step as it stands (a re-run makes a new one)."""
+        """The decision loop from the step's read, its pending micro-batches and its loss: each turn
+        judges, diagnoses, decides and carries out; ``again(rerun, read)`` runs the step again and
+        returns the next turn's read, pending step and loss."""
         rs, events = self.recovery_state, []
         rerun_action, retried = "", False
-        while (anomaly := self.judge(read, pending(), loss())) is not None:
+        while (anomaly := self.judge(read, pending, loss)) is not None:
             anomaly = dataclasses.replace(anomaly, retried=retried, again=bool(rerun_action))
             if raises(anomaly.kind, rules):
                 self.recovery.reject_rows(anomaly)
             replays = rules.reruns and self.diagnoser.explains(anomaly.kind)  # (a replay runs the step's forward)
-            diagnosis = self._explain(anomaly, pending()) if replays else None
+            diagnosis = self._explain(anomaly, pending) if replays else None
             # A typed fact for the policy: is there a snapshot to restore (slow path: lists a directory)?
             history = dataclasses.replace(rs.history, has_snapshot=bool(len(self.store)))
             decision, rs.history = decide(anomaly, history, rules, diagnosis)
-            outcome = self.recovery.carry_out(anomaly, decision, read, pending(), diagnosis)
+            outcome = self.recovery.carry_out(anomaly, decision, read, pending, diagnosis)
             events += outcome.events
             if outcome.rerun is None:
                 return Verdict(read, events, rerun_action, outcome)
             rerun_action, retried = str(outcome.action), retried or decision.action is Action.RETRY
-            read = again(outcome.rerun, read)
+            read, pending, loss = again(outcome.rerun, read)
         if not self.divergence.climbing:  # (mid-climb a read vouches for nothing)
             self.backoff.read_clean()  # the last update's LRs are trusted: a restore holds the schedule to them
             rs.clean_reads.append(self.counters.steps)

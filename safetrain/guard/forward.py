@@ -104,7 +104,7 @@ class Forward:
     def backward(self, loss: Tensor) -> None:
         """The backward of a micro-batch's loss, divided by the accumulation (and scaled in fp16)."""
         k = self.accumulate
-        self.plumbing.scale(loss / k if k > 1 else loss).backward()
+        self.plumbing.scaler.scale(loss / k if k > 1 else loss).backward()
 
     @staticmethod
     def add_loss(loss: Tensor, pending: Pending) -> None:
@@ -117,10 +117,7 @@ class Forward:
     def read(self, pending: Pending) -> detect.StepRead:
         """Unscale, check the gradients, and read every flag, the loss and the norms at once."""
         flags, pipes = self.flags, self.plumbing
-        pipes.unscale_()  # fp16: the scaler's values join the read (without it: nothing, no value)
-        found_inf, scale = pipes.scaler_values()
-        flags.put("found_inf", found_inf)
-        flags.put("scale", scale)
+        pipes.scaler.join_read(flags)  # fp16: unscaled, found_inf and the scale join the read (else: nothing)
         grads = self.grads.run()
         flags.put("loss", pending.loss)  # the sum over micro-batches; the mean is taken on the host
         flags.put("grad_norms", grads.norm_list if grads is not None else None)

@@ -124,8 +124,7 @@ class Plumbing:
     def update_scaler(self) -> None:
         """The scaler's ``update`` after a step it read (fp16): a step that overflowed lowers the
         scale, a run of good ones raises it. Nothing when no read unscaled this step (its data was skipped)."""
-        if self.scaler.unscaled:
-            self.scaler.update()
+        self.scaler.update_if_read()
 
     def unscaled_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """A loss as it went to the backward, multiplied by the fp16 loss scale, divided back (on the device)."""

@@ -205,7 +205,7 @@ class Guard(Parts):
         p = self._pending
         p.micro.append(batch)
         p.indices.append(list(indices) if indices is not None else [])
-        p.places.append(self.position)  # its own place, for its events
+        p.places.append((self.counters.epoch, self.counters.batch - 1))  # its own place, for its events
         return self.forward.begin(batch, p)
 
     def record_loss(self, loss: Any, *, scaled: bool = False) -> None:
@@ -290,9 +290,11 @@ class Guard(Parts):
     # ----------------------------------------------------------------- the step, inside
     def _check(self, verb: str) -> None:
         """A verb is legal now: the guard is open, and one driver uses it (``Guard.step`` or the caller)."""
+        who = GUARD if self._stepping else CALLER
+        if self._driver is who and self.phase is not Phase.CLOSED:  # (the healthy path: one test)
+            return
         if self.phase is Phase.CLOSED:
             raise RuntimeError(f"Guard.{verb}() after close(); make a new Guard")
-        who = GUARD if self._stepping else CALLER
         if self._driver is None:
             self._driver = who
             if who is CALLER:
@@ -369,7 +371,7 @@ class Guard(Parts):
         k, restores = self.forward.accumulate, self.counters.restores
         self.forward.accumulate = window if window else k  # re-runs divide as the caller did
         try:
-            verdict = self.decisions.run(self._read(), lambda: self._pending, self._loss, self.rules, self._again)
+            verdict = self.decisions.run(self._read(), self._pending, self.last_loss, self.rules, self._again)
         finally:
             self.forward.accumulate = k
         clipped_to = math.nan
@@ -391,9 +393,6 @@ class Guard(Parts):
         )
         return verdict, result
 
-    def _loss(self) -> float:
-        return self.last_loss
-
     def _step_scheduler(self) -> None:
         self.updates.skipped_data(self.last_loss)
 
@@ -404,11 +403,12 @@ class Guard(Parts):
         self.last_grad_norm = read.total_norm if read.total_norm is not None else math.nan
         return read
 
-    def _again(self, rerun: Rerun, read: detect.StepRead) -> detect.StepRead:
-        """The next turn's read: the step run again on ``rerun.batches`` (its gradients dropped
-        first; it counts as the same step), or the same read with the replaced rows' flags cleared."""
+    def _again(self, rerun: Rerun, read: detect.StepRead) -> Tuple[detect.StepRead, Pending, float]:
+        """The next turn's read, pending step and loss: the step run again on ``rerun.batches`` (its
+        gradients dropped first; it counts as the same step), or the same read with the replaced
+        rows' flags cleared."""
         if rerun.batches is None:
-            return dataclasses.replace(read, input=False, target=False)
+            return dataclasses.replace(read, input=False, target=False), self._pending, self.last_loss
         self.plumbing.drop_grads()
         self.plumbing.before_rerun()
         self.counters.steps -= 1
@@ -419,7 +419,7 @@ class Guard(Parts):
             p.indices.append(rerun.indices[i] if rerun.indices else [])
             p.places.append(rerun.places[i] if rerun.places else self.position)
             self.forward.run(batch, p)
-        return self._read()
+        return self._read(), self._pending, self.last_loss
 
     def diagnose(self) -> Diagnosis:
         """Replay the pending step from its pre-step state and say where it goes non-finite.
