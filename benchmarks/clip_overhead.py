@@ -25,28 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import overhead  # noqa: E402
+from fit_overhead import guard_variant  # noqa: E402
 from overhead import Setup, Variant, register_variant  # noqa: E402
-
-import safetrain  # noqa: E402
 
 
 def clip_variant(s: Setup, overrides: List[str]) -> Variant:
     """``Guard.step`` with the default configuration and ``overrides``, as a variant."""
-    cfg = safetrain.load_config(None, ["log.progress=false", "log.level=WARNING", *overrides])
-    guard = safetrain.Guard(s.model, s.optimizer, cfg, loss_fn=s.loss_fn)
-    guard.monitor.detach()  # the model is shared with the other variants: hooks only around our steps
-    batch = (s.inputs, s.targets)
-
-    def step() -> None:
-        result = guard.step(batch)
-        if result is None or result.action:
-            raise RuntimeError(f"benchmark step was not healthy: {result}")
-
-    def start() -> None:
-        s.optimizer.zero_grad(set_to_none=True)  # (as fit_overhead.py: the previous variant's gradients)
-        guard.monitor.attach()
-
-    return Variant(step, start, guard.monitor.detach)
+    return guard_variant(s, "eager", overrides=overrides)
 
 
 @register_variant("guard_clip")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # before torch
 
@@ -28,10 +28,13 @@ from overhead import Setup, Variant, register_variant  # noqa: E402
 import safetrain  # noqa: E402
 
 
-def guard_variant(s: Setup, mode: str, package: Any = safetrain) -> Variant:
-    """``Guard.step`` of ``package`` (a ``safetrain``, the current one by default) in ``mode``, as a variant."""
+def guard_variant(s: Setup, mode: str, package: Any = safetrain, overrides: Sequence[str] = ()) -> Variant:
+    """``Guard.step`` of ``package`` (a ``safetrain``, the current one by default) in ``mode``, with
+    the config ``overrides`` (dotted ``KEY=VALUE``), as a variant."""
     amp = [f"amp.dtype={str(s.amp).replace('torch.', '')}"] if s.amp is not None else []
-    cfg = package.load_config(None, ["log.progress=false", f"detect.mode={mode}", "log.level=WARNING", *amp])
+    cfg = package.load_config(
+        None, ["log.progress=false", f"detect.mode={mode}", "log.level=WARNING", *amp, *overrides]
+    )
     guard = package.Guard(s.model, s.optimizer, cfg, loss_fn=s.loss_fn)
     guard.monitor.detach()  # the model is shared with the other variants: hooks only around our steps
     batch = (s.inputs, s.targets)

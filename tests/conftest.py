@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Dict, List, Optional, Sequence
 
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
@@ -21,17 +22,22 @@ _ROOT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
-def run_two_ranks(script: str, tmp: Path, timeout: float, what: str) -> None:
-    """Run ``python script tmp`` (it spawns 2 gloo ranks) in its own session; a hang is killed,
-    launcher and ranks together, and fails the test instead of blocking CI."""
-    root = Path(__file__).resolve().parents[1]
-    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)  # keep the caller's
-    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
-    env.setdefault("GOMP_SPINCOUNT", "10000")
+def run_session(
+    cmd: List[str], timeout: float, what: str, env: Optional[Dict[str, str]] = None, drop: Sequence[str] = ()
+) -> str:
+    """Run ``cmd`` from the repository root in its own session (the repository first on
+    PYTHONPATH, one OpenMP thread, ``env`` on top, the variables in ``drop`` removed); a hang is
+    killed, launcher and ranks together, and fails the test instead of blocking CI. Returns the
+    output; a non-zero exit fails with its tail."""
+    path = os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)  # keep the caller's
+    full = {k: v for k, v in os.environ.items() if k not in drop}
+    full.update(PYTHONPATH=path, OMP_NUM_THREADS="1")
+    full.setdefault("GOMP_SPINCOUNT", "10000")
+    full.update(env or {})
     proc = subprocess.Popen(
-        [sys.executable, script, str(tmp)],
-        cwd=root,
-        env=env,
+        cmd,
+        cwd=_ROOT,
+        env=full,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -40,10 +46,16 @@ def run_two_ranks(script: str, tmp: Path, timeout: float, what: str) -> None:
     try:
         log, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)  # the whole session: the launcher and both ranks
+        os.killpg(proc.pid, 9)  # the whole session: the launcher and every rank
         log, _ = proc.communicate()
         pytest.fail(f"{what} hung for {timeout} s:\n{log[-4000:]}")
-    assert proc.returncode == 0, log[-4000:]
+    assert proc.returncode == 0, log[-6000:]
+    return log
+
+
+def run_two_ranks(script: str, tmp: Path, timeout: float, what: str) -> None:
+    """Run ``python script tmp`` (it spawns 2 gloo ranks) with :func:`run_session`."""
+    run_session([sys.executable, script, str(tmp)], timeout, what)
 
 
 def join_gloo_group(rank: int, world: int, tmp: str, timeout_s: float) -> None:

@@ -7,7 +7,6 @@ makes the outlier. Runs in ONE subprocess that spawns 2 ranks (a hang fails on t
 
 from __future__ import annotations
 
-import datetime
 import gc
 import hashlib
 import json
@@ -28,15 +27,9 @@ def _worker(rank: int, world: int, tmp: str) -> None:
     from safetrain import load_config
     from safetrain.guard import Guard
     from safetrain.testing import count_host_syncs
+    from tests.conftest import join_gloo_group
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/rendezvous",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    join_gloo_group(rank, world, tmp, 60)
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     model = torch.nn.parallel.DistributedDataParallel(net)

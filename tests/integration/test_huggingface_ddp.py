@@ -15,7 +15,6 @@ import hashlib
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict, List
@@ -181,23 +180,14 @@ def _launch(tmp: Path, phase: str, launcher: str = "torchrun") -> List[Dict[str,
     ``--multi_gpu`` launches through torch.distributed.run, and ``use_cpu=True`` keeps the CPU.)"""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
+    from tests.conftest import run_session  # here, not in the ranks' processes
+
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
-    cmd += [__file__, str(tmp), phase]
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", GOMP_SPINCOUNT="10000")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
-    try:
-        log, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)  # torchrun and both ranks
-        log, _ = proc.communicate()
-        pytest.fail(f"the 2-rank Trainer ({phase}) hung for {TIMEOUT} s:\n{log[-4000:]}")
-    assert proc.returncode == 0, log[-6000:]
+        accelerate = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", *accelerate, "--dynamo_backend", "no"]
+    run_session(cmd + [__file__, str(tmp), phase], TIMEOUT, f"the 2-rank Trainer ({phase})")
     return [json.loads((tmp / f"{phase}-rank{r}.json").read_text()) for r in range(2)]
 
 

@@ -12,7 +12,6 @@ import hashlib
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict, List
@@ -168,26 +167,15 @@ def main(tmp: str, scenario: str) -> None:
 def launch(tmp: Path, scenario: str, timeout: float = TIMEOUT) -> List[Dict[str, Any]]:
     """Run ``scenario`` on 2 ranks as a user would (``python script``; Lightning launches rank 1),
     in its own session killed on the timeout; the ranks' results in rank order."""
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "RANK", "NODE_RANK")}
-    env.update(PYTHONPATH=path, OMP_NUM_THREADS="1", PL_DISABLE_FORK="1")
-    env.setdefault("GOMP_SPINCOUNT", "10000")
-    proc = subprocess.Popen(
+    from tests.conftest import run_session  # here, not in the ranks' processes
+
+    log = run_session(
         [sys.executable, __file__, str(tmp), scenario],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+        timeout,
+        f"the 2-rank Lightning run {scenario!r}",
+        env={"PL_DISABLE_FORK": "1"},
+        drop=("LOCAL_RANK", "WORLD_SIZE", "RANK", "NODE_RANK"),  # Lightning launches rank 1 itself
     )
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)  # the whole session: rank 0 and the rank 1 it launched
-        log, _ = proc.communicate()
-        pytest.fail(f"the 2-rank Lightning run {scenario!r} hung for {timeout} s:\n{log[-4000:]}")
-    assert proc.returncode == 0, log[-4000:]
     results = []
     for r in range(2):
         f = tmp / f"{scenario}-rank{r}.json"
