@@ -75,6 +75,7 @@ class LRBackoff:
         #: the LRs the update before the fault a hold answers used (the scale included): the hold does
         #: not lift by clean reads while the schedule (under the scale then in force) is above them (None: not known)
         self.failed: Optional[List[float]] = None
+        self.failed_scale = 1.0  # the LR scale in force when it ran
         self._kept_told = False  # the hold outlived release_after clean reads (journaled once per hold)
         self._binding = False  # the schedule is above the ceiling (journaled once per stretch)
         self.scheduler = ""  # the class of the scheduler last stepped, for the journal
@@ -147,8 +148,8 @@ class LRBackoff:
         followed (none known yet: no hold); the restored LRs are checked against them now."""
         if self.used is not None:  # the LRs that led into the fault (the lowest of those a hold still answers)
             used = [lr * self.scale for lr in self.used]  # (a backoff after this restore comes after it)
-            held = self.ceiling is not None and self.failed is not None
-            self.failed = [min(a, b) for a, b in zip(used, self.failed)] if held and self.failed else used
+            if self.ceiling is None or self.failed is None or max(used) < max(self.failed):
+                self.failed, self.failed_scale = used, self.scale
         self.used = None  # the restored weights were not made by the last update
         if self.trusted is None:
             return

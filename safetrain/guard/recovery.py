@@ -257,7 +257,7 @@ class Recovery:
         h = s.history
         kind = h.fault.kind if h.fault is not None else "run"
         b = self.backoff
-        now = [lr * b.scale for lr in b.unscaled]  # the restored snapshot's LRs
+        now = [lr * b.failed_scale for lr in b.unscaled]  # the restored snapshot's LRs, as the failed update's
         cause = cause_of(kind, failed_lr=b.failed, snapshot_lr=now, scheduler=b.scheduler)
         return (
             f"run: the run ended restored to its start (the snapshot of step {start}, put back at step "
@@ -387,10 +387,11 @@ class Recovery:
         )
         self.backoff.hold()  # no LR above the last healthy update's, however often the schedule sets it
         self.state.restored_updates = self.counters.optimizer_steps
-        loops = self.state.returns.arrive(info.step, self.counters.steps)
+        diverged = decision.kind is Kind.DIVERGENCE
+        loops = self.state.returns.arrive(info.step, self.counters.steps, self.backoff.scale, diverged)
         if loops >= MAX_RETURNS and decision.action is not Action.ABORT:  # a restore loop: it stops here
             b = self.backoff
-            restored = [lr * b.scale for lr in info.extra["lr"]["unscaled"]]
+            restored = [lr * b.failed_scale for lr in info.extra["lr"]["unscaled"]]  # (as the failed update's)
             kind = str(decision.kind)
             why = loop_reason(kind, self.state.returns, failed_lr=b.failed, snapshot_lr=restored, scheduler=b.scheduler)
             self.abort(decision.kind, why)

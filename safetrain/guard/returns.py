@@ -5,9 +5,11 @@ LR is too high (a one-cycle schedule, a warmup to an LR the model cannot take) b
 the same point each time it is restored: the restored scheduler climbs to the same LR again. Each
 restore lands on the same snapshot; the steps after it are thrown away each time. :class:`Returns`
 counts, for the snapshot restored last, how far the run got from it (steps, from the snapshot or
-from the last restore to it); a return that got no further than the furthest before is a loop,
-and :data:`MAX_RETURNS` of them stop the run with a reason that names the point, the cause and
-the fix (:func:`loop_reason`). No torch.
+from the last restore to it); a return that got no further than the furthest before is a loop
+(but for a divergence under an LR lower than the last time: the backoff is its remedy, and the
+divergence ladder has its own limits, ``recovery.min_lr`` and ``max_retries``), and
+:data:`MAX_RETURNS` of them stop the run with a reason that names the point, the cause and the
+fix (:func:`loop_reason`). No torch.
 
 Example::
 
@@ -39,6 +41,7 @@ class Returns:
         furthest: the most steps the run got past that snapshot before a fault.
         loops: returns to it since that got no further than ``furthest``.
         restores: restores to it in all.
+        scale: the LR scale in force at the last restore to it.
     """
 
     snapshot: Optional[int] = None
@@ -46,20 +49,23 @@ class Returns:
     furthest: int = 0
     loops: int = 0
     restores: int = 0
+    scale: float = 1.0
 
-    def arrive(self, snapshot: int, now: int) -> int:
-        """A restore at step counter ``now`` put back the snapshot of step ``snapshot``; returns
-        how many returns to it in a row got no further than before (0: a new snapshot, or progress)."""
+    def arrive(self, snapshot: int, now: int, scale: float = 1.0, diverged: bool = False) -> int:
+        """A restore at step counter ``now`` put back the snapshot of step ``snapshot``, with the LR
+        scale ``scale`` in force (before any backoff this restore comes with), after a divergence
+        (``diverged``) or another fault; returns how many returns to it in a row got no further than
+        before (0: a new snapshot, progress, or a divergence under a lower LR)."""
         if snapshot != self.snapshot:  # a new snapshot: how far the run got from it, from its own step
             self.snapshot, self.furthest, self.loops, self.restores = snapshot, now - snapshot, 0, 1
         else:
             reached = now - self.restored_at
             self.restores += 1
-            if reached > self.furthest:
-                self.furthest, self.loops = reached, 0
+            if reached > self.furthest or (diverged and scale < self.scale * 0.999):
+                self.furthest, self.loops = max(reached, self.furthest), 0
             else:
                 self.loops += 1
-        self.restored_at = now
+        self.restored_at, self.scale = now, scale
         return self.loops
 
 
