@@ -386,9 +386,9 @@ class Recovery:
             {"snapshot_step": info.step, "path": str(info.path) if info.path else None, "passed_over": passed},
         )
         self.backoff.hold()  # no LR above the last healthy update's, however often the schedule sets it
+        trained = self.counters.optimizer_steps > self.state.restored_updates
         self.state.restored_updates = self.counters.optimizer_steps
-        diverged = decision.kind is Kind.DIVERGENCE
-        loops = self.state.returns.arrive(info.step, self.counters.steps, self.backoff.scale, diverged)
+        loops = self.state.returns.arrive(info.step, self.counters.steps, self.backoff.scale, trained)
         if loops >= MAX_RETURNS and decision.action is not Action.ABORT:  # a restore loop: it stops here
             b = self.backoff
             restored = [lr * b.failed_scale for lr in info.extra["lr"]["unscaled"]]  # (as the failed update's)

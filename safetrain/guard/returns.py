@@ -5,16 +5,19 @@ LR is too high (a one-cycle schedule, a warmup to an LR the model cannot take) b
 the same point each time it is restored: the restored scheduler climbs to the same LR again. Each
 restore lands on the same snapshot; the steps after it are thrown away each time. :class:`Returns`
 counts, for the snapshot restored last, how far the run got from it (steps, from the snapshot or
-from the last restore to it); a return that got no further than the furthest before is a loop
-(but for a divergence under an LR lower than the last time: the backoff is its remedy, and the
-divergence ladder has its own limits, ``recovery.min_lr`` and ``max_retries``), and
-:data:`MAX_RETURNS` of them stop the run with a reason that names the point, the cause and the
-fix (:func:`loop_reason`). No torch.
+from the last restore to it); a return that trained and still got no further than the furthest
+before, under an LR no lower than the last time, is a loop, and :data:`MAX_RETURNS` of them stop
+the run with a reason that names the point, the cause and the fix (:func:`loop_reason`). Returns
+with no update between them are anomalous steps in a row, bounded by the ladder
+(``recovery.max_retries``); a return under a backed-off LR is a new try (``scale_lr`` is the
+remedy being tried, bounded by ``recovery.min_lr`` and the ladder). What the ladder does not bound
+is a fault that comes back after enough healthy steps to reset it (``recovery.reset_after``),
+under the same LR: that is a loop. No torch.
 
 Example::
 
     >>> r = Returns()
-    >>> [r.arrive(snapshot=0, now=n) for n in (30, 45, 58)]
+    >>> [r.arrive(snapshot=0, now=n, trained=True) for n in (30, 45, 58)]
     [0, 1, 2]
     >>> r.furthest
     30
@@ -51,19 +54,19 @@ class Returns:
     restores: int = 0
     scale: float = 1.0
 
-    def arrive(self, snapshot: int, now: int, scale: float = 1.0, diverged: bool = False) -> int:
+    def arrive(self, snapshot: int, now: int, scale: float = 1.0, trained: bool = True) -> int:
         """A restore at step counter ``now`` put back the snapshot of step ``snapshot``, with the LR
-        scale ``scale`` in force (before any backoff this restore comes with), after a divergence
-        (``diverged``) or another fault; returns how many returns to it in a row got no further than
-        before (0: a new snapshot, progress, or a divergence under a lower LR)."""
+        scale ``scale`` in force (before any backoff this restore comes with); ``trained``: an update
+        was applied since the last restore. Returns how many returns to it in a row trained and got
+        no further than before, under an LR no lower (0: a new snapshot, progress, a lower LR)."""
         if snapshot != self.snapshot:  # a new snapshot: how far the run got from it, from its own step
             self.snapshot, self.furthest, self.loops, self.restores = snapshot, now - snapshot, 0, 1
         else:
             reached = now - self.restored_at
             self.restores += 1
-            if reached > self.furthest or (diverged and scale < self.scale * 0.999):
+            if reached > self.furthest or scale < self.scale * 0.999:
                 self.furthest, self.loops = max(reached, self.furthest), 0
-            else:
+            elif trained:
                 self.loops += 1
         self.restored_at, self.scale = now, scale
         return self.loops

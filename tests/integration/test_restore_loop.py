@@ -55,12 +55,15 @@ def _fault_at_update(opt, param, update, factor=1e4):
 
 
 def test_a_run_that_keeps_returning_to_the_same_snapshot_stops_naming_the_point_the_cause_and_the_fix():
-    """Before: five restores to the snapshot of step 15, each a few steps before the same fault, the
-    LR halved each time, and the run ended "done". Now the third return that gets no further stops it."""
+    """A fault at the 20th update, part of the restored state (Adam's step count): each restore to
+    the snapshot of step 15 meets it again 5 steps later. Before: restores to step 15 until the end
+    (``recovery.escalate: [restore]``, ``reset_after: 4`` so the ladder restarts between them), and
+    "done". Now the third return that gets no further stops it."""
     model = mlp()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     step_fn = _fault_at_update(opt, next(model.parameters()), 20)
-    cfg = load_config(None, ["log.progress=false", "snapshot.every=5"])
+    overrides = ["snapshot.every=5", "recovery.escalate=[restore]", "recovery.reset_after=4"]
+    cfg = load_config(None, ["log.progress=false", *overrides])
     trainer = SafeTrainer(model, opt, cfg, step_fn=step_fn)
     with pytest.raises(TrainingAborted, match=r"restore loop: the run was put back to the snapshot of step 15 3 times"):
         trainer.fit(loader(regression_data()), epochs=3)
@@ -75,8 +78,10 @@ def test_the_cause_names_the_schedule_when_it_climbs_back_to_the_lr_that_failed(
     r = Returns()
     assert [r.arrive(0, n) for n in (12, 20, 28, 41, 48)] == [0, 1, 2, 0, 1], "a return that got further resets it"
     assert r.furthest == 13 and r.restores == 5
-    d = Returns()  # a divergence under a lower LR each time is a new try (its ladder has its own limits)
-    assert [d.arrive(0, n, s, diverged=True) for n, s in [(4, 1.0), (7, 0.5), (10, 0.25), (13, 0.25)]] == [0, 0, 0, 1]
+    d = Returns()  # a return under a lower LR is a new try (the ladder bounds the backoffs)
+    assert [d.arrive(0, n, s) for n, s in [(4, 1.0), (7, 0.5), (10, 0.25), (13, 0.25)]] == [0, 0, 0, 1]
+    e = Returns()  # returns with no update between them: anomalous steps in a row, the ladder's
+    assert [e.arrive(0, n, trained=False) for n in (4, 5, 6, 7)] == [0, 0, 0, 0]
     schedule = cause_of("divergence", failed_lr=[0.6], snapshot_lr=[0.12], scheduler="OneCycleLR")
     assert "OneCycleLR rises from lr 0.12 at the snapshot to lr 0.6" in schedule and "below 0.6" in schedule
     assert "the same spike comes back" in cause_of("spike", failed_lr=[0.1], snapshot_lr=[0.1])
