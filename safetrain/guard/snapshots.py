@@ -3,7 +3,8 @@
 A snapshot taken after an update is unverified until two steps read clean, the second the effect
 of the update that used its optimizer state and LR (:data:`~safetrain.policy.VOUCH_READS`); a
 forced one (the run's start) is sound. The first snapshot's event names the buffers accepted as
-non-finite by design (masks), once.
+non-finite by design (masks), once. How often the periodic one is due is the :class:`~.cadence.Cadence`'s
+(``snapshot.every``; under ``auto`` each snapshot is timed for it and re-plans the interval).
 """
 
 from __future__ import annotations
