@@ -255,7 +255,7 @@ class Recovery:
         if s.returns.snapshot != start or s.restored_updates != self.counters.optimizer_steps:
             return None
         h = s.history
-        kind = h.fault.kind if h.fault is not None else "run"
+        kind = h.fault.kind if h.fault is not None else "last"
         b = self.backoff
         now = [lr * b.failed_scale for lr in b.unscaled]  # the restored snapshot's LRs, as the failed update's
         cause = cause_of(kind, failed_lr=b.failed, snapshot_lr=now, scheduler=b.scheduler)

@@ -110,8 +110,8 @@ def cause_of(
 
     Example::
 
-        >>> cause_of("spike", failed_lr=[0.1], snapshot_lr=[0.1])[:45]
-        'cause: the same spike comes back at the same '
+        >>> cause_of("spike", failed_lr=[0.1], snapshot_lr=[0.1])[:40]
+        'cause: the spike fault the restores answ'
     """
     failed = max(failed_lr) if failed_lr else None
     start = max(snapshot_lr) if snapshot_lr else None
@@ -123,7 +123,7 @@ def cause_of(
             f"below {failed:.3g}, or lengthen its warmup"
         )
     return (
-        f"cause: the same {kind} comes back at the same point after every restore; fix: a smaller learning rate, or "
-        "look at the data and the model state at that point (recovery.skip_batches_after_restore leaves out the "
-        "batches that led in)"
+        f"cause: the {kind} fault the restores answered, at that point; fix: a smaller learning rate, or look at the "
+        "data and the model state at that point (recovery.skip_batches_after_restore leaves out the batches that "
+        "led in)"
     )

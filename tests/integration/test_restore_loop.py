@@ -70,7 +70,7 @@ def test_a_run_that_keeps_returning_to_the_same_snapshot_stops_naming_the_point_
     restores = [e for e in trainer.guard.bus.events if e.name == "restored"]
     assert len(restores) == 3 and {e.detail["snapshot_step"] for e in restores} == {15}, restores
     message = trainer.guard.bus.events[-2].message
-    assert "never got more than 7 steps past it" in message and "cause: the same spike" in message, message
+    assert "never got more than 7 steps past it" in message and "cause: the spike fault" in message, message
     assert "fix:" in message
 
 
@@ -84,7 +84,7 @@ def test_the_cause_names_the_schedule_when_it_climbs_back_to_the_lr_that_failed(
     assert [e.arrive(0, n, trained=False) for n in (4, 5, 6, 7)] == [0, 0, 0, 0]
     schedule = cause_of("divergence", failed_lr=[0.6], snapshot_lr=[0.12], scheduler="OneCycleLR")
     assert "OneCycleLR rises from lr 0.12 at the snapshot to lr 0.6" in schedule and "below 0.6" in schedule
-    assert "the same spike comes back" in cause_of("spike", failed_lr=[0.1], snapshot_lr=[0.1])
+    assert "cause: the spike fault" in cause_of("spike", failed_lr=[0.1], snapshot_lr=[0.1])
 
 
 def test_a_run_that_ends_restored_to_its_start_is_not_done():
