@@ -6,7 +6,10 @@ and recover under a policy set in YAML, at an overhead low enough to leave on.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
+from typing import TYPE_CHECKING
 
 from .config import TrainConfig, as_config, load_config
 from .errors import (
@@ -34,6 +37,19 @@ from .numerics import (
     stable_log_softmax,
     stable_softmax,
 )
+
+if importlib.util.find_spec("fcntl") is None or not hasattr(os, "pwrite"):
+    raise ImportError(
+        "safetrain needs a POSIX system (Linux, macOS): its run-directory lock uses fcntl and its snapshot "
+        "writer os.pwrite, which this Python lacks; on Windows, run it under WSL"
+    )
+
+if TYPE_CHECKING:  # what the lazy exports below are, for type checkers (imported on first use at run time)
+    from .diagnose import Diagnosis
+    from .diagnose.quarantine import QuarantineSampler
+    from .guard import Guard, StepResult
+    from .run import FitResult
+    from .trainer import SafeTrainer
 
 __version__ = "0.1.0"
 

@@ -26,7 +26,7 @@ from .rundir import ReportError, read_run
 
 __all__ = ["DemoSize", "DemoResult", "LogNormFeatures", "demo_config", "run_demo", "format_summary"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 #: Settings the demo uses unless the config file or an override sets them: a short run wants
 #: snapshots more often than the default's every 100 healthy steps.

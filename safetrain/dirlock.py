@@ -41,7 +41,7 @@ from typing import IO, Callable, Optional
 
 __all__ = ["DirLock", "HOST", "alive", "tmp_tag", "describe_holder"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 #: This host's name as temporary file names carry it (letters, digits, ``_`` and ``-``).
 HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64] or "host"

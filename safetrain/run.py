@@ -37,7 +37,7 @@ from .steps import Counters, StepResult
 
 __all__ = ["Run", "FitResult"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 
 @dataclass

@@ -24,7 +24,7 @@ from .wrappers import unwrap_compiled
 
 __all__ = ["SafeTrainer", "FitResult"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 
 class SafeTrainer:
@@ -102,7 +102,6 @@ class SafeTrainer:
         """
         cfg = self.cfg
         _check_counts(epochs, max_steps)
-        logger.setLevel(cfg.log.level)
         # under DDP: rank 0 keeps events.jsonl and metrics.csv, rank r events-rank{r}.jsonl
         run = Run(cfg.log.dir, distributed.rank(), cfg)  # RunDirError naming it, not an OSError later
         stop, error = SignalStop(cfg.log.signals), None
@@ -313,8 +312,20 @@ def _advance(iterator: Any, n: int, keeper: QuarantineKeeper) -> int:
     return n
 
 
+def _interactive() -> bool:
+    """Whether a person watches the output: a terminal, or a Jupyter kernel (where ``tqdm.auto``
+    draws its widget although stderr is no terminal). Piped or logged output gets no bar."""
+    if sys.stderr.isatty():
+        return True
+    if "IPython" not in sys.modules:  # a kernel has imported it long before fit; never import it here
+        return False
+    from IPython import get_ipython
+
+    return getattr(get_ipython(), "kernel", None) is not None  # a terminal IPython has no kernel
+
+
 def _progress(enabled: bool, epochs: int, loader: Any) -> Any:
-    if not enabled or not sys.stderr.isatty():
+    if not enabled or not _interactive():
         return None
     from tqdm.auto import tqdm
 

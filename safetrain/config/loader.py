@@ -31,7 +31,7 @@ from .yamlfile import Located, read_yaml
 
 __all__ = ["ConfigLike", "load_config", "as_config"]
 
-_log = logging.getLogger("safetrain")
+_log = logging.getLogger(__name__)
 
 ConfigLike = Union[None, str, os.PathLike, Mapping[str, Any], DictConfig, TrainConfig]
 

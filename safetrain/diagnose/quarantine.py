@@ -23,7 +23,7 @@ from ..rundir import atomic_write_text
 
 __all__ = ["QuarantineSampler", "QuarantineKeeper", "read_quarantine", "write_quarantine"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 
 class QuarantineSampler(Sampler[int]):

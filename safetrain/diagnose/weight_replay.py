@@ -23,7 +23,7 @@ from .rng import RNG_MOVED
 
 __all__ = ["WeightReplay", "describe_optimizer"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 
 #: Optimizer settings that say how an update is computed, not what it computes: left out of the line.

@@ -41,7 +41,7 @@ from .snapdir import (
 
 __all__ = ["ShardedStore", "save_sharded"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 _MINE = ("model/", "optim/state/")  # captured tensors that DCP writes from get_state_dict instead
 

@@ -20,7 +20,7 @@ from .verify import verify_files
 
 __all__ = ["load_sharded"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -27,7 +27,7 @@ from .forward import Forward
 from .plumbing import Plumbing
 from .state import RecoveryState
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 __all__ = ["measure", "start_losses", "measuring"]
 

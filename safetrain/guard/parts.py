@@ -42,7 +42,7 @@ from .update import Updates
 
 __all__ = ["Parts"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 _Self = TypeVar("_Self", bound="Parts")  # ``with Guard(...) as guard``: a Guard
 

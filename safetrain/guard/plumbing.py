@@ -22,7 +22,7 @@ from ..snapshot.accepted import matches, pattern_tensor
 
 __all__ = ["Plumbing", "Buffers"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 #: What :meth:`Plumbing.autocast` returns without mixed precision: one reusable no-op context.
 _NO_AUTOCAST = contextlib.nullcontext()

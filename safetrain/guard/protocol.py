@@ -32,7 +32,7 @@ from .parts import Parts
 
 __all__ = ["Guard", "without_reruns"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 #: Who drives the step: the guard itself (``Guard.step``), or the caller's loop through the verbs.
 GUARD, CALLER = "Guard.step", "the verbs"

@@ -31,7 +31,7 @@ from .state import RecoveryState
 
 __all__ = ["Recovery", "Outcome", "Rerun", "Verdict", "Emit", "with_hint"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 #: How the executor journals: ``emit(event_class, kind, action, message, detail, at=None) -> event``;
 #: ``at``: the ``(epoch, batch index)`` of the micro-batch the event is about (``None``: the step's).

@@ -21,7 +21,7 @@ import torch
 
 __all__ = ["first_nonfinite_modules", "broken_start_reason", "state_names"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 
 def state_names(params: Sequence[Tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer) -> Dict[str, str]:

@@ -43,7 +43,7 @@ from ..runlog import OWN_SUBDIR
 
 __all__ = ["SafeTraining"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 #: The guard's counters sent to Lightning's loggers as ``safetrain/<name>`` (see ``FitResult``).
 LOGGED_COUNTS = (
@@ -146,7 +146,6 @@ class SafeTraining(Callback):
         model, optimizer, scheduler = self._check(trainer, pl_module)
         scaler = precision_scaler(trainer)
         cfg = self._config(trainer)
-        logger.setLevel(cfg.log.level)
         self._run = run = Run(self._run_dir(trainer, cfg), trainer.global_rank, cfg)
         self.result = run.result
         run.open(share=lambda value: distributed.from_rank0(value, model))  # a refused directory stops every rank

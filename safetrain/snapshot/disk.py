@@ -43,7 +43,7 @@ from .tmpnames import stale
 
 __all__ = ["SafetensorsStore", "load_snapshot", "list_snapshots", "snapshot_step"]
 
-log = logging.getLogger("safetrain")
+log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^snapshot-(\d{10,})\.safetensors$")
 _UNREADABLE = "\0unreadable"  # the run of a file whose header cannot be read (never anyone's)

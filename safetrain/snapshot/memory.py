@@ -23,7 +23,7 @@ from .tensors import alloc_like, copy_all_, copy_checked_, layout_of, streamable
 
 __all__ = ["MemoryStore"]
 
-log = logging.getLogger("safetrain")
+log = logging.getLogger(__name__)
 
 # Threads for the one-pass copy and check: torch's intra-op thread count, at most this many.
 # Memory bandwidth is usually saturated well before; more threads would queue on the GIL.

@@ -30,7 +30,7 @@ from .tensors import nonfinite
 
 __all__ = ["SnapshotInfo", "SnapshotStore", "StoreState", "CorruptSnapshotError", "make_info", "new_run_id", "run_of"]
 
-log = logging.getLogger("safetrain")
+log = logging.getLogger(__name__)
 
 
 class CorruptSnapshotError(SnapshotError):
