@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # what the lazy exports below are, for type checkers (importe
     from .diagnose import Diagnosis
     from .diagnose.quarantine import QuarantineSampler
     from .guard import Guard, StepResult
+    from .hooks import RunHook, StepRecord, TensorBoardHook
     from .run import FitResult
     from .trainer import SafeTrainer
 
@@ -60,6 +61,9 @@ __all__ = [
     "StepResult",
     "QuarantineSampler",
     "Diagnosis",
+    "RunHook",
+    "StepRecord",
+    "TensorBoardHook",
     "TrainConfig",
     "load_config",
     "as_config",
@@ -96,6 +100,9 @@ _LAZY = {
     "StepResult": ".guard",
     "QuarantineSampler": ".diagnose.quarantine",
     "Diagnosis": ".diagnose",
+    "RunHook": ".hooks",
+    "StepRecord": ".hooks",
+    "TensorBoardHook": ".hooks",
 }
 
 

@@ -9,7 +9,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -19,6 +19,7 @@ from .diagnose.quarantine import QuarantineKeeper
 from .ending import SignalStop, interruption
 from .errors import SafetrainError, SnapshotError, TrainingInterrupted
 from .guard import Guard, StepResult
+from .hooks import RunHook
 from .run import FitResult, Run
 from .wrappers import unwrap_compiled
 
@@ -66,6 +67,7 @@ class SafeTrainer:
         epochs: int = 1,
         max_steps: Optional[int] = None,
         resume: Union[None, str, Path] = None,
+        hooks: Sequence[RunHook] = (),
     ) -> FitResult:
         """Train for ``epochs`` over ``loader`` (or until ``max_steps`` steps), surviving anomalies.
 
@@ -87,6 +89,10 @@ class SafeTrainer:
                 training continues exactly where it stopped. ``"auto"``: resume from
                 ``snapshot.dir`` (or ``<log.dir>/snapshots``) if it holds a valid snapshot, else
                 start fresh (the form a requeued job needs).
+            hooks: :class:`~safetrain.hooks.RunHook` objects that receive every event as it is
+                journaled, every decided step (a :class:`~safetrain.hooks.StepRecord`) and the
+                :class:`FitResult` at the end, on every rank (``log.tensorboard: true`` adds a
+                TensorBoard writer on rank 0). They observe; a hook that raises is logged and dropped.
 
         Returns:
             The :class:`FitResult`.
@@ -103,7 +109,7 @@ class SafeTrainer:
         cfg = self.cfg
         _check_counts(epochs, max_steps)
         # under DDP: rank 0 keeps events.jsonl and metrics.csv, rank r events-rank{r}.jsonl
-        run = Run(cfg.log.dir, distributed.rank(), cfg)  # RunDirError naming it, not an OSError later
+        run = Run(cfg.log.dir, distributed.rank(), cfg, hooks)  # RunDirError naming it, not an OSError later
         stop, error = SignalStop(cfg.log.signals), None
         try:
             with stop:  # the previous handlers come back on every way out

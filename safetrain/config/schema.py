@@ -311,6 +311,9 @@ class LogConfig:
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = _f(
         "INFO", "level of the 'safetrain' logger under the CLI (a library run leaves levels to the application)"
     )
+    tensorboard: bool = _f(
+        False, "write loss, LR, grad norm, counters and events to <log.dir>/tensorboard (pip install tensorboard)"
+    )
     signals: Literal["term", "term+int", "off"] = _f(
         "term+int",
         "signals fit catches to stop cleanly after the current step: SIGTERM, SIGTERM and SIGINT (Ctrl-C), or none",
