@@ -23,6 +23,7 @@ from .errors import ConfigError, TrainingAborted
 from .plot import plot_run
 from .report import format_report
 from .rundir import ReportError, read_run
+from .safefile import atomic_write_text
 
 __all__ = ["DemoSize", "DemoResult", "LogNormFeatures", "demo_config", "run_demo", "format_summary"]
 
@@ -324,7 +325,7 @@ def run_demo(
         torch.set_num_threads(threads)
     demo = DemoResult(run_dir, result, clean_result, accuracy, clean_accuracy, faults, size)
     run = read_run(run_dir)
-    (run_dir / "report.txt").write_text(format_report(run) + "\n", encoding="utf-8")
+    atomic_write_text(run_dir / "report.txt", format_report(run) + "\n")  # a link there is replaced, not followed
     if plot:
         try:
             demo.png = plot_run(run)

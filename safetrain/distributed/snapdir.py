@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import SnapshotError
-from ..rundir import AtomicFile
+from ..safefile import atomic_write_bytes
 from ..snapshot.store import CorruptSnapshotError
 
 __all__ = [
@@ -85,16 +85,9 @@ def snapshot_files(snap: str) -> List[str]:
 
 
 def write_json(path: str, obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` atomically (a temporary file, fsync, rename)."""
-    target = AtomicFile(path)
-    try:
-        with open(target.tmp, "w") as f:
-            json.dump(obj, f, separators=(",", ":"), allow_nan=False)
-            f.flush()
-            os.fsync(f.fileno())
-        target.commit()
-    finally:
-        target.discard()
+    """Write ``obj`` as JSON to ``path`` atomically (a temporary file, fsync, rename; a link there
+    is replaced, never written through)."""
+    atomic_write_bytes(path, json.dumps(obj, separators=(",", ":"), allow_nan=False).encode("utf-8"))
 
 
 def read_json(path: str) -> Any:

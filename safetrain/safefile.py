@@ -1,0 +1,379 @@
+"""Every file safetrain writes goes through here, so that no write follows a link planted at its path.
+
+A run directory or snapshot directory may be shared (a team's scratch space, a cluster's
+project folder): someone else may have put a symbolic link, a FIFO or a directory where
+safetrain is about to write a file. Three ways to write, and nothing in safetrain writes otherwise:
+
+* a whole file replaced atomically (:class:`AtomicFile`, :func:`atomic_write_bytes`,
+  :func:`atomic_write_text`, :func:`atomic_save`): a temporary file is created new beside the
+  path (``O_CREAT | O_EXCL | O_NOFOLLOW``; a library that insists on a file name writes into a
+  private ``0700`` temporary directory instead), written, fsynced and renamed over the path. A
+  rename replaces a link or a FIFO there; it never writes through it. A directory there is an error.
+* a file appended to (:func:`open_append`: the journal, ``metrics.csv``): opened with
+  ``O_NOFOLLOW | O_APPEND``; a link, a FIFO, a device or a directory at the path is refused
+  with an :class:`UnsafeFileError` that names it, without blocking.
+* a file created new (:func:`create_new`: a snapshot's temporary file): ``O_CREAT | O_EXCL |
+  O_NOFOLLOW``, so nothing planted there is ever opened.
+
+Directories safetrain writes into are checked to be real directories (:func:`real_dir`), so
+that a link planted in place of a snapshot's ``step-*`` directory is refused rather than
+written through. Modes: created files get ``0o664`` (``0o600`` for :func:`private_dir` content)
+before the umask, so they follow the umask and are never writable by others (a snapshot, a
+journal, a mark); directories get ``0o775`` before the umask.
+
+:data:`WRITERS` names every place in safetrain that writes a file through these helpers; the
+planted-link test suite (``tests/unit/test_safefile_links.py``) has one case per name, and an
+AST scan fails on a call site of these helpers not listed there (or a write that bypasses them).
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import stat
+import tempfile
+import uuid
+from typing import IO, Any, Callable, Optional, Union
+
+from .errors import SafetrainError
+
+__all__ = [
+    "UnsafeFileError",
+    "FILE_MODE",
+    "DIR_MODE",
+    "WRITERS",
+    "fsync_dir",
+    "AtomicFile",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "atomic_save",
+    "open_append",
+    "open_private",
+    "create_new",
+    "real_dir",
+    "remove_tree",
+    "file_kind",
+]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+#: Mode of created files before the umask: read-write for the user and group, never for others.
+FILE_MODE = 0o664
+#: Mode of created directories before the umask.
+DIR_MODE = 0o775
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+
+#: Every writer of a file in safetrain (module:function -> what it writes). The planted-link
+#: suite has a case per entry, and its AST scan checks this table against the call sites.
+WRITERS = {
+    "safetrain.dirlock:DirLock.take": "the lock file of a run or snapshot directory",
+    "safetrain.rundir:prepare_run_dir": "the write probe of log.dir",
+    "safetrain.rundir:Journal.__init__": "events.jsonl (and events-rank{r}.jsonl)",
+    "safetrain.rundir:MetricsWriter.__init__": "metrics.csv",
+    "safetrain.diagnose.quarantine:write_quarantine": "quarantine.json",
+    "safetrain.plot:plot_run": "report.png (safetrain report, the demo)",
+    "safetrain.demo:run_demo": "report.txt of the demo",
+    "safetrain.snapshot.fileformat:FileWriter.__init__": "a snapshot file (new, renamed over snapshot-*)",
+    "safetrain.distributed.snapdir:write_json": "a sharded snapshot's rank-{r}.json and its mark safetrain.json",
+    "safetrain.distributed.checkpoint:save_sharded": "a sharded snapshot's step-* directory",
+    "safetrain.distributed.export:export_model": "the model file of safetrain export",
+}
+
+
+class UnsafeFileError(SafetrainError, OSError):
+    """A path safetrain was about to write (or read in a run directory) is not a plain file of the
+    user's: a symbolic link, a FIFO, a device, a directory, or a file with other hard links.
+
+    It is an ``OSError`` too (``strerror`` holds the sentence), so each caller's ``except OSError``
+    turns it into its own error (``RunDirError``, ``SnapshotError``, ``ReportError``) naming the file.
+    """
+
+    def __init__(self, path: PathLike, what: str, fix: str = "") -> None:
+        sentence = f"{os.fspath(path)}: {what}; safetrain does not write through it" + (f": {fix}" if fix else "")
+        super().__init__(errno.EPERM, sentence, os.fspath(path))
+        self.args = (sentence,)
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def file_kind(mode: int) -> str:
+    """A file's type in words: ``a symbolic link``, ``a FIFO``, ``a directory``... (``a regular file``)."""
+    for test, kind in (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return kind
+    return "not a plain file"
+
+
+def _refusal(path: PathLike) -> UnsafeFileError:
+    """The error for a path that is not a regular file, read without following it."""
+    try:
+        kind = file_kind(os.lstat(path).st_mode)
+    except OSError:
+        kind = "not a plain file"
+    return UnsafeFileError(
+        path, f"is {kind}, where safetrain writes a file of its own", "remove it, or choose another directory"
+    )
+
+
+def fsync_dir(directory: PathLike) -> None:
+    """Flush a directory's entries to disk, so that a rename or unlink in it survives a power cut.
+
+    A no-op on Windows, where a directory cannot be opened to be fsynced.
+    """
+    if os.name == "nt":
+        return
+    fd = os.open(directory, os.O_RDONLY | _CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def create_new(path: PathLike, mode: int = FILE_MODE) -> int:
+    """Create ``path`` as a new file and open it for writing: a descriptor (``O_EXCL | O_NOFOLLOW``).
+
+    Raises:
+        FileExistsError: something (a file, a link, a FIFO) is at ``path`` already; nothing was opened.
+    """
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, mode)
+
+
+def open_append(path: PathLike, encoding: str = "utf-8") -> IO[str]:
+    """Open ``path`` to append text, creating it if needed; a regular file of its own or nothing.
+
+    Opened with ``O_NOFOLLOW | O_NONBLOCK``: a symbolic link at ``path`` fails the open, a FIFO
+    does not block it, and anything but a regular file with one link is refused. The returned
+    file is readable too (``a+``), so a caller can look at what is there (a cut last line).
+
+    Raises:
+        UnsafeFileError: ``path`` is a link, a FIFO, a device, a directory or a hard-linked file.
+        OSError: it cannot be opened (permissions, a full disk).
+    """
+    fd = _open_checked(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, FILE_MODE, "appends to")
+    return os.fdopen(fd, "a+", encoding=encoding)
+
+
+def open_private(path: PathLike, encoding: str = "utf-8") -> IO[str]:
+    """Open (or create, mode ``0o600``) ``path`` to read and write, as :func:`open_append` checks
+    it, and also owned by this user: for a lock file in a folder of the user's own.
+
+    Raises:
+        UnsafeFileError: ``path`` is a link, not a regular file, hard-linked or another user's.
+        OSError: it cannot be opened.
+    """
+    fd = _open_checked(path, os.O_RDWR | os.O_CREAT, 0o600, "keeps", owned=True)
+    return os.fdopen(fd, "r+", encoding=encoding)
+
+
+def _open_checked(path: PathLike, flags: int, mode: int, does: str, owned: bool = False) -> int:
+    """Open ``path`` with ``flags | O_NOFOLLOW | O_NONBLOCK``: a descriptor of a regular file with
+    one link (and, ``owned``, this user's), else :class:`UnsafeFileError` and nothing stays open."""
+    try:
+        fd = os.open(path, flags | _NOFOLLOW | _NONBLOCK | _CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EMLINK):
+            raise _refusal(path) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        fix = "remove it, or choose another directory"
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeFileError(path, f"is {file_kind(st.st_mode)}, where safetrain {does} a file of its own", fix)
+        if st.st_nlink > 1:
+            raise UnsafeFileError(path, f"has {st.st_nlink} hard links (another name shares its content)", fix)
+        if owned and hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+            raise UnsafeFileError(path, f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})", fix)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+class AtomicFile:
+    """A file that is whole or absent: write :attr:`tmp`, then :meth:`commit` renames it over :attr:`path`.
+
+    The temporary file is in the same directory (a rename across filesystems is not atomic) and
+    is created new (:meth:`open`: ``O_EXCL | O_NOFOLLOW``); the rename replaces whatever is at
+    ``path`` (a planted link is replaced, never written through). Leaving the ``with`` block
+    without ``commit`` (an exception, or a write given up) removes it, and ``path`` keeps its old
+    content or stays absent. The caller writes and fsyncs ``tmp``; ``commit`` renames and fsyncs
+    the directory.
+
+    Args:
+        path: the final file.
+        tmp: the temporary file to use; default ``<dir>/<prefix><name>.<pid>.<random>``.
+        prefix: the temporary file's name prefix (a reader of the directory can skip or clean
+            up names starting with it).
+
+    Example::
+
+        >>> path = os.path.join(tempfile.mkdtemp(), "state.bin")
+        >>> with AtomicFile(path) as target:
+        ...     with target.open("wb") as f:
+        ...         _ = f.write(b"whole"); f.flush(); os.fsync(f.fileno())
+        ...     target.commit()
+        >>> open(path, "rb").read()
+        b'whole'
+    """
+
+    def __init__(self, path: PathLike, tmp: Optional[PathLike] = None, prefix: str = ".tmp-") -> None:
+        self.path = os.fspath(path)
+        directory, name = os.path.split(self.path)
+        self.directory = directory or "."
+        self.tmp = (
+            os.fspath(tmp)
+            if tmp is not None
+            else os.path.join(self.directory, f"{prefix}{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+        )
+        self.committed = False
+
+    def open(self, mode: str = "wb", encoding: Optional[str] = None) -> IO[Any]:
+        """Create :attr:`tmp` new (:func:`create_new`) and open it with ``mode`` (``"wb"`` or ``"w"``)."""
+        return os.fdopen(create_new(self.tmp), mode, encoding=encoding if "b" not in mode else None)
+
+    def commit(self, replace: Optional[Callable[[str, str], None]] = None) -> None:
+        """Rename the (written and fsynced) temporary file over ``path``, then fsync the directory.
+
+        Args:
+            replace: the rename, ``os.replace`` by default; a caller may pass its own that ends
+                in an atomic rename of its first argument over its second.
+
+        Raises:
+            UnsafeFileError: a directory is at ``path``.
+        """
+        if os.path.isdir(self.path) and not os.path.islink(self.path):
+            raise UnsafeFileError(
+                self.path,
+                "is a directory, where safetrain writes a file of its own",
+                "remove it, or choose another name",
+            )
+        (replace or os.replace)(self.tmp, self.path)
+        self.committed = True
+        fsync_dir(self.directory)
+
+    def discard(self) -> None:
+        """Remove the temporary file if it is there (idempotent)."""
+        try:
+            os.remove(self.tmp)
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> "AtomicFile":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.discard()
+
+
+def atomic_write_bytes(path: PathLike, data: bytes, prefix: str = ".tmp-") -> None:
+    """Replace ``path`` with ``data`` atomically: temp file beside it, write, fsync, rename, fsync the directory.
+
+    A crash or an error at any moment leaves either the old file (or none) or the new one whole,
+    and no temporary file after an error. The directory must exist. A link at ``path`` is
+    replaced by the file, never written through.
+
+    Args:
+        path: the file to write.
+        data: its new content.
+        prefix: the temporary file's name prefix.
+
+    Raises:
+        OSError: the file could not be written; ``path`` is unchanged.
+    """
+    with AtomicFile(path, prefix=prefix) as target:
+        with target.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        target.commit()
+
+
+def atomic_write_text(path: PathLike, text: str, encoding: str = "utf-8", prefix: str = ".tmp-") -> None:
+    """Replace ``path`` with ``text`` atomically (see :func:`atomic_write_bytes`); for small JSON or text files.
+
+    Example::
+
+        >>> import json
+        >>> path = os.path.join(tempfile.mkdtemp(), "quarantine.json")
+        >>> atomic_write_text(path, json.dumps({"indices": [3, 7]}, indent=1))
+        >>> json.loads(open(path).read())["indices"]
+        [3, 7]
+    """
+    atomic_write_bytes(path, text.encode(encoding), prefix=prefix)
+
+
+def atomic_save(path: PathLike, write: Callable[[str], None]) -> None:
+    """Replace ``path`` atomically with what ``write(name)`` writes to the file ``name``, for a
+    library that opens its file by name (``safetensors.torch.save_file``).
+
+    ``name`` is in a ``0700`` temporary directory beside ``path`` (same filesystem: the rename
+    is atomic), so no one else can plant a link there; the file is fsynced, renamed over
+    ``path`` and the temporary directory removed.
+
+    Raises:
+        OSError: the file could not be written; ``path`` is unchanged.
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(path) or "."
+    private = tempfile.mkdtemp(prefix=".tmp-", dir=directory)
+    try:
+        tmp = os.path.join(private, os.path.basename(path))
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
+        try:
+            os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) & ~0o002)  # the umask's mode, never world-writable
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        AtomicFile(path, tmp=tmp).commit()
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def real_dir(path: PathLike) -> str:
+    """Create the directory ``path`` (with its parents) if needed and check it is a real directory.
+
+    Raises:
+        UnsafeFileError: ``path`` is a symbolic link (to a directory or not) or another non-directory.
+        OSError: it cannot be created.
+    """
+    path = os.fspath(path)
+    try:
+        os.makedirs(path, mode=DIR_MODE, exist_ok=True)
+    except FileExistsError:  # a file, or a link to nothing: refused below
+        pass
+    mode = os.lstat(path).st_mode
+    if not stat.S_ISDIR(mode):
+        raise UnsafeFileError(
+            path,
+            f"is {file_kind(mode)}, where safetrain makes a directory of its own",
+            "remove it, or choose another directory",
+        )
+    return path
+
+
+def remove_tree(path: PathLike) -> None:
+    """Remove a directory tree safetrain wrote, or the link or file someone put in its place
+    (the link only, never what it points to); errors are ignored."""
+    path = os.fspath(path)
+    try:
+        if os.path.islink(path) or not os.path.isdir(path):
+            os.remove(path)
+            return
+    except OSError:
+        return
+    shutil.rmtree(path, ignore_errors=True)
