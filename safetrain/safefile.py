@@ -73,8 +73,7 @@ _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 WRITERS = {
     "safetrain.dirlock:DirLock.take": "the lock file of a run or snapshot directory",
     "safetrain.rundir:prepare_run_dir": "the write probe of log.dir",
-    "safetrain.rundir:Journal.__init__": "events.jsonl (and events-rank{r}.jsonl)",
-    "safetrain.rundir:MetricsWriter.__init__": "metrics.csv",
+    "safetrain.rundir:_open_appending": "events.jsonl, events-rank{r}.jsonl (Journal) and metrics.csv (MetricsWriter)",
     "safetrain.diagnose.quarantine:write_quarantine": "quarantine.json",
     "safetrain.plot:plot_run": "report.png (safetrain report, the demo)",
     "safetrain.demo:run_demo": "report.txt of the demo",
@@ -118,12 +117,17 @@ def file_kind(mode: int) -> str:
     return "not a plain file"
 
 
+def _kind_at(path: PathLike) -> str:
+    """What is at ``path``, without following a link: ``a symbolic link``, ``a FIFO``..."""
+    try:
+        return file_kind(os.lstat(path).st_mode)
+    except OSError:
+        return "not a plain file"
+
+
 def _refusal(path: PathLike) -> UnsafeFileError:
     """The error for a path that is not a regular file, read without following it."""
-    try:
-        kind = file_kind(os.lstat(path).st_mode)
-    except OSError:
-        kind = "not a plain file"
+    kind = _kind_at(path)
     return UnsafeFileError(
         path, f"is {kind}, where safetrain writes a file of its own", "remove it, or choose another directory"
     )
@@ -147,9 +151,13 @@ def create_new(path: PathLike, mode: int = FILE_MODE) -> int:
     """Create ``path`` as a new file and open it for writing: a descriptor (``O_EXCL | O_NOFOLLOW``).
 
     Raises:
-        FileExistsError: something (a file, a link, a FIFO) is at ``path`` already; nothing was opened.
+        UnsafeFileError: something (a file, a link, a FIFO) is at ``path`` already; nothing was opened.
     """
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, mode)
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, mode)
+    except FileExistsError:
+        kind = _kind_at(path)
+        raise UnsafeFileError(path, f"is {kind} already, where safetrain creates a new file", "remove it") from None
 
 
 def open_append(path: PathLike, encoding: str = "utf-8") -> IO[str]:
