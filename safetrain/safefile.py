@@ -17,7 +17,7 @@ safetrain is about to write a file. Three ways to write, and nothing in safetrai
 
 Directories safetrain writes into are checked to be real directories (:func:`real_dir`), so
 that a link planted in place of a snapshot's ``step-*`` directory is refused rather than
-written through. Modes: created files get ``0o664`` (``0o600`` for :func:`private_dir` content)
+written through. Modes: created files get ``0o664`` (``0o600`` for a lock file, :func:`open_private`)
 before the umask, so they follow the umask and are never writable by others (a snapshot, a
 journal, a mark); directories get ``0o775`` before the umask.
 
@@ -30,12 +30,13 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
 import stat
 import tempfile
 import uuid
-from typing import IO, Any, Callable, Optional, Union
+from typing import IO, Any, Callable, Iterable, List, Optional, Union
 
 from .errors import SafetrainError
 
@@ -51,6 +52,8 @@ __all__ = [
     "atomic_save",
     "open_append",
     "open_private",
+    "read_own",
+    "skip_links",
     "create_new",
     "real_dir",
     "remove_tree",
@@ -58,6 +61,8 @@ __all__ = [
 ]
 
 PathLike = Union[str, "os.PathLike[str]"]
+
+logger = logging.getLogger("safetrain")
 
 #: Mode of created files before the umask: read-write for the user and group, never for others.
 FILE_MODE = 0o664
@@ -92,8 +97,8 @@ class UnsafeFileError(SafetrainError, OSError):
     turns it into its own error (``RunDirError``, ``SnapshotError``, ``ReportError``) naming the file.
     """
 
-    def __init__(self, path: PathLike, what: str, fix: str = "") -> None:
-        sentence = f"{os.fspath(path)}: {what}; safetrain does not write through it" + (f": {fix}" if fix else "")
+    def __init__(self, path: PathLike, what: str, fix: str = "", does: str = "write through it") -> None:
+        sentence = f"{os.fspath(path)}: {what}; safetrain does not {does}" + (f": {fix}" if fix else "")
         super().__init__(errno.EPERM, sentence, os.fspath(path))
         self.args = (sentence,)
 
@@ -209,6 +214,71 @@ def _open_checked(path: PathLike, flags: int, mode: int, does: str, owned: bool 
     except BaseException:
         os.close(fd)
         raise
+
+
+def read_own(path: PathLike, limit: Optional[int] = None) -> bytes:
+    """The content of a file safetrain wrote in a run or snapshot directory, read without following
+    a link out of it (``O_NOFOLLOW``) and without blocking on a FIFO (``O_NONBLOCK``).
+
+    Args:
+        path: the file.
+        limit: read at most this many bytes (default: all).
+
+    Raises:
+        UnsafeFileError: a link, a FIFO, a device or a directory is at ``path``.
+        OSError: it cannot be read (missing, permissions).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):
+            raise _read_refusal(path, _kind_at(path)) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _read_refusal(path, file_kind(st.st_mode))
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read() if limit is None else f.read(limit)
+    finally:
+        os.close(fd)
+
+
+_WARNED: set = set()  # links already named by skip_links (once per path and process)
+
+
+def skip_links(directory: PathLike, names: Iterable[str], what: str) -> List[str]:
+    """``names`` in ``directory`` less the symbolic links, each named once in a warning: a listing
+    of a run or snapshot directory never leads a reader out of it.
+
+    Args:
+        directory: where the names are.
+        names: the entries found there (already filtered to the reader's pattern).
+        what: what such an entry would be, for the warning (``"a snapshot"``).
+    """
+    kept = []
+    for name in names:
+        path = os.path.join(os.fspath(directory), name)
+        if not os.path.islink(path):
+            kept.append(name)
+        elif path not in _WARNED:
+            _WARNED.add(path)
+            logger.warning(
+                "%s: a symbolic link where %s would be; safetrain does not follow links out of the directory, "
+                "so it is ignored (replace it with the file itself to use it)",
+                path,
+                what,
+            )
+    return kept
+
+
+def _read_refusal(path: PathLike, kind: str) -> UnsafeFileError:
+    return UnsafeFileError(
+        path,
+        f"is {kind}, where a run or snapshot directory holds a file safetrain wrote",
+        "replace it with the file itself",
+        does="follow links out of a run directory, nor read a FIFO or device there",
+    )
 
 
 class AtomicFile:

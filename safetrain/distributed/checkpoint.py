@@ -217,6 +217,8 @@ class ShardedStore(SnapshotStore):
 
     def _clean(self, snap: str) -> None:
         """Rank 0: clear ``snap`` and this run's incomplete directories (a save that was cut short)."""
+        if os.path.islink(snap) or (os.path.lexists(snap) and not os.path.isdir(snap)):
+            remove_tree(snap)  # a link or file planted in its place: the link only, never what it points to
         for path in sharded_snapshots(self.directory, complete=False):
             if os.path.isfile(os.path.join(path, MARK)) and path != snap:
                 continue

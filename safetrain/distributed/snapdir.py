@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import SnapshotError
-from ..safefile import atomic_write_bytes
+from ..safefile import atomic_write_bytes, skip_links
 from ..snapshot.store import CorruptSnapshotError
 
 __all__ = [
@@ -63,11 +63,13 @@ def step_of(path: str) -> Optional[int]:
 
 
 def sharded_snapshots(directory: str, complete: bool = True) -> List[str]:
-    """Snapshot directories in ``directory``, oldest step first (only complete ones by default)."""
+    """Snapshot directories in ``directory``, oldest step first (only complete ones by default);
+    symbolic links are left out (named once in a warning)."""
     try:
         names = os.listdir(directory)
     except (FileNotFoundError, NotADirectoryError):
         return []
+    names = skip_links(directory, [n for n in names if _NAME.match(n)], "a sharded snapshot")
     found = sorted((int(m.group(1)), n) for n in names if (m := _NAME.match(n)))
     paths = [os.path.join(directory, n) for _, n in found]
     return [p for p in paths if os.path.isfile(os.path.join(p, MARK))] if complete else paths

@@ -488,3 +488,56 @@ def test_every_write_in_safetrain_goes_through_safefile_from_a_listed_writer():
     assert not unlisted, f"writers not in safetrain.safefile.WRITERS (add them, and a case here): {sorted(unlisted)}"
     gone = set(WRITERS) - helper_sites
     assert not gone, f"WRITERS lists writers that no longer write: {sorted(gone)}"
+
+
+# -- reading a run directory does not follow links out of it -----------------------------------------
+
+
+def test_report_refuses_a_journal_that_is_a_link_out_of_the_run_directory(tmp_path, finished_run, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    os.symlink(finished_run / "events.jsonl", run / "events.jsonl")
+    assert main(["report", str(run), "--no-plot"]) == 2
+    err = capsys.readouterr().err
+    assert str(run / "events.jsonl") in err and "is a symbolic link" in err and "follow links" in err, err
+
+
+def test_a_link_among_the_snapshots_is_ignored_and_named(tmp_path, finished_run, caplog):
+    """A resume or `inspect DIR` never reads a file outside the snapshot directory through a link."""
+    import logging
+
+    from safetrain.snapshot import list_snapshots
+
+    snaps = tmp_path / "snaps"
+    snaps.mkdir()
+    real = sorted(os.listdir(finished_run / "snapshots"))[-1]
+    os.symlink(finished_run / "snapshots" / real, snaps / "snapshot-0000000009.safetensors")
+    with caplog.at_level(logging.WARNING, logger="safetrain"):
+        assert list_snapshots(snaps) == []
+    assert "snapshot-0000000009.safetensors: a symbolic link" in caplog.text
+    from safetrain.diagnose.quarantine import read_quarantine
+
+    os.symlink(finished_run / "events.jsonl", tmp_path / "quarantine.json")
+    with pytest.raises(SafetrainError, match="is a symbolic link"):
+        read_quarantine(tmp_path / "quarantine.json")
+
+
+def test_files_are_never_writable_by_others_whatever_the_umask(tmp_path):
+    from safetrain.snapshot import SafetensorsStore
+    from safetrain.snapshot.state import TrainState
+
+    old = os.umask(0)
+    try:
+        model = torch.nn.Linear(4, 2)
+        with SafetensorsStore(tmp_path / "snaps", keep=2) as store:
+            info = store.save(
+                TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1)), {"step": 1, "epoch": 0, "batch": 1}
+            )
+        Journal(tmp_path / "events.jsonl").close()
+        from safetrain.diagnose.quarantine import write_quarantine
+
+        write_quarantine(tmp_path / "quarantine.json", [1])
+    finally:
+        os.umask(old)
+    for path in (info.path, tmp_path / "events.jsonl", tmp_path / "quarantine.json"):
+        assert stat.S_IMODE(os.stat(path).st_mode) & 0o002 == 0, f"{path}: writable by others"
