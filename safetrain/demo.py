@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from .atomicfile import atomic_write_text
 from .config import TrainConfig, as_config, load_config, to_dict
 from .errors import ConfigError, TrainingAborted
 from .plot import plot_run
 from .report import format_report
 from .rundir import ReportError, read_run
-from .safefile import atomic_write_text
 
 __all__ = ["DemoSize", "DemoResult", "LogNormFeatures", "demo_config", "run_demo", "format_summary"]
 

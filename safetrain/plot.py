@@ -20,8 +20,8 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List, Tuple, Union
 
+from .atomicfile import atomic_write_bytes
 from .rundir import ReportError, RunLog
-from .safefile import atomic_write_bytes
 
 __all__ = ["PlotUnavailable", "plot_run"]
 

@@ -7,7 +7,7 @@ A run directory holds ``events.jsonl`` (one JSON object per event, then a closin
 written, and the next run ends a cut line before appending); :class:`MetricsWriter` buffers rows
 and flushes on eventful steps, every ``snapshot.every`` rows and on close; :func:`read_run` (in
 :mod:`safetrain.runlog`) reads both back without trusting them. :func:`atomic_write_text` and
-:class:`AtomicFile` (from :mod:`safetrain.safefile`, re-exported here) leave a file whole or absent:
+:class:`AtomicFile` (from :mod:`safetrain.atomicfile`, re-exported here) leave a file whole or absent:
 the cost is an fsync of the file and of its directory per write. No write follows a link planted in
 the directory: the journal and ``metrics.csv`` are opened with ``O_NOFOLLOW`` and must be regular
 files (:func:`safetrain.safefile.open_append`). :func:`prepare_run_dir` checks, when ``fit`` starts, that
@@ -24,20 +24,13 @@ import uuid
 from pathlib import Path
 from typing import IO, Any, Mapping, Optional, Union
 
+from .atomicfile import AtomicFile, atomic_write_bytes, atomic_write_text, fsync_dir
 from .dirlock import DirLock
 from .errors import SafetrainError
 from .events import jsonable
 from .records import METRICS_COLUMNS
 from .runlog import JOURNAL_FILE, METRICS_FILE, ReportError, RunLog, Skipped, read_run
-from .safefile import (
-    AtomicFile,
-    UnsafeFileError,
-    atomic_write_bytes,
-    atomic_write_text,
-    create_new,
-    fsync_dir,
-    open_append,
-)
+from .safefile import UnsafeFileError, create_new, open_append
 
 __all__ = [
     "JOURNAL_FILE",

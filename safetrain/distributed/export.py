@@ -15,8 +15,8 @@ from typing import Dict, Union
 
 import torch
 
+from ..atomicfile import atomic_save
 from ..errors import SnapshotError
-from ..safefile import atomic_save
 from .snapdir import MARK, sharded_snapshots
 
 __all__ = ["export_model"]

@@ -26,8 +26,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ..atomicfile import atomic_write_bytes
 from ..errors import SnapshotError
-from ..safefile import atomic_write_bytes, skip_links
+from ..safefile import skip_links
 from ..snapshot.store import CorruptSnapshotError
 
 __all__ = [

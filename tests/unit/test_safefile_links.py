@@ -458,9 +458,21 @@ def _writes(tree: ast.AST):
                     flags = ast.unparse(child.args[1]) if len(child.args) > 1 else ""
                     if any(w in flags for w in ("O_WRONLY", "O_RDWR", "O_CREAT", "O_APPEND", "O_TRUNC")):
                         found.append((scope, f"os.open(..., {flags})"))
-                elif name in ("write_text", "write_bytes", "save_file", "savefig", "to_csv", "mkfifo"):
-                    if not (name == "savefig" and ast.unparse(child.args[0]) == "png"):  # into a BytesIO
-                        if not (name == "save_file" and _in_lambda(tree, child)):
+                elif name == "open" and isinstance(f, ast.Attribute):  # Path.open("w"), not Run.open()
+                    mode = (
+                        child.args[0]
+                        if child.args
+                        else next((k.value for k in child.keywords if k.arg == "mode"), None)
+                    )
+                    if isinstance(mode, ast.Constant) and isinstance(mode.value, str) and set(mode.value) & set("wax+"):
+                        found.append((scope, f".open({mode.value!r})"))
+                elif name in ("copy", "copy2", "copyfile", "move") and ast.unparse(f).startswith("shutil."):
+                    found.append((scope, ast.unparse(f)))
+                elif name in ("write_text", "write_bytes", "save_file", "savefig", "to_csv", "mkfifo", "save"):
+                    if name == "save" and ast.unparse(f) not in ("torch.save", "np.save", "numpy.save"):
+                        pass
+                    elif not (name == "savefig" and ast.unparse(child.args[0]) == "png"):  # into a BytesIO
+                        if not (name == "save_file" and _in_lambda(tree, child)):  # inside atomic_save
                             found.append((scope, name))
             visit(child, inner)
 
@@ -472,11 +484,29 @@ def _in_lambda(tree: ast.AST, call: ast.Call) -> bool:
     return any(isinstance(n, ast.Lambda) and call in ast.walk(n.body) for n in ast.walk(tree))
 
 
+def test_the_scan_sees_the_usual_ways_to_write_a_file():
+    code = (
+        "def f(p):\n open(p, 'w')\n open(p, mode='ab')\n Path(p).write_text('x')\n Path(p).open('a')\n"
+        " os.open(p, os.O_WRONLY | os.O_CREAT)\n fig.savefig(p)\n torch.save(x, p)\n shutil.copy(a, p)\n"
+        " open(p)\n open(p, 'rb')\n os.open(p, os.O_RDONLY)\n run.open(share=s)\n fig.savefig(png)\n"
+    )
+    assert [what for _, what in _writes(ast.parse(code))] == [
+        "open(..., 'w')",
+        "open(..., 'ab')",
+        "write_text",
+        ".open('a')",
+        "os.open(..., os.O_WRONLY | os.O_CREAT)",
+        "savefig",
+        "save",
+        "shutil.copy",
+    ]
+
+
 def test_every_write_in_safetrain_goes_through_safefile_from_a_listed_writer():
     helper_sites, bypass = set(), []
     for path in sorted((ROOT / "safetrain").rglob("*.py")):
         module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-        if module == "safetrain.safefile":
+        if module in ("safetrain.safefile", "safetrain.atomicfile"):  # the helpers themselves
             continue
         for scope, what in _writes(ast.parse(path.read_text(encoding="utf-8"))):
             if what == "helper":
