@@ -148,15 +148,16 @@ def open_append(path: PathLike, encoding: str = "utf-8") -> IO[str]:
     """Open ``path`` to append text, creating it if needed; a regular file of its own or nothing.
 
     Opened with ``O_NOFOLLOW | O_NONBLOCK``: a symbolic link at ``path`` fails the open, a FIFO
-    does not block it, and anything but a regular file with one link is refused. The returned
-    file is readable too (``a+``), so a caller can look at what is there (a cut last line).
+    does not block it, and anything but a regular file with one link is refused. The file is
+    write-only as Python sees it (the same buffered writer as ``open(path, "a")``: no cost per
+    line), and its descriptor is readable (``os.pread``), so a caller can look at what is there.
 
     Raises:
         UnsafeFileError: ``path`` is a link, a FIFO, a device, a directory or a hard-linked file.
         OSError: it cannot be opened (permissions, a full disk).
     """
     fd = _open_checked(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, FILE_MODE, "appends to")
-    return os.fdopen(fd, "a+", encoding=encoding)
+    return os.fdopen(fd, "a", encoding=encoding)
 
 
 def open_private(path: PathLike, encoding: str = "utf-8") -> IO[str]:
