@@ -113,9 +113,10 @@ def lock_folder() -> str:
     raise UnsafeFileError(
         folder,
         f"the folder of safetrain's directory locks {problem} (owner uid {st.st_uid}, mode "
-        f"{stat.S_IMODE(st.st_mode):04o}): someone else could plant links in it, so it is refused",
+        f"{stat.S_IMODE(st.st_mode):04o}): someone else could plant links in it",
         f"if it is yours, run chmod 700 {folder}; if not, remove it (or ask an administrator to), "
         "or set TMPDIR to a directory of your own",
+        does="keep its locks there",
     )
 
 

@@ -21,6 +21,10 @@ written through. Modes: created files get ``0o664`` (``0o600`` for a lock file, 
 before the umask, so they follow the umask and are never writable by others (a snapshot, a
 journal, a mark); directories get ``0o775`` before the umask.
 
+Reading back follows no link out of the directory either: the journal, ``metrics.csv`` and the
+quarantine list are read with :func:`read_own` (``O_NOFOLLOW | O_NONBLOCK``, a regular file or
+a sentence), and the snapshot listings leave links out, each named once (:func:`skip_links`).
+
 :data:`WRITERS` names every place in safetrain that writes a file through these helpers; the
 planted-link test suite (``tests/unit/test_safefile_links.py``) has one case per name, and an
 AST scan fails on a call site of these helpers not listed there (or a write that bypasses them).
