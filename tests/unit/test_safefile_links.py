@@ -8,9 +8,11 @@ runs it, and checks that the sentinel is byte for byte unchanged and that the ou
 refusal naming the path or a correct write of safetrain's own file. ``CASES`` is checked against
 :data:`safetrain.safefile.WRITERS`, and an AST scan checks that every write in ``safetrain/`` goes
 through the helpers of :mod:`safetrain.safefile` from a writer listed there: a new writer without a
-case here fails. The model is the local-privilege bug class of predictable names in shared
-directories (CWE-59, CWE-377): a symbolic link planted in ``/tmp`` or a shared folder, followed by a
-privileged or another user's write.
+case here fails. ``safetrain inspect`` writes nothing: its reading side (and ``report``'s) is
+checked at the end, a link out of the directory being refused or left out and named.
+
+The model is the bug class of predictable names in shared directories (CWE-59, CWE-377): a
+symbolic link planted in ``/tmp`` or a shared folder, followed by another user's write.
 """
 
 from __future__ import annotations
@@ -544,6 +546,7 @@ def test_a_link_among_the_snapshots_is_ignored_and_named(tmp_path, finished_run,
     os.symlink(finished_run / "snapshots" / real, snaps / "snapshot-0000000009.safetensors")
     with caplog.at_level(logging.WARNING, logger="safetrain"):
         assert list_snapshots(snaps) == []
+        assert main(["inspect", str(snaps)]) == 2, "`safetrain inspect DIR` finds no snapshot of its own there"
     assert "snapshot-0000000009.safetensors: a symbolic link" in caplog.text
     from safetrain.diagnose.quarantine import read_quarantine
 
