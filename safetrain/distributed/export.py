@@ -15,6 +15,7 @@ from typing import Dict, Union
 
 import torch
 
+from ..atomicfile import atomic_save
 from ..errors import SnapshotError
 from .snapdir import MARK, sharded_snapshots
 
@@ -26,7 +27,7 @@ def export_model(snapshot: Union[str, os.PathLike], out: Union[str, os.PathLike]
 
     Args:
         snapshot: a ``step-*`` snapshot directory, or a snapshot directory (its newest complete one).
-        out: the safetensors file to write.
+        out: the safetensors file to write (replaced atomically; a link there is replaced, not followed).
 
     Raises:
         SnapshotError: no complete sharded snapshot there, or it cannot be read.
@@ -57,7 +58,9 @@ def export_model(snapshot: Union[str, os.PathLike], out: Union[str, os.PathLike]
         raise SnapshotError(f"{snap}: the snapshot holds no model tensor")
     tensors = {k[len("model/") :]: t.contiguous() for k, t in full.items()}
     try:
-        save_file(tensors, os.fspath(out), metadata={"format": "pt", "safetrain.snapshot": os.path.basename(snap)})
+        metadata = {"format": "pt", "safetrain.snapshot": os.path.basename(snap)}
+        # written in a private temporary directory beside OUT, then renamed: a link at OUT is replaced
+        atomic_save(out, lambda tmp: save_file(tensors, tmp, metadata=metadata))
     except OSError as exc:
         raise SnapshotError(f"{os.fspath(out)}: cannot write the model file: {exc.strerror or exc}") from None
     return tensors

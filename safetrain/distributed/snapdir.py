@@ -26,8 +26,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ..atomicfile import atomic_write_bytes
 from ..errors import SnapshotError
-from ..rundir import AtomicFile
+from ..safefile import skip_links
 from ..snapshot.store import CorruptSnapshotError
 
 __all__ = [
@@ -63,11 +64,13 @@ def step_of(path: str) -> Optional[int]:
 
 
 def sharded_snapshots(directory: str, complete: bool = True) -> List[str]:
-    """Snapshot directories in ``directory``, oldest step first (only complete ones by default)."""
+    """Snapshot directories in ``directory``, oldest step first (only complete ones by default);
+    symbolic links are left out (named once in a warning)."""
     try:
         names = os.listdir(directory)
     except (FileNotFoundError, NotADirectoryError):
         return []
+    names = skip_links(directory, [n for n in names if _NAME.match(n)], "a sharded snapshot")
     found = sorted((int(m.group(1)), n) for n in names if (m := _NAME.match(n)))
     paths = [os.path.join(directory, n) for _, n in found]
     return [p for p in paths if os.path.isfile(os.path.join(p, MARK))] if complete else paths
@@ -85,16 +88,9 @@ def snapshot_files(snap: str) -> List[str]:
 
 
 def write_json(path: str, obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` atomically (a temporary file, fsync, rename)."""
-    target = AtomicFile(path)
-    try:
-        with open(target.tmp, "w") as f:
-            json.dump(obj, f, separators=(",", ":"), allow_nan=False)
-            f.flush()
-            os.fsync(f.fileno())
-        target.commit()
-    finally:
-        target.discard()
+    """Write ``obj`` as JSON to ``path`` atomically (a temporary file, fsync, rename; a link there
+    is replaced, never written through)."""
+    atomic_write_bytes(path, json.dumps(obj, separators=(",", ":"), allow_nan=False).encode("utf-8"))
 
 
 def read_json(path: str) -> Any:

@@ -35,6 +35,7 @@ import torch
 from ..dirlock import DirLock, tmp_tag
 from ..errors import SnapshotError
 from ..rundir import AtomicFile, fsync_dir
+from ..safefile import skip_links
 from .fileformat import FileWriter, checksum, read_header, read_tensors
 from .state import Captured, TrainState, validate_meta
 from .store import SnapshotInfo, SnapshotStore, make_info, run_of
@@ -58,11 +59,13 @@ def _stat_key(path: str) -> Optional[Tuple[int, int, int]]:
 
 
 def list_snapshots(directory: Union[str, os.PathLike]) -> List[str]:
-    """Snapshot files in ``directory``, oldest step first; temporary and set-aside files excluded."""
+    """Snapshot files in ``directory``, oldest step first; temporary and set-aside files excluded,
+    and symbolic links too (named once in a warning: a reader is never led out of the directory)."""
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return []
+    names = skip_links(directory, [n for n in names if _NAME.match(n)], "a snapshot")
     found = [(int(m.group(1)), n) for n in names if (m := _NAME.match(n))]
     return [os.path.join(os.fspath(directory), n) for _, n in sorted(found)]
 
