@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .errors import ConfigError
+from .safefile import real_dir
 
 if TYPE_CHECKING:
     from .events import Event
@@ -125,6 +126,7 @@ class TensorBoardHook(RunHook):
 
     Raises:
         ConfigError: the ``tensorboard`` package is not installed (``pip install tensorboard``).
+        UnsafeFileError: ``log_dir`` is a link, a FIFO or a file, not a directory of the user's.
     """
 
     def __init__(self, log_dir: Any) -> None:
@@ -135,7 +137,7 @@ class TensorBoardHook(RunHook):
                 f"log.tensorboard: TensorBoard is not installed ({exc}); pip install tensorboard, "
                 "or set log.tensorboard: false"
             ) from exc
-        self.log_dir = Path(log_dir)
+        self.log_dir = Path(real_dir(log_dir))  # a link planted in its place is refused, not written through
         self.writer = SummaryWriter(log_dir=str(self.log_dir))
         self._counts: Dict[str, int] = {}
 

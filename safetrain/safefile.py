@@ -83,6 +83,7 @@ WRITERS = {
     "safetrain.distributed.snapdir:write_json": "a sharded snapshot's rank-{r}.json and its mark safetrain.json",
     "safetrain.distributed.checkpoint:save_sharded": "a sharded snapshot's step-* directory",
     "safetrain.distributed.export:export_model": "the model file of safetrain export",
+    "safetrain.hooks:TensorBoardHook.__init__": "the folder of TensorBoard's event files (log.tensorboard)",
 }
 
 

@@ -218,6 +218,13 @@ def _export(tmp: Path, path: Path) -> None:
         raise SafetrainError("export refused (its sentence is on stderr)")
 
 
+def _tensorboard(tmp: Path, path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from safetrain.hooks import TensorBoardHook
+
+    TensorBoardHook(path).on_end(None)
+
+
 def _is_png(p: Path) -> bool:
     return p.read_bytes().startswith(b"\x89PNG")
 
@@ -282,6 +289,14 @@ CASES: Dict[str, Case] = {
     "export": Case(
         "safetrain.distributed.export:export_model", lambda t: t / "out" / "model.safetensors", _export, True, _is_model
     ),
+    "tensorboard dir": Case(
+        "safetrain.hooks:TensorBoardHook.__init__",
+        lambda t: t / "run" / "tensorboard",
+        _tensorboard,
+        False,
+        lambda p: p.is_dir() and any(f.name.startswith("events.out.tfevents") for f in p.iterdir()),
+        target_dir=True,
+    ),
 }
 
 
@@ -317,7 +332,7 @@ def test_a_planted_path_is_never_written_through(name, kind, tmp_path, monkeypat
     assert planted.unchanged(), f"{name}: the {kind}'s target was written through"
     if kind == "directory" and name != "sharded step dir":  # (a step-* directory is the run's to clear)
         assert (where / "keep").read_bytes() == SENTINEL, f"{name}: the directory's content"
-    if case.replaces and kind != "directory" or name == "sharded step dir":
+    if case.replaces and kind != "directory" or name == "sharded step dir" or (case.target_dir and kind == "directory"):
         assert outcome is None, f"{name}: {kind} should be replaced by safetrain's own file, got {outcome!r} {err}"
         st = os.lstat(where)
         assert stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode), f"{name}: {where} is not safetrain's own"
