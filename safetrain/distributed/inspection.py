@@ -19,7 +19,7 @@ import torch
 from ..errors import SnapshotError
 from ..snapshot.accepted import check_patterns
 from ..snapshot.codec import decode
-from ..snapshot.inspection import created_time
+from ..snapshot.inspection import checked_description, created_time
 from ..snapshot.store import CorruptSnapshotError
 from ..snapshot.tensors import nonfinite
 from .layout import shard_layout
@@ -86,7 +86,7 @@ def _describe(snap: str, mark: Dict[str, Any], meta: Dict[str, Any], full: Dict[
     scaler_state = decode(scaler["state"], {}, snap) if scaler else None
     created = mark.get("created")
     files = [os.path.join(snap, f) for f in os.listdir(snap)]
-    return {
+    info = {
         "path": snap,
         "step": counters.get("step"),
         "epoch": counters.get("epoch"),
@@ -112,6 +112,7 @@ def _describe(snap: str, mark: Dict[str, Any], meta: Dict[str, Any], full: Dict[
         "world": mark.get("world"),
         "run_id": mark.get("run_id"),
     }
+    return checked_description(info, snap)
 
 
 def inspect_sharded_directory(path: Union[str, os.PathLike]) -> List[Dict[str, Any]]:

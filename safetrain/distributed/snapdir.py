@@ -113,15 +113,15 @@ def write_json(path: str, obj: Any) -> None:
 
 
 def read_json(path: str) -> Any:
-    """The JSON in ``path``: a regular file (a FIFO or device is refused, not waited on) of at most
-    :data:`MAX_JSON_BYTES`.
+    """The JSON in ``path``: a regular file of the snapshot (a FIFO or device is refused, not
+    waited on; a link is not followed out of it) of at most :data:`MAX_JSON_BYTES`.
 
     Raises:
         CorruptSnapshotError: it cannot be read, is not a regular file, is too big, or is not JSON
             (nested too deeply included).
     """
     try:
-        return parse_json(read_regular(path, MAX_JSON_BYTES), path, "the file")
+        return parse_json(read_regular(path, MAX_JSON_BYTES, follow=False), path, "the file")
     except CorruptSnapshotError:
         raise
     except SnapshotError as exc:  # missing or unreadable

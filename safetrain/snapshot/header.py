@@ -184,13 +184,14 @@ def open_regular(path: str, follow: bool = True) -> Tuple[int, int]:
     return fd, st.st_size
 
 
-def read_regular(path: str, limit: int) -> bytes:
-    """The bytes of ``path``, a regular file of at most ``limit`` bytes; never blocks on a FIFO.
+def read_regular(path: str, limit: int, follow: bool = True) -> bytes:
+    """The bytes of ``path``, a regular file of at most ``limit`` bytes; never blocks on a FIFO
+    (``follow=False``: nor reads through a link, as :func:`open_regular`).
 
     Raises:
         SnapshotError: it is missing, unreadable, not a regular file, or over ``limit`` bytes.
     """
-    fd, size = open_regular(path)
+    fd, size = open_regular(path, follow)
     try:
         if size > limit:
             raise CorruptSnapshotError(f"{path}: {size} bytes, over the {limit} a snapshot's file may hold: corrupted")

@@ -17,7 +17,14 @@ from .state import validate_meta
 from .store import CorruptSnapshotError
 from .tensors import nonfinite
 
-__all__ = ["inspect_snapshot", "format_inspection", "inspect_directory", "format_directory", "created_time"]
+__all__ = [
+    "inspect_snapshot",
+    "format_inspection",
+    "inspect_directory",
+    "format_directory",
+    "created_time",
+    "checked_description",
+]
 
 
 def inspect_snapshot(path: Union[str, os.PathLike]) -> Dict[str, Any]:
@@ -62,7 +69,7 @@ def _describe(path: str, header: Any, tensors: Dict[str, Any], bad: List[str]) -
     scaler = meta.get("scaler")
     scaler_state = decode(scaler["state"], tensors, path) if scaler else None
     created = meta.get("created")
-    return {
+    info = {
         "path": path,
         "step": counters.get("step"),
         "epoch": counters.get("epoch"),
@@ -87,6 +94,20 @@ def _describe(path: str, header: Any, tensors: Dict[str, Any], bad: List[str]) -
         "extra": decode(meta.get("extra", {}), {}, path),
         "extra_tensors": list(meta.get("extra_tensors", [])),
     }
+    return checked_description(info, path)
+
+
+def checked_description(info: Dict[str, Any], where: str) -> Dict[str, Any]:
+    """``info`` (an inspection's dict) if every part read from the file has the type printed:
+    counters and extra state maps, extra tensors a list of names.
+
+    Raises:
+        CorruptSnapshotError: naming ``where`` and the part (a crafted file can hold anything).
+    """
+    for key, kind in (("counters", dict), ("extra", dict), ("extra_tensors", list), ("scaler", (dict, type(None)))):
+        if not isinstance(info[key], kind):
+            raise CorruptSnapshotError(f"{where}: malformed snapshot metadata: {key} is {type(info[key]).__name__}")
+    return info
 
 
 def _size(n: int) -> str:
