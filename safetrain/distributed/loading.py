@@ -86,7 +86,10 @@ def load_sharded(snap: str, state: Any, sync: Any = None) -> SnapshotInfo:
     mark = read_mark(snap)
     if not verify_files(snap, mark, sync):
         logger.info("%s: written without checksums (an older safetrain): sizes and offsets checked only", snap)
-    src = rank if rank < int(mark["world"]) else 0
+    world = mark.get("world")
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise CorruptSnapshotError(f"{snap}: the completion mark's world {world!r:.40} is not a number of ranks")
+    src = rank if rank < world else 0
     meta, own = _own_part(snap, src, sync)
     tensors, _ = flat_state(state)
     want = {**tensors, **{f"rank{src}/{n}": t for n, t in own.items()}}

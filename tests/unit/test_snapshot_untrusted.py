@@ -321,3 +321,27 @@ def test_a_sharded_snapshot_prints_its_run_id_escaped(tmp_path):
     snap = _sharded(tmp_path, run_id="r1\x1b[2J\x1b[32msnapshot OK")
     code, out, _ = _cli("inspect", str(snap))
     assert code == 0 and "\x1b" not in out and "run r1\\x1b[2J" in out, repr(out)
+
+
+@pytest.mark.parametrize("mark", [{"world": "x"}, {"world": 0}, {"files": {"../../rank-0.json": "0"}}])
+def test_a_resume_from_a_planted_sharded_snapshot_is_a_clear_error(tmp_path, mark):
+    """The loader reads the same mark: a malformed world (a ValueError before) or a name outside the
+    snapshot is a CorruptSnapshotError, before anything is allocated or read."""
+    from safetrain.distributed.loading import load_sharded
+
+    snap = _sharded(tmp_path, **mark)
+    with pytest.raises(SnapshotError, match="world|not the name of a file"):
+        load_sharded(str(snap), object())
+
+
+def test_a_rank_part_asking_for_a_tensor_its_shards_do_not_hold_is_refused_before_allocating(tmp_path):
+    """A rank's JSON part names its own tensors' shapes; a load allocated them as written (here
+    100 MB for a tensor no shard holds). Fails before: no check; the load went on (to the state)."""
+    from safetrain.distributed.loading import load_sharded
+
+    snap = _sharded(tmp_path)
+    part = snap / "rank-0.json"
+    part.write_text(json.dumps({**json.loads(part.read_text()), "own": {"rng": [[25_000_000], "torch.float32"]}}))
+    _rechecksum(snap)
+    with pytest.raises(SnapshotError, match=r"own tensor 'rng' .* does not match the shards \(None\)"):
+        load_sharded(str(snap), object())
