@@ -113,6 +113,7 @@ def check_growth(plain: Any, source_of: SourceOf, limit: int = MAX_RESOLVED) -> 
     grown = max((size(p), p) for p in _strings(plain, ()) if "${" in _at(plain, p))[1]
     key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in grown).lstrip(".")
     where, raw = source_of(key)
+    raw = _at(plain, grown) if raw is None else raw
     raise ConfigError(
         f"{where}{key}: cannot resolve {show(raw)}: the config's interpolations would resolve to over {limit} "
         "characters (each ${...} repeats the value it names, and nested ones multiply); expected at most "

@@ -171,3 +171,22 @@ def test_ordinary_interpolations_still_resolve(monkeypatch):
     assert (cfg.log.dir, cfg.snapshot.dir) == ("/scratch/runs/a", "/scratch/runs/a/snaps")
     cfg = load_config(None, ["detect.include=[" + ",".join(["'${log.dir}'"] * 50) + "]", "log.dir=" + "z" * 1000])
     assert cfg.detect.include == ("z" * 1000,) * 50
+
+
+def test_nested_interpolations_in_a_dictconfig_are_refused_too():
+    """A DictConfig handed to as_config (OmegaConf.load of someone's file) is resolved by OmegaConf
+    itself: the same bound first. Fails before: resolved to 10,000,000 characters."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create(
+        {
+            "log": {"dir": "x" * 1000},
+            "snapshot": {"dir": "${log.dir}" * 100},
+            "detect": {"include": ["${snapshot.dir}" * 100]},
+        }
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"^DictConfig: detect\.include\[0\]: cannot resolve '\$\{snapshot\.dir\}.*would resolve to over",
+    ):
+        as_config(cfg)
