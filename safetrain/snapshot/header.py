@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from ..errors import SnapshotError
+from ..safefile import file_kind
 from .store import CorruptSnapshotError
 
 __all__ = [
@@ -144,20 +145,6 @@ def header_digest(entries: List[Entry], metadata: Mapping[str, str], table: Mapp
     return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
-def _kind(mode: int) -> str:
-    for test, kind in (
-        (stat.S_ISLNK, "a symbolic link"),
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    ):
-        if test(mode):
-            return kind
-    return "not a plain file"
-
-
 def open_regular(path: str, follow: bool = True) -> Tuple[int, int]:
     """Open ``path`` for reading if it is a regular file: ``(fd, size)``; never blocks on a FIFO.
 
@@ -173,14 +160,15 @@ def open_regular(path: str, follow: bool = True) -> Tuple[int, int]:
     try:
         mode = (os.stat if follow else os.lstat)(path).st_mode
         if not stat.S_ISREG(mode):
-            raise CorruptSnapshotError(f"{path}: not a regular file ({_kind(mode)}); a snapshot is a regular file")
+            raise CorruptSnapshotError(f"{path}: not a regular file ({file_kind(mode)}); a snapshot is a regular file")
         fd = os.open(path, flags | (0 if follow else getattr(os, "O_NOFOLLOW", 0)))
     except OSError as exc:
         raise SnapshotError(f"{path}: cannot read: {exc.strerror or exc}") from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):  # replaced between the stat and the open
         os.close(fd)
-        raise CorruptSnapshotError(f"{path}: not a regular file ({_kind(st.st_mode)}); a snapshot is a regular file")
+        kind = file_kind(st.st_mode)
+        raise CorruptSnapshotError(f"{path}: not a regular file ({kind}); a snapshot is a regular file")
     return fd, st.st_size
 
 
