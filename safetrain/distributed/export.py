@@ -17,6 +17,7 @@ import torch
 
 from ..atomicfile import atomic_save
 from ..errors import SnapshotError
+from .layout import shard_layout
 from .snapdir import MARK, sharded_snapshots
 
 __all__ = ["export_model"]
@@ -43,12 +44,8 @@ def export_model(snapshot: Union[str, os.PathLike], out: Union[str, os.PathLike]
             raise SnapshotError(f"{snap}: no complete sharded snapshot (step-*/ with {MARK}) here")
         snap = found[-1]
     try:
-        meta = HuggingFaceStorageReader(snap).read_metadata()
-        full = {
-            k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
-            for k, m in meta.state_dict_metadata.items()
-            if k.startswith("model/")
-        }
+        layout = shard_layout(snap)  # sizes checked against the bytes held: a few bytes cannot ask for gigabytes
+        full = {k: torch.zeros(size, dtype=dtype) for k, (size, dtype) in layout.items() if k.startswith("model/")}
         with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process, on purpose
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(full, storage_reader=HuggingFaceStorageReader(snap), no_dist=True)

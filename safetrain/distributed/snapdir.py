@@ -29,6 +29,7 @@ import torch
 from ..atomicfile import atomic_write_bytes
 from ..errors import SnapshotError
 from ..safefile import skip_links
+from ..snapshot.header import parse_json, read_regular
 from ..snapshot.store import CorruptSnapshotError
 
 __all__ = [
@@ -39,7 +40,9 @@ __all__ = [
     "sharded_snapshots",
     "rank_path",
     "snapshot_files",
+    "is_snapshot_file",
     "read_json",
+    "MAX_JSON_BYTES",
     "write_json",
     "dcp_modules",
     "flat_state",
@@ -49,6 +52,8 @@ __all__ = [
 MARK = "safetrain.json"
 #: The completion mark's ``format``.
 FORMAT = "safetrain.sharded"
+#: The most bytes a snapshot's JSON file (the mark, a rank's part) may hold: the safetensors header limit.
+MAX_JSON_BYTES = 100 * 2**20
 _NAME = re.compile(r"^step-(\d{10,})$")
 
 
@@ -81,10 +86,24 @@ def rank_path(snap: str, rank: int) -> str:
     return os.path.join(snap, f"rank-{rank}.json")
 
 
+def is_snapshot_file(name: Any) -> bool:
+    """Whether ``name`` is one the completion mark covers: a plain file name (no separator, not
+    hidden, so never ``..`` or absolute) ending ``.safetensors`` or ``.json``, not the mark itself."""
+    return (
+        isinstance(name, str)
+        and name != MARK
+        and not name.startswith(".")
+        and name.endswith((".safetensors", ".json"))
+        and "/" not in name
+        and os.sep not in name
+        and (os.altsep is None or os.altsep not in name)
+        and "\0" not in name
+    )
+
+
 def snapshot_files(snap: str) -> List[str]:
     """The file names in ``snap`` that the completion mark covers (every file but the mark), sorted."""
-    covered = (".safetensors", ".json")
-    return sorted(n for n in os.listdir(snap) if n != MARK and not n.startswith(".") and n.endswith(covered))
+    return sorted(n for n in os.listdir(snap) if is_snapshot_file(n))
 
 
 def write_json(path: str, obj: Any) -> None:
@@ -94,16 +113,19 @@ def write_json(path: str, obj: Any) -> None:
 
 
 def read_json(path: str) -> Any:
-    """The JSON in ``path``.
+    """The JSON in ``path``: a regular file of the snapshot (a FIFO or device is refused, not
+    waited on; a link is not followed out of it) of at most :data:`MAX_JSON_BYTES`.
 
     Raises:
-        CorruptSnapshotError: it cannot be read or is not JSON.
+        CorruptSnapshotError: it cannot be read, is not a regular file, is too big, or is not JSON
+            (nested too deeply included).
     """
     try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CorruptSnapshotError(f"{path}: unreadable ({exc})") from None
+        return parse_json(read_regular(path, MAX_JSON_BYTES, follow=False), path, "the file")
+    except CorruptSnapshotError:
+        raise
+    except SnapshotError as exc:  # missing or unreadable
+        raise CorruptSnapshotError(str(exc)) from None
 
 
 def dcp_modules() -> Tuple[Any, Any]:
