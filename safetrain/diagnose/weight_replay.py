@@ -17,6 +17,7 @@ import torch
 
 from ..config import ReplayConfig
 from ..detect import GradCheck, iter_tensors
+from ..optimizers import needs_closure
 from .diagnosis import Diagnosis
 from .nonfinite import first_nonfinite_op, nonfinite_names
 from .rng import RNG_MOVED
@@ -242,6 +243,8 @@ class WeightReplay:
         """Why the kept updates cannot be replayed from ``store``'s newest snapshot (``""``: they can)."""
         if self.keep == 0:
             return "detect.replay.keep_steps=0: the updates since the snapshot are not kept"
+        if needs_closure(self.state.optimizer):
+            return f"{type(self.state.optimizer).__name__}.step needs a closure: its updates are not replayed"
         if not self.sync.steps_alone:
             return "not replayed under torch.distributed (every rank would have to replay together)"
         if self._base is None or len(store) == 0:

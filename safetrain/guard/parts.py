@@ -25,6 +25,7 @@ from ..events import AnomalyFound, Event, EventBus, LRChanged
 from ..gradclip import NormStats
 from ..kinds import Action
 from ..lr import LRBackoff
+from ..optimizers import as_optimizer, as_scheduler, needs_closure
 from ..policy import History, Rules
 from ..snapshot import SnapshotInfo
 from ..spike import SpikeDetector
@@ -88,6 +89,9 @@ class Parts:
         bus: Optional[EventBus] = None,
         run_dir: Optional[str] = None,
     ) -> None:
+        # Several optimizers (a sequence or a dict: Muon + AdamW, a GAN's two) step as one, and
+        # several schedulers; one is itself (its path and snapshot format unchanged).
+        optimizer, scheduler = as_optimizer(optimizer), as_scheduler(scheduler)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         # The forward runs through the user's model; names, hooks and snapshots use what a
         # torch.compile wrapper holds, so they read as in the user's code (no "_orig_mod." prefix)
@@ -103,6 +107,13 @@ class Parts:
         self.plumbing = pipes = Plumbing(model, optimizer, c.amp, scaler, c.guard.to_device)
         self.device = pipes.device
         self.scaler: Optional[torch.amp.GradScaler] = pipes.scaler.scaler  # the GradScaler in use (snapshots keep it)
+        # LBFGS: Guard.step hands its step a closure that re-runs the guarded forward and backward.
+        self.closure_step = needs_closure(optimizer)
+        if self.closure_step and pipes.scaler.enabled:
+            raise ValueError(
+                f"{type(optimizer).__name__}.step needs a closure, which a GradScaler cannot drive (torch: "
+                "'Closure use is not currently supported if GradScaler is enabled'); train in float32 or bfloat16"
+            )
         self.backoff = backoff = LRBackoff(optimizer, c.recovery.min_lr, release_after=c.recovery.reset_after)
         backoff.on_hold = lambda message, detail: self._emit(LRChanged, "lr", Action.SCALE_LR, message, detail)
         sp = c.guard.spike

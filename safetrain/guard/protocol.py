@@ -24,8 +24,10 @@ from ..batches import batch_rows
 from ..config import TrainConfig, without_replays
 from ..diagnose import Diagnosis
 from ..kinds import Kind
+from ..policy import Anomaly
 from ..steps import Pending, Phase, StepResult
 from . import start
+from .closure import NonFiniteEvaluation, StepClosure
 from .decisions import nan_result
 from .outcomes import Rerun, Verdict
 from .parts import Parts
@@ -159,9 +161,37 @@ class Guard(Parts):
         """Decide, step the optimizer when the verdict trains, and finish."""
         decided = self.decide()
         if decided.trained:
-            self.optimizer.step()
+            if self.closure_step:
+                self._closure_step()
+            else:
+                self.optimizer.step()
         self.plumbing.update_scaler()  # fp16: as after any step the scaler read (a skipped one lowers the scale)
         return self.finish_step()
+
+    def _closure_step(self) -> None:
+        """``optimizer.step(closure)`` (LBFGS): later evaluations re-run the step's guarded forward and
+        backward; a non-finite one is an anomaly of the update (kind ``weights``: the ladder restores
+        the last good snapshot, the optimizer's history with it) and the step is not applied."""
+        verdict, result = self._decided  # type: ignore[misc]
+        divide = self.forward.accumulate
+        closure = StepClosure(self.forward, self.grads, self.plumbing.free_grads, self._pending, divide)
+        try:
+            self.optimizer.step(closure)
+        except NonFiniteEvaluation as exc:
+            restores = self.counters.restores
+            what = "the step's own" if exc.evaluation == 1 else "an iteration or line-search trial"
+            detail = {"evaluation": exc.evaluation, "loss": exc.loss, "optimizer": type(self.optimizer).__name__}
+            anomaly = Anomaly(Kind.WEIGHTS, {**detail, "where": f"{what} inside optimizer.step(closure)"})
+            outcome = self.decisions.after_update(anomaly, verdict, self._pending, self.rules)
+            verdict = dataclasses.replace(verdict, events=verdict.events + list(outcome.events), outcome=outcome)
+            result = dataclasses.replace(
+                result,
+                trained=verdict.trains,
+                action=verdict.action,
+                events=tuple(verdict.events),
+                restored=self.counters.restores != restores,
+            )
+            self._decided = verdict, result
 
     # ----------------------------------------------------------------- the four verbs
     def begin_batch(self, batch: Any, indices: Optional[Sequence[int]] = None) -> Any:
