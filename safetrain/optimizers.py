@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
-__all__ = ["Optimizers", "Schedulers", "as_optimizer", "as_scheduler", "members", "needs_closure"]
+__all__ = ["Optimizers", "Schedulers", "as_optimizer", "as_scheduler", "members", "needs_closure", "lrs_by_name"]
 
 #: A type name for snapshots: the composite is not a torch class.
 SEVERAL = "safetrain.Optimizers"
@@ -210,6 +210,13 @@ def members(optimizer: Any) -> List[Tuple[str, Any]]:
     if isinstance(optimizer, Optimizers):
         return [(f"optim/{name}", opt) for name, opt in optimizer.members.items()]
     return [("optim", optimizer)]
+
+
+def lrs_by_name(optimizer: Any) -> Dict[str, List[float]]:
+    """Each optimizer's LRs (one per param group) by name, for several; ``{}`` for one."""
+    if not isinstance(optimizer, Optimizers):
+        return {}
+    return {name: [float(g["lr"]) for g in opt.param_groups] for name, opt in optimizer.members.items()}
 
 
 def needs_closure(optimizer: Any) -> bool:

@@ -142,6 +142,7 @@ class WeightReplay:
         self.prepare, self.accumulate, self.clip = prepare, accumulate, clip
         self._clipper = GradCheck(self.params)
         self.keep = int(cfg.keep_steps) if cfg.enabled else 0
+        self.never = ""  # why this run's updates are never replayed (named steps), else ""
         self._steps: List[_Applied] = []
         self._applied = 0  # updates since the base snapshot, kept or not
         self._base: Optional[int] = None  # the step of the newest snapshot, once one is known
@@ -243,6 +244,8 @@ class WeightReplay:
         """Why the kept updates cannot be replayed from ``store``'s newest snapshot (``""``: they can)."""
         if self.keep == 0:
             return "detect.replay.keep_steps=0: the updates since the snapshot are not kept"
+        if self.never:
+            return self.never
         if needs_closure(self.state.optimizer):
             return f"{type(self.state.optimizer).__name__}.step needs a closure: its updates are not replayed"
         if not self.sync.steps_alone:

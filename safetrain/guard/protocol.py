@@ -24,13 +24,12 @@ from ..batches import batch_rows
 from ..config import TrainConfig, without_replays
 from ..diagnose import Diagnosis
 from ..kinds import Kind
-from ..policy import Anomaly
 from ..steps import Pending, Phase, StepResult
 from . import start
-from .closure import NonFiniteEvaluation, StepClosure
 from .decisions import nan_result
 from .outcomes import Rerun, Verdict
 from .parts import Parts
+from .stepping import after_fault
 
 __all__ = ["Guard", "without_reruns"]
 
@@ -102,7 +101,9 @@ class Guard(Parts):
     _decided: Optional[Tuple[Optional[Verdict], StepResult]] = None  # decide()'s, while finish_step() is due
 
     # ----------------------------------------------------------------- the guard's own step
-    def step(self, batch: Any, indices: Optional[Sequence[int]] = None) -> Optional[StepResult]:
+    def step(
+        self, batch: Any, indices: Optional[Sequence[int]] = None, *, name: Optional[str] = None
+    ) -> Optional[StepResult]:
         """Feed one (micro-)batch; returns the :class:`StepResult` when an optimizer step was decided.
 
         With ``guard.accumulate_steps`` = k, the first k - 1 calls only accumulate gradients and
@@ -113,6 +114,9 @@ class Guard(Parts):
                 (``guard.to_device``), asynchronously when the loader pins memory.
             indices: the dataset index of each row, when known: a replay then names bad samples
                 by dataset index (``SafeTrainer.fit`` passes them from a :class:`QuarantineSampler`).
+            name: with named steps (``step_fn`` a dict, the optimizers a dict of the same names: a
+                GAN's ``"d"`` and ``"g"``), the step to take: its ``step_fn`` gives the loss and only
+                its optimizer moves (:mod:`.stepping`).
 
         Raises:
             TrainingAborted: the policy aborted; the model and optimizer are at the last good snapshot.
@@ -120,6 +124,7 @@ class Guard(Parts):
         """
         if self.phase is Phase.CLOSED:
             raise RuntimeError("Guard.step() after close(); make a new Guard")
+        self.stepper.select(name)  # (named steps: that step's loss and optimizer)
         self._stepping = True
         try:
             clean = self.begin_batch(batch, indices)
@@ -161,37 +166,13 @@ class Guard(Parts):
         """Decide, step the optimizer when the verdict trains, and finish."""
         decided = self.decide()
         if decided.trained:
-            if self.closure_step:
-                self._closure_step()
-            else:
-                self.optimizer.step()
+            fault = self.stepper.step(self._pending)  # (LBFGS: a closure; a named step: its optimizer)
+            if fault is not None:
+                self._decided = after_fault(
+                    fault, self._decided, self.decisions, self._pending, self.rules, self.optimizer
+                )  # type: ignore[arg-type]
         self.plumbing.update_scaler()  # fp16: as after any step the scaler read (a skipped one lowers the scale)
         return self.finish_step()
-
-    def _closure_step(self) -> None:
-        """``optimizer.step(closure)`` (LBFGS): later evaluations re-run the step's guarded forward and
-        backward; a non-finite one is an anomaly of the update (kind ``weights``: the ladder restores
-        the last good snapshot, the optimizer's history with it) and the step is not applied."""
-        verdict, result = self._decided  # type: ignore[misc]
-        divide = self.forward.accumulate
-        closure = StepClosure(self.forward, self.grads, self.plumbing.free_grads, self._pending, divide)
-        try:
-            self.optimizer.step(closure)
-        except NonFiniteEvaluation as exc:
-            restores = self.counters.restores
-            what = "the step's own" if exc.evaluation == 1 else "an iteration or line-search trial"
-            detail = {"evaluation": exc.evaluation, "loss": exc.loss, "optimizer": type(self.optimizer).__name__}
-            anomaly = Anomaly(Kind.WEIGHTS, {**detail, "where": f"{what} inside optimizer.step(closure)"})
-            outcome = self.decisions.after_update(anomaly, verdict, self._pending, self.rules)
-            verdict = dataclasses.replace(verdict, events=verdict.events + list(outcome.events), outcome=outcome)
-            result = dataclasses.replace(
-                result,
-                trained=verdict.trains,
-                action=verdict.action,
-                events=tuple(verdict.events),
-                restored=self.counters.restores != restores,
-            )
-            self._decided = verdict, result
 
     # ----------------------------------------------------------------- the four verbs
     def begin_batch(self, batch: Any, indices: Optional[Sequence[int]] = None) -> Any:
