@@ -82,7 +82,7 @@ class Parts:
     def __init__(
         self,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: Any,
         cfg: ConfigLike = None,
         *,
         loss_fn: Optional[Callable[..., torch.Tensor]] = None,

@@ -53,12 +53,15 @@ class Guard(Parts):
     """The per-step protocol: detect, decide and recover, around a user's model and optimizer.
 
     Args:
-        model: the module to train.
-        optimizer: its optimizer.
+        model: the module to train (for a GAN, a ``ModuleDict`` of both networks).
+        optimizer: its optimizer, or several stepped together: a list or a dict ``name ->
+            optimizer`` (:mod:`safetrain.optimizers`); one whose ``step`` needs a closure (LBFGS)
+            is handed one by :meth:`step` (:mod:`.stepping`).
         cfg: anything :func:`safetrain.as_config` accepts (path, dict, DictConfig, TrainConfig, None).
         loss_fn: ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches.
         step_fn: ``step_fn(model, batch) -> loss`` for any other batch; a loop that runs its own
-            forward gives it so that the guard can re-run and replay a step.
+            forward gives it so that the guard can re-run and replay a step. A dict ``name ->
+            step_fn`` (names of the optimizers' dict) makes named steps: ``step(batch, name=...)``.
         scheduler: an LR scheduler, stepped as ``guard.scheduler_interval`` says (a loop that steps
             it itself: the guard follows it instead, see :meth:`follow_scheduler`).
         scaler: a ``torch.amp.GradScaler``; made from ``amp.*`` when ``amp.dtype`` is float16 and none is given.

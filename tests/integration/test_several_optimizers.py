@@ -201,3 +201,13 @@ def test_bad_optimizer_sets_are_refused_with_a_sentence():
         Optimizers([torch.optim.LBFGS(model[4].parameters()), torch.optim.SGD(model[2].parameters(), lr=0.1)])
     with pytest.raises(TypeError, match="expected a torch optimizer"):
         Optimizers([torch.optim.SGD(model.parameters(), lr=0.1), "adam"])
+
+
+def test_several_optimizers_under_fsdp2_are_refused_with_a_sentence():
+    """Sharded snapshots (torch.distributed.checkpoint) hold one optimizer: several are refused
+    when the guard is built, not at the first snapshot."""
+    from safetrain.distributed import FSDP2, train_state
+
+    model = _model()
+    with pytest.raises(ValueError, match="under FSDP2: sharded snapshots hold one optimizer"):
+        train_state(FSDP2, model, Optimizers(_optimizers(model)))
