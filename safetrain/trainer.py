@@ -33,10 +33,13 @@ class SafeTrainer:
 
     Args:
         model: the module to train.
-        optimizer: its optimizer.
+        optimizer: its optimizer, or several stepped together: a list or a dict ``name ->
+            optimizer`` (Muon + AdamW; :mod:`safetrain.optimizers`). One whose ``step`` needs a
+            closure (LBFGS) is handed one that re-runs the guarded forward and backward.
         cfg: a YAML path, dict, DictConfig or TrainConfig (see :func:`safetrain.load_config`).
         loss_fn: ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches.
-        scheduler: an LR scheduler; it follows optimizer steps, and LR backoff holds on top of it.
+        scheduler: an LR scheduler (or a list or dict of them, one per optimizer); it follows
+            optimizer steps, and LR backoff holds on top of it.
         step_fn: ``step_fn(model, batch) -> loss`` for any other batch.
         scaler: a ``torch.amp.GradScaler`` to use instead of the one ``amp.dtype: float16`` makes.
 
@@ -49,7 +52,7 @@ class SafeTrainer:
     def __init__(
         self,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: Any,
         cfg: ConfigLike = None,
         loss_fn: Optional[Callable[..., torch.Tensor]] = None,
         scheduler: Any = None,

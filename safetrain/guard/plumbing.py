@@ -18,6 +18,7 @@ from ..adapters import Scaler, make_scaler
 from ..adapters.torch_private import profiler_enabled
 from ..batches import pageable_tensors, to_device
 from ..config import AmpConfig
+from ..optimizers import members
 from ..snapshot.accepted import matches, pattern_tensor
 
 __all__ = ["Plumbing", "Buffers"]
@@ -62,9 +63,7 @@ class Plumbing:
         # torch's own zero_grad (not overridden by the optimizer's class or instance): free_grads
         # may run its set_to_none loop itself. Decided here: a zero_grad patched in later is not
         # seen; a wrapper forwarding through __getattr__ always goes through optimizer.zero_grad.
-        self._plain_zero_grad = getattr(
-            type(optimizer), "zero_grad", None
-        ) is torch.optim.Optimizer.zero_grad and "zero_grad" not in getattr(optimizer, "__dict__", {})
+        self._plain_zero_grad = all(_plain_zero_grad(opt) for _, opt in members(optimizer))  # (each of several)
         self.grads_dropped = False  # set_to_none done at the end of the last step
 
     # ------------------------------------------------------------------ batches
@@ -236,6 +235,12 @@ class Buffers:
         with torch.no_grad():
             finite = torch.stack([torch.isfinite(b).all() for _, b in named]).tolist()  # host sync: once
         return [nb for nb, ok in zip(named, finite) if ok]
+
+
+def _plain_zero_grad(optimizer: Any) -> bool:
+    """Whether ``optimizer.zero_grad`` is torch's own (not overridden by its class or instance)."""
+    own = getattr(type(optimizer), "zero_grad", None) is torch.optim.Optimizer.zero_grad
+    return own and "zero_grad" not in getattr(optimizer, "__dict__", {})
 
 
 def _same(live: torch.Tensor, saved: torch.Tensor) -> bool:

@@ -23,6 +23,7 @@ from ..errors import SnapshotError, TrainingAborted
 from ..events import Aborted, AnomalyFound, Event, LRChanged, Restored
 from ..kinds import DATA_KINDS, Action, Kind
 from ..lr import LRBackoff
+from ..optimizers import lrs_by_name
 from ..policy import Anomaly, Decision, mark_last_skipped, record_step
 from ..steps import Counters, Pending
 from .judge import micro_rows
@@ -373,13 +374,12 @@ class Recovery:
         """Set the LR scale and journal the change."""
         old = self.backoff.lrs()
         self.backoff.set_scale(scale)
-        return self.emit(
-            LRChanged,
-            "lr",
-            Action.SCALE_LR,
-            f"LR scale {scale:g} ({why}); lr {old} -> {self.backoff.lrs()}",
-            {"scale": scale, "old_lr": old, "new_lr": self.backoff.lrs()},
+        each = lrs_by_name(self.train_state.optimizer)  # several optimizers: each one's groups, by name
+        detail = {"scale": scale, "old_lr": old, "new_lr": self.backoff.lrs(), **({"optimizers": each} if each else {})}
+        message = f"LR scale {scale:g} ({why}); lr {old} -> {self.backoff.lrs()}" + (
+            f" by optimizer {each}" if each else ""
         )
+        return self.emit(LRChanged, "lr", Action.SCALE_LR, message, detail)
 
 
 def with_hint(reason: str, kind: str, diagnosis: Any, masked_targets: int, steps: int) -> str:

@@ -188,7 +188,11 @@ class SafeTraining(Callback):
         if not pl_module.automatic_optimization:
             raise ValueError(
                 "SafeTraining guards Lightning's automatic optimization; this module sets "
-                "automatic_optimization = False (use safetrain.Guard around your own optimizer step instead)"
+                "automatic_optimization = False (manual optimization: Lightning's way to write a GAN or "
+                "several optimizers). Drop the callback and guard the steps in training_step with a "
+                "safetrain.Guard built once over the networks and optimizers: for a GAN, "
+                "Guard(self, {'d': opt_d, 'g': opt_g}, step_fn={'d': d_loss, 'g': g_loss}) and "
+                "guard.step(batch, name='d') then name='g' (README: alternating objectives)"
             )
         if len(trainer.optimizers) != 1:
             raise ValueError(f"SafeTraining: got {len(trainer.optimizers)} optimizers; expected exactly one")

@@ -13,6 +13,7 @@ from .accepted import check_patterns, describe
 from .codec import decode
 from .disk import list_snapshots, snapshot_step
 from .fileformat import read_header, read_tensors
+from .optim import is_state_tensor
 from .state import validate_meta
 from .store import CorruptSnapshotError
 from .tensors import nonfinite
@@ -62,7 +63,7 @@ def inspect_snapshot(path: Union[str, os.PathLike]) -> Dict[str, Any]:
 def _describe(path: str, header: Any, tensors: Dict[str, Any], bad: List[str]) -> Dict[str, Any]:
     meta = header.state()
     validate_meta(meta, path)
-    checked = [(n, t) for n, t in tensors.items() if n.startswith(("model/", "optim/state/"))]
+    checked = [(n, t) for n, t in tensors.items() if n.startswith("model/") or is_state_tensor(n)]
     accepted = check_patterns(meta["model"].get("accepted", {}), path)  # masks: non-finite by design
     bad_values = nonfinite(checked, accepted)
     counters = meta.get("counters", {})

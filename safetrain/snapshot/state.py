@@ -17,7 +17,7 @@ from ..errors import SnapshotError
 from ..wrappers import plain_namer
 from .accepted import Pattern, check_patterns, patterns_of
 from .codec import decode, encode, tensor_refs
-from .optim import capture_optimizer, check_optimizer, restore_optimizer
+from .optim import capture_optimizer, check_optimizer, is_state_tensor, restore_optimizer
 from .rng import capture_rng, restore_rng
 from .store import CorruptSnapshotError
 from .tensors import copy_all_
@@ -119,7 +119,8 @@ class TrainState:
           a tensor shared under two names (tied weights) is stored once, the other name is an alias;
         * ``optim/state/{i}/{key}``: per-parameter optimizer state (``exp_avg``, ``step``...), ``i`` being
           the parameter's index in ``optimizer.state_dict()``; ``optim/groups/{g}/{key}`` for tensor
-          hyperparameters;
+          hyperparameters (several optimizers: ``optim/{name}/state/...`` and ``optim/{name}/groups/...``,
+          one set per optimizer; see :mod:`.optim`);
         * ``sched/...``, ``scaler/...``: tensors found in the scheduler's or scaler's state (rare);
         * ``rng/torch``, ``rng/cuda/{i}``, ``rng/numpy``: generator states;
         * ``extra/{name}``: the caller's own tensors (an epoch's shuffling seed, say).
@@ -147,7 +148,7 @@ class TrainState:
         checked = list(tensors)
         accepted = {n: p for n, p in self.accepted.items() if n in tensors}
         optim = capture_optimizer(self.optimizer, sink)
-        checked += [n for n in tensors if n.startswith("optim/state/")]
+        checked += [n for n in tensors if is_state_tensor(n)]
         meta: Dict[str, Any] = {
             "format": FORMAT,
             "version": VERSION,
