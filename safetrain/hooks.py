@@ -41,7 +41,7 @@ class StepRecord:
         loss: the step's loss (``nan`` when there was none, for example a skipped batch).
         grad_norm: the total gradient norm (before clipping).
         lr_scale: the LR backoff's scale on top of the schedule.
-        lrs: the learning rate of every parameter group, in order, as the optimizer holds it now.
+        lrs: the learning rate in force of every parameter group, of every optimizer in order.
         trained: whether the optimizer step was applied.
         action: what the guard did (``ok``, ``skip_batch``, ``restore``, ...).
         clipped_to: the norm after clipping on a clipped step, else ``nan``.

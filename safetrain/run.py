@@ -243,7 +243,7 @@ class Run:
             loss=step.loss,
             grad_norm=step.grad_norm,
             lr_scale=guard.lr_scale,
-            lrs=tuple(float(group["lr"]) for group in guard.optimizer.param_groups),
+            lrs=guard.lrs,
             trained=step.trained,
             action=step.action,
             clipped_to=step.clipped_to,

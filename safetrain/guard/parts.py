@@ -279,6 +279,11 @@ class Parts:
         return self.backoff.scale
 
     @property
+    def lrs(self) -> Tuple[float, ...]:
+        """The LR in force of every parameter group, of every optimizer in order (the backoff included)."""
+        return tuple(float(group["lr"]) for group in self.optimizer.param_groups)
+
+    @property
     def run_id(self) -> Optional[str]:
         """The run's id, stamped into each of its snapshots (``None``: a store without one)."""
         return getattr(self.store, "run_id", None)

@@ -123,3 +123,14 @@ def test_tensorboard_event_files_hold_the_scalars_and_the_events(tmp_path):
     assert [s.value for s in restores] == [0, 1], "written when it changes"
     texts = [t.tensor_proto.string_val[0].decode() for t in reader.Tensors("safetrain/events/text_summary")]
     assert len(texts) == len(result.events) and any(t.startswith("restored") for t in texts), tags
+
+
+def test_a_step_record_holds_the_lr_in_force_of_every_optimizers_groups(tmp_path):
+    """Several optimizers (issue 33): the record has each group's LR, the backoff's scale included."""
+    model = mlp()
+    first = torch.optim.SGD(model[0].parameters(), lr=0.02)
+    second = torch.optim.AdamW(model[2].parameters(), lr=0.001)
+    hook = Recorder()
+    cfg = load_config(None, ["log.progress=false"])
+    SafeTrainer(model, [first, second], cfg, loss_fn=F.mse_loss).fit(loader(regression_data()), hooks=[hook])
+    assert hook.steps and all(r.lrs == pytest.approx((0.02, 0.001)) for r in hook.steps)
