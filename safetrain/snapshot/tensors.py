@@ -30,6 +30,7 @@ __all__ = [
     "alloc_like",
     "layout_of",
     "copy_all_",
+    "put_buffer_",
     "copy_checked_",
     "streamable",
     "byte_view",
@@ -209,6 +210,18 @@ def copy_all_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     with torch.no_grad():
         for ds, ss in groups.values():
             torch._foreach_copy_(ds, ss, non_blocking=True)
+
+
+def put_buffer_(live: torch.Tensor, saved: torch.Tensor) -> None:
+    """Write ``saved`` into the buffer ``live`` in place (every reference to it stays valid),
+    taking ``saved``'s shape and dtype when they differ: a buffer that changed shape or dtype since
+    it was kept (an observer's per-channel ``min_val``, empty before the first forward) goes back
+    as it was, on its own device. The module keeps the same tensor object either way."""
+    with torch.no_grad():
+        if live.shape == saved.shape and live.dtype == saved.dtype:
+            live.copy_(saved)
+        else:  # slow path: the buffer's metadata changes (a fresh copy: ``saved`` may be reused)
+            live.data = saved.detach().to(device=live.device, copy=True)
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
