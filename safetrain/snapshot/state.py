@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 import torch
+from torch.nn.parameter import is_lazy
 
-from ..errors import SnapshotError
+from ..errors import SafetrainError, SnapshotError
 from ..wrappers import plain_namer
 from .accepted import Pattern, check_patterns, patterns_of
 from .codec import decode, encode, tensor_refs
@@ -225,10 +226,17 @@ class TrainState:
             where: the file (or store slot) named in errors.
 
         Raises:
+            SafetrainError: the model has lazy parameters not made yet (a dry run first).
             SnapshotError: naming the first mismatch: a model on the meta device, format, a missing
                 or extra model tensor, a shape or dtype, the optimizer's type or parameter layout, the scheduler's type,
                 the scaler's enabled state. ``CorruptSnapshotError`` when the metadata is malformed.
         """
+        lazy = [n for n, t in self._model_state().items() if is_lazy(t)]
+        if lazy:  # (not a SnapshotError: resume="auto" would start fresh over a run that has snapshots)
+            raise SafetrainError(
+                f"{where}: the model's lazy modules have not made their parameters yet ({_few(lazy)}), so their "
+                "shapes are unknown: run one forward of a batch (a dry run) before loading or resuming"
+            )
         meta_device = [n for n, t in self._model_state().items() if t.is_meta]
         if meta_device:
             raise SnapshotError(

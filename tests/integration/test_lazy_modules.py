@@ -114,3 +114,25 @@ def test_a_caller_loop_without_a_loss_function_is_told_to_dry_run():
     with pytest.raises(SafetrainError, match="dry run"):
         guard.begin_batch(_batches("mlp", 1)[0])
     guard.close()
+
+
+def test_a_resume_before_the_parameters_exist_says_to_dry_run(tmp_path):
+    """Resuming a lazy model whose parameters are not made yet: a ``SafetrainError`` saying to run
+    a dry run first, not torch's RuntimeError from inside the shape check, and not a silent fresh
+    start under ``resume='auto'`` (the snapshots are there)."""
+    overrides = ["log.progress=false", "snapshot.store=safetensors", f"log.dir={tmp_path}"]
+    model = lazy_net("mlp")
+    SafeTrainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.05), load_config(None, overrides), loss_fn=F.mse_loss
+    ).fit(_batches("mlp", 4))
+    model = lazy_net("mlp")
+    trainer = SafeTrainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.05), load_config(None, overrides), loss_fn=F.mse_loss
+    )
+    with pytest.raises(SafetrainError, match="dry run"):
+        trainer.fit(_batches("mlp", 4), epochs=2, resume="auto")
+    model(_batches("mlp", 1)[0][0])  # the dry run: now it resumes
+    trainer = SafeTrainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.05), load_config(None, overrides), loss_fn=F.mse_loss
+    )
+    assert trainer.fit(_batches("mlp", 4), epochs=2, resume="auto").optimizer_steps == 8

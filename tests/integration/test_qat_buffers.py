@@ -140,3 +140,21 @@ def test_a_restore_puts_the_observers_back_as_the_snapshot_holds_them(every):
                 break
             states[guard.steps] = _state(model)
     fault.remove()
+
+
+def test_a_fresh_qat_model_resumes_from_a_safetensors_snapshot(tmp_path):
+    """A run's safetensors snapshot, loaded into a freshly prepared QAT model (observers empty and
+    at +-inf): every buffer takes the snapshot's shape and values, and the run goes on (before:
+    refused, 'model tensor ... is [4] in the snapshot, [1] in the live model')."""
+    overrides = ["log.progress=false", "snapshot.store=safetensors", f"log.dir={tmp_path}", "snapshot.every=2"]
+    model = qat_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    SafeTrainer(model, opt, load_config(None, overrides), loss_fn=F.mse_loss).fit(_batches(4))
+    trained = _state(model)
+    fresh = qat_model()
+    result = SafeTrainer(
+        fresh, torch.optim.SGD(fresh.parameters(), lr=0.05), load_config(None, overrides), loss_fn=F.mse_loss
+    ).fit(_batches(4), max_steps=4, resume="auto")
+    assert result.optimizer_steps == 4 and _same(_state(fresh), trained) == []
+    start = next(e for e in result.events if e.name == "run_started")
+    assert any("shape or dtype" in c for c in start.detail["changed_since"]), start.detail
