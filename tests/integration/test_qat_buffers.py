@@ -158,3 +158,50 @@ def test_a_fresh_qat_model_resumes_from_a_safetensors_snapshot(tmp_path):
     assert result.optimizer_steps == 4 and _same(_state(fresh), trained) == []
     start = next(e for e in result.events if e.name == "run_started")
     assert any("shape or dtype" in c for c in start.detail["changed_since"]), start.detail
+
+
+class Counting(torch.nn.Module):
+    """A layer whose first forward registers a buffer (``seen``) and turns another from float32
+    into float64 (``total``): buffers that appear and change dtype during training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 1)
+        self.register_buffer("total", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "seen"):
+            self.register_buffer("seen", torch.zeros(4))
+            self.total = self.total.double()
+        with torch.no_grad():
+            self.seen += x.detach().abs().mean(0)
+            self.total += 1
+        return self.fc(x)
+
+
+def test_a_restore_takes_back_a_dtype_and_leaves_a_buffer_that_appeared():
+    """A restore to the forced first snapshot (taken before the first forward): ``total`` goes back
+    to float32 and its value then; ``seen``, which appeared since, is left as it is; the journal
+    says both; training goes on."""
+    torch.manual_seed(0)
+    model = Counting()
+    overrides = ["snapshot.every=100", "recovery.actions.forward=restore", "detect.replay.enabled=false"]
+    fault = OutputFault(model.fc, calls=[3])
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(5)]
+    with Guard(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        load_config(None, QUIET[:1] + overrides),
+        loss_fn=F.mse_loss,
+    ) as guard:
+        for i, batch in enumerate(data):
+            result = guard.step(batch)
+            if i == 2:
+                restored = next(e for e in result.events if e.name == "restored")
+                changed = " ".join(restored.detail["changed_since"])
+                assert "'total'" in changed and "appeared" in changed and "'seen'" in changed, changed
+                assert model.total.dtype == torch.float32 and float(model.total) == 0.0
+                assert model.seen.shape == (4,)
+    fault.remove()
+    assert guard.counters.optimizer_steps >= 3
