@@ -178,6 +178,8 @@ class SafeTrainer:
                 return self._resume(guard, None, run)
             passed = [{"path": p, "why": why} for p, why in info.passed_over]  # newer files not usable
             used = {"resumed_from": info.path, "passed_over": passed}
+            if info.changed_since:  # the model or optimizer changed layout since the snapshot
+                used["changed_since"] = list(info.changed_since)
             start_epoch, skip = guard.position[0], guard.position[1] + 1
             epoch_rng = info.extra_tensors.get("epoch_rng")
         else:  # a fresh run: refuse a directory holding another run's snapshots (or overwrite them)

@@ -35,6 +35,7 @@ from .decisions import Decisions
 from .forward import Forward
 from .journal import StepJournal
 from .judge import Judge
+from .lazy import LazyParams
 from .measure import measure
 from .plumbing import Plumbing
 from .recovery import Recovery
@@ -127,7 +128,7 @@ class Parts:
         self._params = params = [(n, p) for n, p in all_params if p.requires_grad]
         # Gradients are always checked (clipping and the scaler need the norm anyway); the
         # activation and weight checks follow detect.mode. Disabled parts are no-ops, not ifs.
-        self.grads = grads = detect.GradCheck(params)
+        self.grads = grads = detect.GradCheck(all_params)  # (frozen ones watched: one may be unfrozen mid-run)
         self.monitor = monitor = detect.ActivationMonitor.from_config(named, c.detect)
         monitor.attach()
         # Distributed (a process group of > 1 rank and a DDP model): the one read combines every
@@ -173,6 +174,7 @@ class Parts:
             diag.weight_replay.never = "named steps (each update its own loss and optimizer) are not replayed"
         kept = fwd.buffers.checked(kept=True), fwd.buffers.patterned(state, kept=True)  # as before the step
         all_weights = detect.WeightCheck(all_params + kept[0], 0, probes=kept[1])
+        self.lazy = LazyParams(named, fwd, pipes, monitor, state, (grads, self.weights, all_weights))
         self.judge = Judge(
             c,
             counters,
@@ -198,7 +200,7 @@ class Parts:
             state,
             backoff,
             grads,
-            dict(params),
+            dict(all_params),  # (a frozen parameter may be unfrozen mid-run)
             emit=self._emit,
             not_applied=self._not_applied,
             after_restore=self._after_restore,
@@ -332,7 +334,7 @@ class Parts:
         the finite losses measured."""
         if self.counters.steps or self.phase is not Phase.READY or not self.sync.steps_alone:
             return []
-        parts = self.forward, self.plumbing, self.monitor, self._named, self.spike, self.recovery_state
+        parts = self.forward, self.plumbing, self.monitor, self._named, self.spike, self.recovery_state, self.lazy
         return measure(*parts, batches)
 
     # ----------------------------------------------------------------- resume or a fresh start

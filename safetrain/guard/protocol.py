@@ -344,6 +344,8 @@ class Guard(Parts):
         snapshot, which is never taken of a non-finite state."""
         first = not self._started
         self._started = True
+        if self.lazy.pending:  # a lazy model's parameters exist before its first snapshot (a dry run: :mod:`.lazy`)
+            self.lazy.make(batch)
         if self.counters.steps == 0 and self.phase is Phase.READY and len(self.store) == 0:
             if self.snapshot(force=True).action == "refused" and first and self.store.refused:
                 self._broken_start(list(self.store.refused), batch)

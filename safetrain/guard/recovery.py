@@ -50,7 +50,7 @@ class Recovery:
         store: the snapshot store; ``train_state`` is what it restores into.
         backoff: the LR scale kept on top of the schedule.
         grads: the gradient check (the norm of what is left after zeroing).
-        params: trained parameters by name.
+        params: every parameter by name (frozen ones too: one may be unfrozen mid-run).
         emit: journals an event.
         not_applied: drops the step's gradients and counts it as skipped.
         after_restore: called with the restored step and the snapshot's guard state (replays forget
@@ -343,13 +343,16 @@ class Recovery:
         self.counters.restores += 1
         self.state.since_snapshot = 0
         self.state.skip_after_restore = self.cfg.recovery.skip_batches_after_restore
+        detail = {"snapshot_step": info.step, "path": str(info.path) if info.path else None, "passed_over": passed}
+        changed = list(info.changed_since)  # what changed layout since the snapshot (observers, groups added)
         event = self.emit(
             Restored,
             decision.kind,
             decision.action,
             f"restored the snapshot of step {info.step} after {why or decision.kind}"
-            + (f", passing over the newest ({passed}): no healthy step vouched for it" if passed else ""),
-            {"snapshot_step": info.step, "path": str(info.path) if info.path else None, "passed_over": passed},
+            + (f", passing over the newest ({passed}): no healthy step vouched for it" if passed else "")
+            + "".join(f"; {c}" for c in changed),
+            {**detail, "changed_since": changed} if changed else detail,
         )
         self.backoff.hold()  # no LR above the last healthy update's, however often the schedule sets it
         return event

@@ -83,7 +83,7 @@ def _load_file(path: str, state: TrainState) -> SnapshotInfo:
     tensors, _ = read_tensors(header)
     state.apply(tensors, meta, owned=True, where=path)
     log.debug("restored snapshot %s", path)
-    return make_info(meta, tensors, path, path)
+    return dataclasses.replace(make_info(meta, tensors, path, path), changed_since=tuple(state.changed))
 
 
 class SafetensorsStore(SnapshotStore):

@@ -240,7 +240,7 @@ def read_tensors(
 
 def _pread_tensor(fd: int, header: Header, e: Entry) -> torch.Tensor:
     t = torch.empty(e.shape, dtype=e.dtype)
-    view, pos, done = byte_view(t), header.data_start + e.begin, 0
+    view, pos, done = byte_view(t, into=True), header.data_start + e.begin, 0
     while done < len(view):
         got = os.preadv(fd, [view[done : done + _CHUNK]], pos + done)
         if got == 0:

@@ -110,7 +110,7 @@ def _check(
     live_groups = opt.state_dict()["param_groups"]
     saved_sizes = [len(g["params"]) for g in meta["param_groups"]]
     live_sizes = [len(g["params"]) for g in live_groups]
-    if saved_sizes != live_sizes:
+    if saved_sizes != live_sizes[: len(saved_sizes)]:  # (groups added since, after the snapshot's: kept)
         raise SnapshotError(
             f"{where}: optimizer has param groups of sizes {saved_sizes} in the snapshot, "
             f"{live_sizes} in the live state"
@@ -145,7 +145,7 @@ def restore_optimizer(
     owned: bool,
     where: str,
     homes: Optional[Mapping[str, torch.device]] = None,
-) -> None:
+) -> List[str]:
     """Put the snapshot's optimizer state back (every member's, for several).
 
     With ``owned`` tensors (fresh from a file) this is ``opt.load_state_dict``, which adopts them
@@ -153,9 +153,20 @@ def restore_optimizer(
     is copied in place (no allocation, asynchronous from pinned memory); a different layout (Adam
     state that did not exist yet, or no longer does) falls back to ``load_state_dict`` on copies
     made on each tensor's ``homes`` device.
+
+    Param groups added since the snapshot (``optimizer.add_param_group``: progressive unfreezing)
+    are kept, with their hyperparameters as they are now and their optimizer state reset (the
+    snapshot has none for them; their parameters are the model's, which the snapshot restores).
+
+    Returns:
+        Sentences for the journal on what changed since the snapshot (empty: the same groups).
     """
-    for prefix, member, part in _parts(opt, meta, where):
-        _restore(member, tensors, part, owned, where, homes, prefix)
+    parts = list(_parts(opt, meta, where))
+    changed = []
+    for prefix, member, part in parts:
+        said = _restore(member, tensors, part, owned, where, homes, prefix)
+        changed += [f"{prefix}: {text}" if len(parts) > 1 else text for text in said]
+    return changed
 
 
 def _restore(
@@ -166,12 +177,13 @@ def _restore(
     where: str,
     homes: Optional[Mapping[str, torch.device]],
     prefix: str,
-) -> None:
+) -> List[str]:
     saved_state = {int(i): decode(s, tensors, where) for i, s in meta["state"].items()}
     saved_groups = [dict(decode(g["hyper"], tensors, where), params=list(g["params"])) for g in meta["param_groups"]]
-    if not owned and _same_layout(opt, saved_state, saved_groups):
+    added = _added_groups(opt, saved_groups)
+    if not owned and not added and _same_layout(opt, saved_state, saved_groups):
         _copy_in_place(opt, saved_state, saved_groups)
-        return
+        return []
     if not owned:
         homes = homes or {}
 
@@ -181,9 +193,28 @@ def _restore(
         saved_state = {i: _map_tensors(s, f"{prefix}/state/{i}", fresh) for i, s in saved_state.items()}
         saved_groups = [_map_tensors(g, f"{prefix}/groups/{n}", fresh) for n, g in enumerate(saved_groups)]
     try:
-        opt.load_state_dict({"state": saved_state, "param_groups": saved_groups})
+        opt.load_state_dict({"state": saved_state, "param_groups": saved_groups + added})
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         raise SnapshotError(f"{where}: optimizer.load_state_dict refused the snapshot's state: {exc}") from None
+    if not added:
+        return []
+    n = len(saved_groups)
+    return [
+        f"optimizer param groups {n}..{n + len(added) - 1} added since the snapshot "
+        f"({sum(len(g['params']) for g in added)} parameters): kept, their optimizer state reset"
+    ]
+
+
+def _added_groups(opt: torch.optim.Optimizer, saved_groups: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The live param groups after the snapshot's (added since), as ``load_state_dict`` takes
+    them: hyperparameters as they are now, parameters numbered on from the snapshot's."""
+    first = sum(len(g["params"]) for g in saved_groups)
+    out = []
+    for group in opt.param_groups[len(saved_groups) :]:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        out.append(dict(hyper, params=list(range(first, first + len(group["params"])))))
+        first += len(group["params"])
+    return out
 
 
 def _map_tensors(obj: Any, path: str, fn: Any) -> Any:
