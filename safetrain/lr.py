@@ -17,7 +17,9 @@ the last update a clean read followed (:meth:`~LRBackoff.mark_used`, :meth:`~LRB
 and after a restore it holds the schedule at or below them (:meth:`~LRBackoff.hold`), so a
 schedule bug (a scheduler that returns 1000x its LR for a few steps) is held against however
 often the restored scheduler computes it again. The hold lifts when the schedule comes back to
-that LR, or after ``release_after`` clean reads.
+that LR, or after ``release_after`` clean reads once the schedule is no higher than the LR the
+failed update used (:attr:`~LRBackoff.failed`): a one-cycle or warmup schedule still rising past
+the LR that broke the run stays held, else it climbs back into the same fault.
 """
 
 from __future__ import annotations
@@ -74,6 +76,11 @@ class LRBackoff:
         self.used: Optional[List[float]] = None  # the (unscaled) LRs the last update used
         self.trusted: Optional[List[float]] = None  # ...of the last update a clean read followed
         self.ceiling: Optional[List[float]] = None  # the hold after a restore (None: none)
+        #: the LRs the update before the fault a hold answers used (the scale included): the hold does
+        #: not lift by clean reads while the schedule (under the scale then in force) is above them (None: not known)
+        self.failed: Optional[List[float]] = None
+        self.failed_scale = 1.0  # the LR scale in force when it ran
+        self._kept_told = False  # the hold outlived release_after clean reads (journaled once per hold)
         self._binding = False  # the schedule is above the ceiling (journaled once per stretch)
         self.scheduler = ""  # the class of the scheduler last stepped, for the journal
         self._held_reads = 0
@@ -122,15 +129,35 @@ class LRBackoff:
         if self.ceiling is not None:
             self._held_reads += 1
             if self._held_reads >= self.release_after:
-                self._release(f"{self._held_reads} steps read clean under it")
+                if self._below_failed():
+                    self._release(f"{self._held_reads} steps read clean under it")
+                elif not self._kept_told:
+                    self._kept_told = True
+                    failed = list(self.failed or ())
+                    self._tell(
+                        f"LR hold kept after {self._held_reads} clean reads: the schedule (lr "
+                        f"{max(self.unscaled) * self.scale:g}{' with the LR scale' if self.scale != 1.0 else ''}) "
+                        f"is still above the LR the failed update used ({max(failed):g}); it lifts when the "
+                        "schedule comes back to the held LR",
+                        {"scheduled_lr": list(self.unscaled), "failed_lr": failed},
+                    )
+
+    def _below_failed(self) -> bool:
+        """Whether the schedule, under the scale in force, is at or below the LRs the failed update
+        used (or those are not known)."""
+        return self.failed is None or all(lr * self.scale <= f for lr, f in zip(self.unscaled, self.failed))
 
     def hold(self) -> None:
         """After a restore: hold the schedule at or below the LRs of the last update a clean read
         followed (none known yet: no hold); the restored LRs are checked against them now."""
+        if self.used is not None:  # the LRs that led into the fault (the lowest of those a hold still answers)
+            used = [lr * self.scale for lr in self.used]  # (a backoff after this restore comes after it)
+            if self.ceiling is None or self.failed is None or max(used) < max(self.failed):
+                self.failed, self.failed_scale = used, self.scale
         self.used = None  # the restored weights were not made by the last update
         if self.trusted is None:
             return
-        self.ceiling, self._binding, self._held_reads = list(self.trusted), False, 0
+        self.ceiling, self._binding, self._held_reads, self._kept_told = list(self.trusted), False, 0, False
         self._check_hold(f"the restored LR scheduler {self.scheduler}" if self.scheduler else "the restored snapshot")
         self._apply()
 
@@ -184,21 +211,22 @@ class LRBackoff:
 
     def state_dict(self) -> Dict[str, Any]:
         """``{"scale": float, "unscaled": [float per group], "trusted": [...] or None, "ceiling":
-        [...] or None}``; JSON-ready."""
+        [...] or None, "failed": [...] or None}``; JSON-ready."""
         return {
             "scale": self.scale,
             "unscaled": list(self.unscaled),
             "trusted": list(self.trusted) if self.trusted is not None else None,
             "ceiling": list(self.ceiling) if self.ceiling is not None else None,
+            "failed": list(self.failed) if self.failed is not None else None,
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Take the unscaled LRs of a snapshot and apply the scale in force now (kept unless given);
-        ``trusted`` and ``ceiling`` (a resume) too when given (absent from earlier snapshots)."""
+        ``trusted``, ``ceiling`` and ``failed`` (a resume) too when given (absent from earlier snapshots)."""
         self.unscaled = [float(x) for x in state["unscaled"]]
         if "scale" in state:
             self.scale = float(state["scale"])
-        for key in ("trusted", "ceiling"):
+        for key in ("trusted", "ceiling", "failed"):
             if key in state:
                 setattr(self, key, [float(x) for x in state[key]] if state[key] is not None else None)
         self._apply()

@@ -162,7 +162,7 @@ class Run:
             self.journal = Journal(journal_path(self.dir, self.rank))
             self.bus.journal = self.journal
             if self.rank == 0:
-                self.metrics = MetricsWriter(self.dir / METRICS_FILE, flush_every=self.cfg.snapshot.every)
+                self.metrics = MetricsWriter(self.dir / METRICS_FILE, flush_every=_flush_every(self.cfg))
                 if self.cfg.log.tensorboard:
                     self.hooks.hooks.insert(0, TensorBoardHook(tensorboard_dir(self.dir)))
         except BaseException:
@@ -345,3 +345,10 @@ class Run:
                 detail=detail,
             )
         )
+
+
+def _flush_every(cfg: TrainConfig) -> int:
+    """Rows the metrics writer may hold: ``snapshot.every``, or 100 under ``auto`` (a snapshot's
+    own event flushes them anyway)."""
+    every = cfg.snapshot.every
+    return every if isinstance(every, int) else 100

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import typing
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Set, Tuple, Union
 
 from omegaconf import DictConfig, OmegaConf
@@ -182,6 +183,11 @@ def _unresolved(exc: OmegaConfBaseException, source_of: SourceOf) -> ConfigError
 
 
 def _read_bool(section: Dict[str, Any], key: str, value: Any, tp: Any) -> None:
-    """An interpolation resolves to a string: ``"true"``/``"false"`` for a boolean field is that boolean."""
+    """An interpolation resolves to a string: ``"true"``/``"false"`` for a boolean field is that
+    boolean; a whole number for a field that takes an integer or a named choice (``snapshot.every``)
+    is that integer (OmegaConf converts it for a plain integer field, not for a union)."""
     if tp is bool and isinstance(value, str) and value.strip().lower() in ("true", "false"):
         section[key] = value.strip().lower() == "true"
+    elif isinstance(value, str) and typing.get_origin(tp) is Union and int in typing.get_args(tp):
+        if value.strip().lstrip("+-").isdigit():
+            section[key] = int(value)

@@ -284,9 +284,22 @@ class SnapshotConfig:
     store: Literal["memory", "safetensors"] = _f(
         "memory", "memory (fast, lost with the process) | safetensors (on disk)"
     )
-    every: int = _f(100, "take a snapshot after this many healthy optimizer steps", ge=1)
+    every: Union[int, Literal["auto"]] = _f(
+        "auto",
+        "take a snapshot after this many healthy optimizer steps; auto: the fewest whose training time pays for "
+        "one within snapshot.overhead (measured: ceil(snapshot time / (overhead x step time)), within "
+        "min_every..max_every)",
+        ge=1,
+    )
+    overhead: float = _f(0.01, "every: auto: the share of training time snapshots may take", gt=0, lt=1)
+    min_every: int = _f(5, "every: auto: the fewest healthy steps between two snapshots", ge=1)
+    max_every: int = _f(1000, "every: auto: the most healthy steps between two snapshots", ge=1)
     dir: Optional[str] = _f(None, "directory of safetensors snapshots (null: <log.dir>/snapshots)")
-    keep: int = _f(2, "number of snapshots kept; older ones are deleted", ge=1)
+    keep: int = _f(
+        2,
+        "number of snapshots kept; older ones are deleted (the memory store holds keep full copies of the state)",
+        ge=1,
+    )
     device: Literal["cpu", "model"] = _f("cpu", "where the memory store keeps its copy: cpu (pinned on CUDA) | model")
     on_signal: bool = _f(
         True, "on a caught SIGTERM/SIGINT, snapshot the step fit stopped at (safetensors store only), for resume"

@@ -184,6 +184,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for i, action in enumerate(rec.escalate):
         if action not in ladder:
             raise KeyedError("recovery.escalate", f"item {i}: got {show(action)}; expected one of {' | '.join(ladder)}")
+    snap = cfg.snapshot
+    if snap.min_every > snap.max_every:
+        raise KeyedError(
+            "snapshot.min_every", f"got {snap.min_every}; expected at most snapshot.max_every ({snap.max_every})"
+        )
     if cfg.guard.spike.min_history > cfg.guard.spike.window:
         raise KeyedError(
             "guard.spike.min_history",

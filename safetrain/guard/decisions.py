@@ -19,6 +19,7 @@ from ..kinds import Action
 from ..lr import LRBackoff
 from ..policy import Anomaly, Rules, decide, newest_taken, raises, read_clean
 from ..steps import Counters, Pending, StepResult
+from .cadence import Cadence
 from .judge import Judge
 from .outcomes import Outcome, Rerun, Verdict
 from .recovery import Recovery
@@ -111,12 +112,16 @@ class Decisions:
         return dataclasses.replace(diagnosis, epoch=where[0], batch_index=where[1]) if where else diagnosis
 
     def close(
-        self, verdict: Verdict, decided: StepResult, snapshot_every: int, snapshot: Callable[[], Event]
+        self, verdict: Verdict, decided: StepResult, cadence: Cadence, snapshot: Callable[[], Event]
     ) -> StepResult:
         """After the update (applied or not): what a trained step's loss joins, and the periodic
-        snapshot (``snapshot()`` every ``snapshot_every`` healthy steps); ``decided``: the step's
-        result as decided, returned with the snapshot's event added."""
+        snapshot (``snapshot()`` when ``cadence`` says one is due; a healthy step's wall time is
+        measured for it); ``decided``: the step's result as decided, returned with the snapshot's event added."""
         rs, loss = self.recovery_state, decided.loss
+        if verdict.outcome is not None or verdict.rerun_action:
+            cadence.interrupted()  # (the slow path ran: not a healthy step's time)
+        else:
+            cadence.healthy()
         if verdict.outcome is not None:
             if verdict.trains:
                 rs.count_loss(loss)
@@ -138,7 +143,7 @@ class Decisions:
         if owed:
             rs.history = newest_taken(rs.history, owed)
         rs.since_snapshot += 1
-        if rs.since_snapshot >= snapshot_every and not climbing:
+        if cadence.due(rs.since_snapshot) and not climbing:
             events.append(snapshot())
         return dataclasses.replace(decided, events=tuple(events)) if len(events) != len(decided.events) else decided
 

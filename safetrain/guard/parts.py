@@ -207,7 +207,8 @@ class Parts:
             sync=sync,
             put_back=fwd.buffers.put_back,
         )
-        self.snapshots = Snapshots(store, state, counters, self.recovery_state, diag.clear, self._emit)
+        rs = self.recovery_state
+        self.snapshots = Snapshots(store, state, counters, rs, diag.clear, self._emit, c.snapshot, sync)
         self.decisions = Decisions(
             judge=self.judge,
             recovery=self.recovery,

@@ -297,7 +297,7 @@ class Guard(Parts):
                 return result
             if verdict.trains:
                 self.updates.applied(self.last_loss)
-            return self.decisions.close(verdict, result, self.cfg.snapshot.every, self.snapshot)
+            return self.decisions.close(verdict, result, self.snapshots.cadence, self.snapshot)
         finally:
             self.phase = Phase.READY
 

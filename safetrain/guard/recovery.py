@@ -26,8 +26,10 @@ from ..lr import LRBackoff
 from ..optimizers import lrs_by_name
 from ..policy import Anomaly, Decision, mark_last_skipped, record_step
 from ..steps import Counters, Pending
+from .evidence import event_payload, micro_batch, place_of, summary
 from .judge import micro_rows
 from .outcomes import Outcome, Rerun, Verdict
+from .returns import MAX_RETURNS, cause_of, loop_reason
 from .state import RecoveryState
 
 __all__ = ["Recovery", "Outcome", "Rerun", "Verdict", "Emit", "with_hint"]
@@ -93,7 +95,7 @@ class Recovery:
                 action,
                 f"{kind} anomaly: {summary(kind, anomaly.detail)} -> "
                 "transient (the replay from the same state was finite): retrying the step once",
-                self._put_back(_payload(anomaly.detail, diagnosis)),  # the re-run updates them once
+                self._put_back(event_payload(anomaly.detail, diagnosis)),  # the re-run updates them once
                 at=place_of(anomaly.detail, diagnosis),
             )
             rerun = Rerun(list(pending.micro), list(pending.indices), list(pending.places))
@@ -119,7 +121,7 @@ class Recovery:
             return self.fix_rows(kind, decision, detail["rows"], pending)
         replayed = f"; replay: {diagnosis.describe()}" if diagnosis is not None else ""
         message = f"{kind} anomaly: {summary(kind, detail)}{replayed} -> {action} ({decision.reason})"
-        payload = {**_payload(detail, diagnosis), "rung": decision.rung}
+        payload = {**event_payload(detail, diagnosis), "rung": decision.rung}
         if not decision.trains:  # not applied: the step's buffer updates go too
             payload = self._put_back(payload)
         events: List[Event] = [self.emit(AnomalyFound, kind, action, message, payload, at=place_of(detail, diagnosis))]
@@ -197,10 +199,13 @@ class Recovery:
             reason = (
                 f"run: {worse}; fix: a smaller learning rate (or LR warmup), targets and inputs in the units "
                 "the model expects; for a run whose loss may rise by design (a GAN, RL), guard.end_margin: null"
-            )
+            ) + self._failed_lr()
         else:
             self._settle_last_step(seen)
-            return
+            at_start = self._ended_at_start(seen)
+            if at_start is None:
+                return
+            self.abort("run", at_start)  # (the state is the start's already: nothing to restore)
         if len(self.store):
             try:
                 self.store.restore(self.train_state)
@@ -229,6 +234,36 @@ class Recovery:
         )
         self.restore(decision, why=f"{kind}: the run ended on an anomalous step, on weights nothing vouched for")
         self.state.skip_after_restore = 0  # nothing is left to skip
+
+    def _failed_lr(self) -> str:
+        """What an end-of-run abort adds when restores answered faults under an LR schedule: the LR
+        the failing update used, the schedule's peak to lower (``""`` without a schedule or a restore)."""
+        failed, name = self.backoff.failed, self.backoff.scheduler
+        if failed is None or not name or not self.counters.restores:
+            return ""
+        lr = max(failed)
+        return (
+            f"; {self.counters.restores} restores answered faults that came at lr {lr:.3g} under the LR scheduler "
+            f"{name}: lower the schedule's peak LR below {lr:.3g}"
+        )
+
+    def _ended_at_start(self, seen: int) -> Optional[str]:
+        """A run whose last restore put back the snapshot it started from, with no update applied
+        since, ends with the start's weights: none of its training was kept, so it is not "done".
+        The reason (the cause and the fix: a schedule that climbs back to the LR that failed, else
+        the last fault), or ``None``."""
+        s, start = self.state, self.counters.steps - seen
+        if s.returns.snapshot != start or s.restored_updates != self.counters.optimizer_steps:
+            return None
+        h = s.history
+        kind = h.fault.kind if h.fault is not None else "last"
+        b = self.backoff
+        now = [lr * b.failed_scale for lr in b.unscaled]  # the restored snapshot's LRs, as the failed update's
+        cause = cause_of(kind, failed_lr=b.failed, snapshot_lr=now, scheduler=b.scheduler)
+        return (
+            f"run: the run ended restored to its start (the snapshot of step {start}, put back at step "
+            f"{s.returns.restored_at} after {self.counters.restores} restores): none of its training was kept; {cause}"
+        )
 
     def reject_rows(self, anomaly: Anomaly) -> None:
         """``sanitize.*: raise``: the step is not applied, the rows are journaled, then BatchError."""
@@ -268,7 +303,7 @@ class Recovery:
         """Non-finite input or target rows: skip the step, replace (already done before the
         forward: judge the rest), or drop them and run the step again on what is left."""
         action = decision.action
-        n_rows = len({(_micro_batch(f.path), r) for f in rows for r in f.rows})
+        n_rows = len({(micro_batch(f.path), r) for f in rows for r in f.rows})
         kept: List[Any] = []
         places: List[Tuple[int, int]] = []
         if action is Action.DROP_ROWS:  # each micro-batch without its bad rows, to run the step again
@@ -355,6 +390,15 @@ class Recovery:
             {**detail, "changed_since": changed} if changed else detail,
         )
         self.backoff.hold()  # no LR above the last healthy update's, however often the schedule sets it
+        trained = self.counters.optimizer_steps > self.state.restored_updates
+        self.state.restored_updates = self.counters.optimizer_steps
+        loops = self.state.returns.arrive(info.step, self.counters.steps, self.backoff.scale, trained)
+        if loops >= MAX_RETURNS and decision.action is not Action.ABORT:  # a restore loop: it stops here
+            b = self.backoff
+            restored = [lr * b.failed_scale for lr in info.extra["lr"]["unscaled"]]  # (as the failed update's)
+            kind = str(decision.kind)
+            why = loop_reason(kind, self.state.returns, failed_lr=b.failed, snapshot_lr=restored, scheduler=b.scheduler)
+            self.abort(decision.kind, why)
         return event
 
     def skip_data(self, step_scheduler: Callable[[], None]) -> Event:
@@ -403,48 +447,3 @@ def with_hint(reason: str, kind: str, diagnosis: Any, masked_targets: int, steps
         )
     known = str(getattr(diagnosis, "numerics", "") or "")
     return f"{reason}; {known}" if known and known not in reason else reason
-
-
-def place_of(detail: Mapping[str, Any], diagnosis: Any = None) -> Optional[Tuple[int, int]]:
-    """The ``(epoch, batch index)`` an anomaly's event names: the micro-batch a replay pinned it on,
-    else its finding's (a forward finding in one micro-batch, the first micro-batch with bad rows,
-    the step's own for a finding about the whole step); ``None``: the step's."""
-    for found in (diagnosis, detail.get("finding"), (detail.get("rows") or [None])[0]):
-        epoch, batch = getattr(found, "epoch", None), getattr(found, "batch_index", None)
-        if epoch is not None and batch is not None:
-            return int(epoch), int(batch)
-    return None
-
-
-def _micro_batch(path: str) -> str:
-    """Which micro-batch a row finding's path is in: ``micro[i]`` of an accumulated step, else
-    ``batch`` (a row bad in several tensors of one batch, ``batch["x"]`` and ``batch["z"]``, is one row)."""
-    return path.split("]")[0] if path.startswith("micro[") else "batch"
-
-
-def _payload(detail: Mapping[str, Any], diagnosis: Any) -> Dict[str, Any]:
-    out = {k: (v.to_dict() if hasattr(v, "to_dict") else v) for k, v in detail.items()}
-    if diagnosis is not None:
-        out["diagnosis"] = diagnosis.to_dict()
-    return out
-
-
-def summary(kind: str, detail: Mapping[str, Any]) -> str:
-    """One line for an anomaly's evidence: its finding, or the spike's or loss's numbers."""
-    finding = detail.get("finding")
-    if finding is not None and hasattr(finding, "describe"):
-        return finding.describe()
-    rows = detail.get("rows")
-    if isinstance(rows, list) and rows and hasattr(rows[0], "describe"):  # bad input or target rows
-        return "; ".join(f.describe() for f in rows[:4])
-    if kind == "spike" and detail.get("rule") == "start":
-        start = ", ".join(f"{x:.4g}" for x in detail["start"])
-        return (
-            f"loss {detail['loss']:.4g} after {detail['trained']} trained step(s) is {detail['ratio']:.3g} ranges "
-            f"above the lowest of the start model's losses on the batches ahead ({start}) and the trained ones"
-        )
-    if kind == "spike":
-        return f"loss {detail['loss']:.4g} is {detail['z']:.1f} robust sigmas above the median {detail['median']:.4g}"
-    if kind == "loss":
-        return f"loss is {detail['loss']}"
-    return ", ".join(f"{k}={v}" for k, v in detail.items() if not isinstance(v, (list, dict)))

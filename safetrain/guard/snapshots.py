@@ -3,7 +3,8 @@
 A snapshot taken after an update is unverified until two steps read clean, the second the effect
 of the update that used its optimizer state and LR (:data:`~safetrain.policy.VOUCH_READS`); a
 forced one (the run's start) is sound. The first snapshot's event names the buffers accepted as
-non-finite by design (masks), once.
+non-finite by design (masks), once. How often the periodic one is due is the :class:`~.cadence.Cadence`'s
+(``snapshot.every``; under ``auto`` each snapshot is timed for it and re-plans the interval).
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ from typing import Any, Callable, Dict, Mapping, Optional
 
 import torch
 
+from ..config import SnapshotConfig
 from ..events import Event, SnapshotTaken
 from ..policy import VOUCH_READS, newest_taken
 from ..snapshot import TrainState
 from ..snapshot.accepted import describe as describe_accepted
 from ..steps import Counters
+from .cadence import Cadence
 from .state import RecoveryState
 
 __all__ = ["Snapshots"]
@@ -32,6 +35,9 @@ class Snapshots:
         recovery_state: the recovery state whose history learns of each snapshot.
         clear: forget the replay's kept updates up to a step (a new snapshot starts them afresh).
         emit: the guard's journal call, ``emit(cls, kind, action, message, detail)``.
+        cfg: the ``snapshot`` section: when the periodic snapshot is due (:attr:`cadence`; each
+            snapshot is timed for it and re-plans it).
+        sync: under DDP/FSDP every rank takes the largest rank's interval (``None``: one process).
     """
 
     def __init__(
@@ -42,9 +48,15 @@ class Snapshots:
         recovery_state: RecoveryState,
         clear: Callable[[int], None],
         emit: Callable[..., Event],
+        cfg: Optional[SnapshotConfig] = None,
+        sync: Any = None,
     ) -> None:
         self.store, self.state, self.counters, self.recovery_state = store, state, counters, recovery_state
         self._clear, self._emit = clear, emit
+        #: when the periodic snapshot is due
+        cfg = cfg if cfg is not None else SnapshotConfig()
+        self.cadence = Cadence(cfg.every, cfg.overhead, cfg.min_every, cfg.max_every)
+        self._sync = sync if sync is not None and not sync.steps_alone else None
         self._accepted_named = False  # the first snapshot's event names the accepted buffers
 
     def take(self, extra: Mapping[str, Any], epoch_rng: Optional[torch.Tensor], force: bool = False) -> Event:
@@ -54,16 +66,25 @@ class Snapshots:
         rs.since_snapshot = 0
         tensors = {"epoch_rng": epoch_rng} if epoch_rng is not None else {}
         counters = {"step": c.steps, **vars(c)}
-        info = self.store.save(self.state, counters=counters, extra=dict(extra), extra_tensors=tensors)
+        info: Any = self.cadence.timed(
+            lambda: self.store.save(self.state, counters=counters, extra=dict(extra), extra_tensors=tensors)
+        )
+        self.cadence.replan(self._agree)
         if info is None:
             why = "snapshot refused: the state is not finite; the previous one stays"
             return self._emit(SnapshotTaken, "snapshot", "refused", why, {})
         rs.history = newest_taken(rs.history, 0 if force else VOUCH_READS)
         self._clear(c.steps)
         detail: Dict[str, Any] = {"path": str(info.path) if info.path else None, "forced": force}
+        if self.cadence.auto:  # the interval snapshot.every: auto planned from the costs measured so far
+            detail["every"] = self.cadence.every
         message = f"snapshot of step {c.steps}"
         if self.state.accepted and not self._accepted_named:  # named once, in the first snapshot's event
             self._accepted_named = True
             detail["accepted_buffers"] = accepted = describe_accepted(self.state.accepted)
             message += f"; accepted non-finite buffers present at the start: {accepted}"
         return self._emit(SnapshotTaken, "snapshot", "saved", message, detail)
+
+    def _agree(self, every: int) -> int:
+        """The interval every rank uses: the largest rank's (one small collective, at a snapshot)."""
+        return max(self._sync.gather_object(every)) if self._sync is not None else every

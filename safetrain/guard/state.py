@@ -16,6 +16,7 @@ from typing import Any, Deque, Dict, List, Mapping, Optional, Tuple
 from ..config import RecoveryConfig
 from ..policy import VOUCH_READS, History, climb_pending, observe_healthy
 from ..spike import spread_floor
+from .returns import Returns
 
 __all__ = ["RecoveryState"]
 
@@ -42,6 +43,10 @@ class RecoveryState:
             an epoch-interval scheduler; part of the snapshot, so a resume mid-epoch keeps it).
         clean_reads: the steps of the last :data:`~safetrain.policy.VOUCH_READS` reads that were
             clean (a restore passes over every snapshot they do not vouch for).
+        returns: how far the run got after each restore to the snapshot restored last (a restore
+            loop stops the run).
+        restored_updates: the optimizer steps applied when the last restore was carried out (a run
+            that has applied none since a restore to its start ends there: it is never "done").
     """
 
     recovery: RecoveryConfig
@@ -52,6 +57,8 @@ class RecoveryState:
     start_losses: List[float] = field(default_factory=list)  # the start model's on batches ahead (measure_start)
     last_losses: Deque[float] = field(default_factory=lambda: deque(maxlen=_TAIL))  # its last ones
     clean_reads: Deque[int] = field(default_factory=lambda: deque(maxlen=VOUCH_READS))  # their steps
+    returns: Returns = field(default_factory=Returns)
+    restored_updates: int = -1
     _history: History = History()
     _healthy_run: int = 0  # healthy steps not yet applied to the history
 

@@ -224,9 +224,13 @@ def test_an_inf_gradient_by_default_is_replayed_found_transient_and_retried_thro
 
 
 def test_persistent_inf_gradients_are_zeroed_and_the_step_takes_the_rest(tmp_path):
+    """The fault never goes: after the zeroed step the ladder restores the run's only snapshot, its
+    start's, and the run ends there, none of its training kept: not "done" (issue #32)."""
     model = Net()
     GradFault(model.head.weight, calls=range(4, 10**9))
-    cb = fit(model, tmp_path, {"detect": {"replay": {"enabled": False}}}, max_steps=5)
+    cb = SafeTraining({**CFG, "detect": {"replay": {"enabled": False}}})
+    with pytest.raises(TrainingAborted, match="the run ended restored to its start"):
+        trainer(cb, tmp_path, max_steps=5).fit(model, loader())
     (found,) = anomalies(tmp_path)[:1]
     assert (found["kind"], found["step"], found["action"]) == ("gradient", 4, "zero_grads"), found
     assert cb.guard.counters.zeroed_grads >= 1 and finite(model)

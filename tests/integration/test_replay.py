@@ -84,8 +84,10 @@ def test_lazy_mode_names_the_poisoned_layer_by_replay(name):
             "recovery.escalate=[skip_batch]",
         ],
     )
-    result = SafeTrainer(model, opt, cfg, loss_fn=F.cross_entropy).fit(classification(shape), epochs=1)
-    event = next(e for e in result.events if e.name == "anomaly")
+    with pytest.raises(TrainingAborted, match="restored to its start"):  # every step from the 3rd on faults
+        trainer = SafeTrainer(model, opt, cfg, loss_fn=F.cross_entropy)
+        trainer.fit(classification(shape), epochs=1)
+    event = next(e for e in trainer.guard.bus.events if e.name == "anomaly")
     assert event.kind == "loss", "lazy mode has no hooks: the loss trips first"
     diagnosis = event.detail["diagnosis"]
     assert diagnosis["reproducible"] is True
@@ -290,8 +292,10 @@ def test_replay_budget_is_respected():
     cfg = load_config(
         None, [*LAZY, "detect.replay.max_per_run=2", "recovery.escalate=[skip_batch]", "recovery.max_skip_fraction=1.0"]
     )
-    result = SafeTrainer(model, opt, cfg, loss_fn=F.mse_loss).fit(loader(regression_data()), max_steps=6)
-    replays = [e for e in result.events if e.name == "anomaly" and "diagnosis" in e.detail]
+    trainer = SafeTrainer(model, opt, cfg, loss_fn=F.mse_loss)
+    with pytest.raises(TrainingAborted, match="restored to its start"):  # every step from the 2nd on faults
+        trainer.fit(loader(regression_data()), max_steps=6)
+    replays = [e for e in trainer.guard.bus.events if e.name == "anomaly" and "diagnosis" in e.detail]
     assert len(replays) == 2
 
 

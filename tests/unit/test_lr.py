@@ -136,22 +136,53 @@ def test_a_restore_holds_the_schedule_to_the_last_healthy_updates_lr():
     assert backoff.ceiling is None and backoff.lrs() == [pytest.approx(0.05)] and "lifted" in told[-1][0]
 
 
+def _set(backoff, lr):
+    """The schedule sets ``lr`` (a scheduler step, as OneCycleLR's would)."""
+    backoff.step_with(lambda: backoff.optimizer.param_groups[0].update(lr=lr), "OneCycleLR")
+
+
 def test_a_hold_lifts_after_release_after_clean_reads_and_needs_a_trusted_lr():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     backoff = LRBackoff(opt, release_after=3)
     backoff.hold()  # nothing trusted yet: no hold
     assert backoff.ceiling is None
     backoff.mark_used()
-    backoff.read_clean()
-    warmup = S.LambdaLR(opt, lambda s: 1.0 + s)  # a warmup still rising when a fault restores
+    backoff.read_clean()  # the update at 0.1 read clean: trusted
+    _set(backoff, 0.2)
+    backoff.mark_used()  # the update at 0.2 leads into the fault
+    backoff.load_state_dict({"unscaled": [0.1]})  # the restored scheduler's
     backoff.hold()
-    backoff.step(warmup)
+    assert backoff.failed == [pytest.approx(0.2)] and backoff.ceiling == [0.1]
+    _set(backoff, 0.15)  # a warmup rising again, still below the LR that failed
     assert backoff.lrs() == [pytest.approx(0.1)], "held while the schedule rises above it"
-    backoff.read_clean()  # the first clean read after a restore trusts no LR: the restore cleared the last update's
-    assert backoff.trusted == [0.1]
-    for _ in range(2):
+    for _ in range(3):
         backoff.read_clean()
-    assert backoff.ceiling is None and backoff.lrs() == [pytest.approx(0.2)], "lifted after 3 clean reads"
+    assert backoff.ceiling is None and backoff.lrs() == [pytest.approx(0.15)], "lifted after 3 clean reads"
+
+
+def test_a_hold_is_not_lifted_while_the_schedule_is_above_the_lr_that_failed():
+    """Issue #32: a one-cycle schedule whose peak is too high diverged; after the restore the hold
+    was lifted after 20 clean reads while the schedule was still rising, and the run diverged again
+    (five restores, all to step 0). Clean reads lift a hold only once the schedule (under the LR
+    scale in force) is back at or below the LR the failed update used."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    told = []
+    backoff = LRBackoff(opt, release_after=3, on_hold=lambda message, detail: told.append(message))
+    backoff.mark_used()
+    backoff.read_clean()
+    _set(backoff, 0.2)
+    backoff.mark_used()
+    backoff.load_state_dict({"unscaled": [0.1]})
+    backoff.hold()
+    _set(backoff, 0.4)  # the schedule rises past the LR that failed
+    for _ in range(10):
+        backoff.read_clean()
+    assert backoff.ceiling == [0.1] and backoff.lrs() == [pytest.approx(0.1)], "kept: the schedule is above 0.2"
+    assert sum("hold kept" in m for m in told) == 1 and "0.4" in told[-1] and "0.2" in told[-1], told
+    _set(backoff, 0.3)
+    backoff.set_scale(0.5)  # a backoff: the schedule at 0.3 runs at 0.15, below the LR that failed
+    backoff.read_clean()
+    assert backoff.ceiling is None and backoff.lrs() == [pytest.approx(0.15)], "lifted once below it"
 
 
 def test_the_hold_is_part_of_the_state():
@@ -161,7 +192,7 @@ def test_the_hold_is_part_of_the_state():
     backoff.read_clean()
     backoff.hold()
     state = backoff.state_dict()
-    assert state["trusted"] == [0.1] and state["ceiling"] == [0.1]
+    assert state["trusted"] == [0.1] and state["ceiling"] == [0.1] and state["failed"] == [0.1]
     other = LRBackoff(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=5.0))
     other.load_state_dict(state)
     assert other.ceiling == [0.1] and other.lrs() == [pytest.approx(0.1)]
