@@ -18,7 +18,7 @@ import inspect
 import os
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # before torch
 
@@ -58,6 +58,10 @@ def every_auto(s: Setup) -> Variant:
     return _cadence_variant(s, "auto")
 
 
+def _ms(seconds: Optional[float]) -> str:
+    return f"{seconds * 1e3:.3g} ms" if seconds is not None else "-"
+
+
 if __name__ == "__main__":
     argv = sys.argv[1:]
     if not any(a.startswith("--variants") for a in argv):
@@ -67,6 +71,5 @@ if __name__ == "__main__":
     code = overhead.main(argv)
     for model, plans in PLANS.items():
         snap, step, every = plans[-1]
-        ms = (lambda x: f"{x * 1e3:.3g} ms" if x is not None else "-")
-        print(f"{model}: snapshot {ms(snap)}, healthy step {ms(step)} -> every {every}")
+        print(f"{model}: snapshot {_ms(snap)}, healthy step {_ms(step)} -> every {every}")
     sys.exit(code)
