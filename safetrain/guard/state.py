@@ -42,6 +42,8 @@ class RecoveryState:
             an epoch-interval scheduler; part of the snapshot, so a resume mid-epoch keeps it).
         clean_reads: the steps of the last :data:`~safetrain.policy.VOUCH_READS` reads that were
             clean (a restore passes over every snapshot they do not vouch for).
+        damage: ``(step the loss jumped, snapshot step restored)`` of the last damage the cause
+            test found (the end-of-run check names it), else ``None``.
     """
 
     recovery: RecoveryConfig
@@ -52,6 +54,7 @@ class RecoveryState:
     start_losses: List[float] = field(default_factory=list)  # the start model's on batches ahead (measure_start)
     last_losses: Deque[float] = field(default_factory=lambda: deque(maxlen=_TAIL))  # its last ones
     clean_reads: Deque[int] = field(default_factory=lambda: deque(maxlen=VOUCH_READS))  # their steps
+    damage: Optional[Tuple[int, int]] = None
     _history: History = History()
     _healthy_run: int = 0  # healthy steps not yet applied to the history
 
@@ -90,6 +93,12 @@ class RecoveryState:
             self.last_losses.append(loss)
             if len(self.first_losses) < _LAST:
                 self.first_losses.append(loss)
+
+    def rebase(self) -> None:
+        """The data changed: the end-of-run check takes its start from the next trained losses (the
+        new level), not from the run's first."""
+        self.first_losses, self.start_losses = [], []
+        self.last_losses.clear()
 
     def ended_worse(self, margin: Optional[float]) -> Optional[str]:
         """Whether the run ends worse than it started; a sentence saying so, else ``None``.
