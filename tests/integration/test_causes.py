@@ -161,3 +161,24 @@ def test_before_a_plateau_of_damage_went_unseen_to_the_end():
     result, losses = damaged(shift=1.0, overrides=("recovery.cause_test=false",))
     _, clean_losses = damaged(at=0)
     assert result.restores == 0 and end_level(losses) > 1.2 * end_level(clean_losses) + 0.02
+
+
+def test_the_cause_test_leaves_the_live_state_exactly_as_it_was():
+    """Weights, buffers, optimizer state and the RNG are put back after the test's forwards."""
+    from safetrain import Guard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(RunningNorm(4), torch.nn.Linear(4, 2), torch.nn.Dropout(0.5))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    guard = Guard(model, opt, load_config(None, [*BASE, "snapshot.every=3"]), loss_fn=F.mse_loss)
+    batch = (torch.randn(8, 4), torch.randn(8, 2))
+    for _ in range(7):
+        guard.step(batch)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [s["exp_avg"].clone() for s in opt.state.values()]
+    rng = torch.get_rng_state()
+    verdict = guard.diagnoser.cause_test.run([batch], guard.store, lambda step: True, level=0.0)
+    assert verdict.cause is not None
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(torch.equal(m, s["exp_avg"]) for m, s in zip(moments, opt.state.values()))
+    assert torch.equal(rng, torch.get_rng_state()) and model.training
