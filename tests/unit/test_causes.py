@@ -96,3 +96,35 @@ def test_policy_an_unknown_cause_climbs_the_ladder_as_before():
     with_test, _ = decide(Anomaly("spike", {"median": 1.0}, cause=verdict), AFTER_A_SKIP, RULES)
     without, _ = decide(Anomaly("spike", {"median": 1.0}), AFTER_A_SKIP, RULES)
     assert with_test == without
+
+
+def _detector_after(losses):
+    from safetrain.spike import SpikeDetector
+
+    d = SpikeDetector(window=128, min_history=20, zscore=6.0)
+    found = []
+    for x in losses:
+        found.append(d.check(x) or d.level(x))
+        if found[-1] is None:
+            d.add(x)
+    return found
+
+
+def test_a_plateau_no_step_of_which_is_a_spike_is_a_level_rise_at_its_4th_loss():
+    import random
+
+    rng = random.Random(0)
+    noise = [1.0 + 0.1 * rng.gauss(0, 1) for _ in range(60)]
+    plateau = [1.5 + 0.1 * rng.gauss(0, 1) for _ in range(6)]  # 5 sigmas up: no spike (z 6)
+    found = _detector_after(noise + plateau)
+    assert all(f is None for f in found[:63]), [f for f in found[:63] if f]
+    assert found[63] is not None and found[63]["rule"] == "level" and found[63]["steps"] == 4
+    assert all(f is None for f in found[64:])  # judged once; the gate moved to the new level
+
+
+def test_noise_makes_no_level_rise():
+    import random
+
+    rng = random.Random(1)
+    found = _detector_after([1.0 + 0.1 * rng.gauss(0, 1) for _ in range(3000)])
+    assert [f for f in found if f is not None] == []
