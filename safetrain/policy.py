@@ -43,6 +43,12 @@ forward, loss, gradient with no diagnosis              yes (nothing clears the w
 ... replay: transient (retried, failed again)           no: the weights read clean in the replay
 =====================================================  ==========================
 
+A spike the cause test explained (``Anomaly.cause``, :mod:`safetrain.causes`) takes the cause's
+action from :data:`~safetrain.kinds.CAUSE_ACTIONS`: a data change trains and clears the ladder
+(the anomalies that led to it were no fault); damage restores the snapshot the test found sound,
+whatever the rung (an abort stays an abort); an unknown cause climbs the ladder as before. A level
+rise (a spike of rule ``level``) that is neither damage nor a data change is trained on (``warn``).
+
 Divergence (a loss growing geometrically) is fixed only by a smaller LR: every rung after its
 first is ``scale_lr`` (a restore or a skip alone replays the same climb), a climb back within
 the same episode is the same anomaly again (the detector's ``episode`` keeps the ladder going
