@@ -6,7 +6,10 @@ and recover under a policy set in YAML, at an overhead low enough to leave on.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
+from typing import TYPE_CHECKING
 
 from .config import TrainConfig, as_config, load_config
 from .errors import (
@@ -35,6 +38,20 @@ from .numerics import (
     stable_softmax,
 )
 
+if importlib.util.find_spec("fcntl") is None or not hasattr(os, "pwrite"):
+    raise ImportError(
+        "safetrain needs a POSIX system (Linux, macOS): its run-directory lock uses fcntl and its snapshot "
+        "writer os.pwrite, which this Python lacks; on Windows, run it under WSL"
+    )
+
+if TYPE_CHECKING:  # what the lazy exports below are, for type checkers (imported on first use at run time)
+    from .diagnose import Diagnosis
+    from .diagnose.quarantine import QuarantineSampler
+    from .guard import Guard, StepResult
+    from .hooks import RunHook, StepRecord, TensorBoardHook
+    from .run import FitResult
+    from .trainer import SafeTrainer
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -44,6 +61,9 @@ __all__ = [
     "StepResult",
     "QuarantineSampler",
     "Diagnosis",
+    "RunHook",
+    "StepRecord",
+    "TensorBoardHook",
     "TrainConfig",
     "load_config",
     "as_config",
@@ -80,6 +100,9 @@ _LAZY = {
     "StepResult": ".guard",
     "QuarantineSampler": ".diagnose.quarantine",
     "Diagnosis": ".diagnose",
+    "RunHook": ".hooks",
+    "StepRecord": ".hooks",
+    "TensorBoardHook": ".hooks",
 }
 
 

@@ -259,7 +259,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
+    """The error on one printable line (a message may quote a file's content: escaped)."""
+    from .records import one_line
+
+    return one_line(str(exc)) or type(exc).__name__
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from .atomicfile import atomic_write_text
 from .config import TrainConfig, as_config, load_config, to_dict
 from .errors import ConfigError, TrainingAborted
 from .plot import plot_run
@@ -26,7 +27,7 @@ from .rundir import ReportError, read_run
 
 __all__ = ["DemoSize", "DemoResult", "LogNormFeatures", "demo_config", "run_demo", "format_summary"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 #: Settings the demo uses unless the config file or an override sets them: a short run wants
 #: snapshots more often than the default's every 100 healthy steps.
@@ -324,7 +325,7 @@ def run_demo(
         torch.set_num_threads(threads)
     demo = DemoResult(run_dir, result, clean_result, accuracy, clean_accuracy, faults, size)
     run = read_run(run_dir)
-    (run_dir / "report.txt").write_text(format_report(run) + "\n", encoding="utf-8")
+    atomic_write_text(run_dir / "report.txt", format_report(run) + "\n")  # a link there is replaced, not followed
     if plot:
         try:
             demo.png = plot_run(run)

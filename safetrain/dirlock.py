@@ -3,13 +3,18 @@ directory (``log.dir``) and the snapshot directory alike.
 
 The lock file is ``<tmp>/safetrain-locks-<uid>/<device>-<inode>.lock``, named after the directory's
 device and inode: the directory gets no extra file (a snapshot directory's listing stays its
-snapshots), and a directory reached by two paths is one lock. It holds its holder (host, pid,
-start time and the directory, as one JSON line) for the error a second writer gets, and is emptied
-when the lock is let go: a holder of the same directory found there by the next taker was killed
-or crashed (the kernel frees a dead process's ``flock``), and the lock is taken over with a
-warning naming it (silently when the record names another directory, a gone one whose inode this
-one reuses, or is an older safetrain's). The lock is advisory
-and per host (``flock`` may not reach across the hosts of a network filesystem).
+snapshots, a read-only directory can be locked), and a directory reached by two paths is one lock.
+The temporary directory is shared, so the folder is the user's own or nothing (:func:`lock_folder`):
+created ``0700`` and checked at every use (a real directory, not a link; owned by this user; not
+writable by group or others), as ssh checks ``~/.ssh``; the lock file is opened without following a
+link (:func:`safetrain.safefile.open_private`), so a link planted there is refused, never truncated through.
+
+It holds its holder (host, pid, start time and the directory, as one JSON line) for the error a
+second writer gets, and is emptied when the lock is let go: a holder of the same directory found
+there by the next taker was killed or crashed (the kernel frees a dead process's ``flock``), and
+the lock is taken over with a warning naming it (silently when the record names another directory,
+a gone one whose inode this one reuses, or is an older safetrain's). The lock is advisory and
+per host (``flock`` may not reach across the hosts of a network filesystem).
 
 Each lock has a role (``"run"``, ``"snapshots"``). In one process, two locks of one role on one
 directory are two writers (the second is refused, as another process would be); locks of
@@ -33,15 +38,18 @@ import logging
 import os
 import re
 import socket
+import stat
 import tempfile
 import threading
 import time
 import weakref
 from typing import IO, Callable, Optional
 
-__all__ = ["DirLock", "HOST", "alive", "tmp_tag", "describe_holder"]
+from .safefile import UnsafeFileError, file_kind, open_private
 
-logger = logging.getLogger("safetrain")
+__all__ = ["DirLock", "HOST", "alive", "tmp_tag", "describe_holder", "lock_folder"]
+
+logger = logging.getLogger(__name__)
 
 #: This host's name as temporary file names carry it (letters, digits, ``_`` and ``-``).
 HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64] or "host"
@@ -74,6 +82,42 @@ def describe_holder(text: str) -> str:
         return f"pid {int(rec['pid'])} on host {rec['host']}, started {when}"
     except (ValueError, TypeError, KeyError, OverflowError):
         return " ".join(text.split())[:200] or "a process"
+
+
+def lock_folder() -> str:
+    """This user's folder of lock files, ``<tmp>/safetrain-locks-<uid>``: created ``0700`` if
+    missing, and checked at every call, since anyone can create a name in the temporary directory.
+
+    Raises:
+        UnsafeFileError: (an ``OSError``) the folder is a link or not a directory, is another
+            user's, or group or others can write in it; the sentence names it, its owner and mode,
+            and what to do.
+    """
+    folder = os.path.join(tempfile.gettempdir(), f"safetrain-locks-{os.getuid()}")
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(folder)
+    me = os.geteuid()
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        problem = f"is {file_kind(st.st_mode)}, not a directory"
+    elif st.st_uid != me:
+        problem = f"is owned by uid {st.st_uid}, not by this user (uid {me})"
+    elif st.st_mode & 0o022:
+        problem = "is writable by " + (
+            "group and others" if st.st_mode & 0o022 == 0o022 else "its group" if st.st_mode & 0o020 else "others"
+        )
+    else:
+        return folder
+    raise UnsafeFileError(
+        folder,
+        f"the folder of safetrain's directory locks {problem} (owner uid {st.st_uid}, mode "
+        f"{stat.S_IMODE(st.st_mode):04o}): someone else could plant links in it",
+        f"if it is yours, run chmod 700 {folder}; if not, remove it (or ask an administrator to), "
+        "or set TMPDIR to a directory of your own",
+        does="keep its locks there",
+    )
 
 
 class _Held:
@@ -111,9 +155,7 @@ class DirLock:
 
     def _path(self) -> str:
         st = os.stat(self.directory)
-        folder = os.path.join(tempfile.gettempdir(), f"safetrain-locks-{os.getuid()}")
-        os.makedirs(folder, exist_ok=True)
-        return os.path.join(folder, f"{st.st_dev}-{st.st_ino}.lock")
+        return os.path.join(lock_folder(), f"{st.st_dev}-{st.st_ino}.lock")
 
     def take(self, wait_error: bool = True) -> bool:
         """Take the lock; ``True`` when newly taken, ``False`` when already held here (or, with
@@ -122,7 +164,8 @@ class DirLock:
 
         Raises:
             Exception: ``busy(directory, holder)``: another writer holds it (``wait_error``); or
-                ``OSError`` when the lock file cannot be made.
+                ``OSError`` when the lock file cannot be made (an :class:`UnsafeFileError` when
+                its folder or the file is not the user's own: :func:`lock_folder`).
         """
         if self._held is not None:
             return False
@@ -138,7 +181,7 @@ class DirLock:
                 held.locks.add(self)
                 self._held = held
                 return True
-            f = open(path, "a+", encoding="utf-8")
+            f = open_private(path)  # never through a link planted there
             try:
                 fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:

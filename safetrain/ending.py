@@ -26,7 +26,7 @@ from .errors import TrainingAborted, TrainingInterrupted, TrainingKeyboardInterr
 
 __all__ = ["SignalStop", "interruption", "ending_of", "describe", "ENDINGS"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 #: The words ``run_ended`` may close a run with.
 ENDINGS = ("done", "aborted", "interrupted", "failed")

@@ -32,7 +32,7 @@ __all__ = [
     "jsonable",
 ]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 
 def jsonable(value: Any) -> Any:

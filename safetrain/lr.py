@@ -27,6 +27,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from .optimizers import Schedulers
+
 __all__ = ["LRBackoff", "step_scheduler"]
 
 
@@ -35,6 +37,8 @@ def step_scheduler(scheduler: Any, metric: Optional[float] = None) -> None:
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         if metric is not None:
             scheduler.step(metric)
+    elif isinstance(scheduler, Schedulers):  # several: each member as above
+        scheduler.step(metric)
     else:
         scheduler.step()
 

@@ -14,11 +14,13 @@ Example::
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from pathlib import Path
 from typing import Any, Dict, List, Tuple, Union
 
+from .atomicfile import atomic_write_bytes
 from .rundir import ReportError, RunLog
 
 __all__ = ["PlotUnavailable", "plot_run"]
@@ -55,7 +57,8 @@ def plot_run(run: RunLog, path: Union[None, str, os.PathLike] = None) -> Path:
 
     Raises:
         PlotUnavailable: matplotlib is not installed (``pip install safetrain[plot]``).
-        ReportError: the run has no ``metrics.csv`` rows to plot, or the PNG cannot be written.
+        ReportError: the run has no ``metrics.csv`` rows to plot, or the PNG cannot be written
+            (a directory where it goes; a link there is replaced, never written through).
     """
     try:
         import matplotlib  # noqa: F401
@@ -66,15 +69,16 @@ def plot_run(run: RunLog, path: Union[None, str, os.PathLike] = None) -> Path:
     if run.metrics is None or not run.metrics["step"]:
         raise ReportError(f"{run.run_dir / 'metrics.csv'}: no per-step metrics to plot")
     out = Path(path) if path is not None else run.run_dir / "report.png"
+    png = _draw(run)
     try:
-        _draw(run, out)
+        atomic_write_bytes(out, png)  # a link planted at report.png is replaced, never written through
     except OSError as exc:  # a run directory that is read-only here, a full disk
         raise ReportError(f"{out}: cannot write the plot ({exc.strerror or exc})") from None
     return out
 
 
-def _draw(run: RunLog, out: Path) -> None:
-    """Draw ``run`` into the PNG ``out``: loss, gradient norm (markers per action) and LR scale."""
+def _draw(run: RunLog) -> bytes:
+    """Draw ``run`` as a PNG: loss, gradient norm (markers per action) and LR scale."""
     from matplotlib.figure import Figure  # no pyplot: no global backend or figure state is touched
     from matplotlib.lines import Line2D
 
@@ -132,7 +136,9 @@ def _draw(run: RunLog, out: Path) -> None:
         title += " (run did not close)"
     ax_loss.set_title(title, fontsize=10, loc="left")
     fig.align_ylabels()
-    fig.savefig(out, bbox_inches="tight")  # a PNG through matplotlib's Agg renderer
+    png = io.BytesIO()
+    fig.savefig(png, format="png", bbox_inches="tight")  # a PNG through matplotlib's Agg renderer
+    return png.getvalue()
 
 
 def _marks(run: RunLog) -> List[Tuple[int, str, str]]:

@@ -22,6 +22,7 @@ __all__ = [
     "sound_event",
     "sound_summary",
     "sound_metrics_row",
+    "one_line",
 ]
 
 #: Steps (and other counts) must be below this: every such integer is exact as a float.
@@ -102,8 +103,16 @@ def _real(record: Mapping[str, Any], key: str, prefix: str = "") -> float:
         raise Unsound(f"{prefix}{key} is out of range (got {_shown(value)})") from None
 
 
-def _one_line(text: str) -> str:
-    """``text`` on one printable line: whitespace runs become one space, other non-printables escaped."""
+def one_line(text: str) -> str:
+    r"""``text`` on one printable line: whitespace runs become one space, other non-printables escaped
+    (``\x1b``, ``\u202e``), so that a string read from a file cannot move the cursor, clear the
+    screen or reorder what a terminal shows. Everything the CLI prints from a file goes through it.
+
+    Example::
+
+        >>> one_line("ok\x1b[2J\n  done")
+        'ok\\x1b[2J done'
+    """
     text = " ".join(text.split())
     return text if text.isprintable() else "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
@@ -197,7 +206,7 @@ def sound_summary(record: Mapping[str, Any]) -> Dict[str, Any]:
     if out.get("error") is not None:
         if not isinstance(out["error"], str):
             raise Unsound(f"{prefix}error is not a string (got {_shown(out['error'])})")
-        out["error"] = _one_line(out["error"])
+        out["error"] = one_line(out["error"])
     return out
 
 

@@ -17,12 +17,13 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from .config import TrainConfig, to_dict
 from .ending import describe, ending_of
 from .errors import TrainingAborted
 from .events import Event, EventBus, Quarantined, RunEnded, RunStarted
+from .hooks import HookCaller, RunHook, StepRecord, TensorBoardHook, tensorboard_dir
 from .rundir import (
     METRICS_FILE,
     Journal,
@@ -37,7 +38,7 @@ from .steps import Counters, StepResult
 
 __all__ = ["Run", "FitResult"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -84,6 +85,8 @@ class Run:
         rank: this process's rank (rank 0 locks the directory and writes ``metrics.csv``; every
             rank writes its journal: ``events.jsonl``, ``events-rank{r}.jsonl``).
         cfg: the run's configuration (``snapshot.every`` paces the metrics' flushes; it is journaled).
+        hooks: what receives every event, every decided step and the end (:class:`~safetrain.hooks.RunHook`);
+            ``log.tensorboard: true`` adds a :class:`~safetrain.hooks.TensorBoardHook` on rank 0.
 
     Example::
 
@@ -105,11 +108,15 @@ class Run:
         RunDirError: ``run_dir`` cannot be made or written (at once, naming it).
     """
 
-    def __init__(self, run_dir: Any, rank: int, cfg: TrainConfig) -> None:
+    def __init__(self, run_dir: Any, rank: int, cfg: TrainConfig, hooks: Sequence[RunHook] = ()) -> None:
+        self.hooks = HookCaller(hooks)  # checked before anything is made
         self.dir: Optional[Path] = prepare_run_dir(run_dir) if run_dir else None
         self.rank, self.cfg = rank, cfg
         self.result = FitResult(run_dir=str(self.dir) if self.dir else None)
         self.bus = EventBus()
+        if cfg.log.tensorboard:
+            tensorboard_dir(self.dir)  # a ConfigError now, without log.dir, rather than after the lock
+        self.bus.subscribe(lambda event: self.hooks.call("on_event", event) if self.hooks else None)
         self.result.events = self.bus.events
         self.journal: Optional[Journal] = None
         self.metrics: Optional[MetricsWriter] = None
@@ -156,6 +163,8 @@ class Run:
             self.bus.journal = self.journal
             if self.rank == 0:
                 self.metrics = MetricsWriter(self.dir / METRICS_FILE, flush_every=self.cfg.snapshot.every)
+                if self.cfg.log.tensorboard:
+                    self.hooks.hooks.insert(0, TensorBoardHook(tensorboard_dir(self.dir)))
         except BaseException:
             if self.journal is not None:
                 with contextlib.suppress(Exception):  # the error that stopped the opening is the one to see
@@ -212,6 +221,8 @@ class Run:
             )
         if step.trained:  # the last trained step's loss, non-finite too (a run of `warn` steps)
             self.result.final_loss = step.loss
+        if self.hooks:  # nothing is built per step without a hook
+            self.hooks.call("on_step", self._step_record(step, epoch, batch))
         if self.bar is not None:
             counts = guard.counts
             self.bar.update(1)
@@ -222,6 +233,22 @@ class Run:
                 restored=counts.restores,
                 refresh=False,
             )
+
+    def _step_record(self, step: StepResult, epoch: int, batch: int) -> StepRecord:
+        guard = self.guard
+        return StepRecord(
+            step=step.step,
+            epoch=epoch,
+            batch=batch,
+            loss=step.loss,
+            grad_norm=step.grad_norm,
+            lr_scale=guard.lr_scale,
+            lrs=guard.lrs,
+            trained=step.trained,
+            action=step.action,
+            clipped_to=step.clipped_to,
+            counts=dict(vars(guard.counts)),
+        )
 
     def quarantined(self, action: str, message: str, detail: Dict[str, Any], at: Any = None) -> None:
         """Journal a quarantine action (the :class:`QuarantineKeeper`'s callback); ``at``: the
@@ -287,7 +314,9 @@ class Run:
         journal, self.journal = self.journal, None
         if journal is not None:
             attempt(lambda: journal.close(result.summary() if began else None))
-        attempt(self._unlock)  # last: the next run may start once all is written
+        attempt(self._unlock)  # the next run may start once all is written
+        if self.hooks:  # last: a hook sees the run as it ended, its files closed
+            self.hooks.call("on_end", result)
         if failed and error is None:
             raise failed[0]
 

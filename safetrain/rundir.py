@@ -7,8 +7,10 @@ A run directory holds ``events.jsonl`` (one JSON object per event, then a closin
 written, and the next run ends a cut line before appending); :class:`MetricsWriter` buffers rows
 and flushes on eventful steps, every ``snapshot.every`` rows and on close; :func:`read_run` (in
 :mod:`safetrain.runlog`) reads both back without trusting them. :func:`atomic_write_text` and
-:class:`AtomicFile` (also used by snapshots) leave a file whole or absent: the cost is an fsync of
-the file and of its directory per write. :func:`prepare_run_dir` checks, when ``fit`` starts, that
+:class:`AtomicFile` (from :mod:`safetrain.atomicfile`, re-exported here) leave a file whole or absent:
+the cost is an fsync of the file and of its directory per write. No write follows a link planted in
+the directory: the journal and ``metrics.csv`` are opened with ``O_NOFOLLOW`` and must be regular
+files (:func:`safetrain.safefile.open_append`). :func:`prepare_run_dir` checks, when ``fit`` starts, that
 the directory can be written, and :func:`lock_run_dir` makes the run its one writer (a second run
 started on it is refused at once, naming the process that holds it). Nothing here imports torch.
 """
@@ -20,13 +22,15 @@ import math
 import os
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import IO, Any, Mapping, Optional, Union
 
+from .atomicfile import AtomicFile, atomic_write_bytes, atomic_write_text, fsync_dir
 from .dirlock import DirLock
 from .errors import SafetrainError
 from .events import jsonable
 from .records import METRICS_COLUMNS
 from .runlog import JOURNAL_FILE, METRICS_FILE, ReportError, RunLog, Skipped, read_run
+from .safefile import UnsafeFileError, create_new, open_append
 
 __all__ = [
     "JOURNAL_FILE",
@@ -57,121 +61,6 @@ def journal_path(run_dir: PathLike, rank: int = 0) -> Path:
     return Path(run_dir) / (JOURNAL_FILE if rank == 0 else f"events-rank{rank}.jsonl")
 
 
-# -- atomic writes ---------------------------------------------------------------------------------
-
-
-def fsync_dir(directory: PathLike) -> None:
-    """Flush a directory's entries to disk, so that a rename or unlink in it survives a power cut.
-
-    A no-op on Windows, where a directory cannot be opened to be fsynced.
-    """
-    if os.name == "nt":
-        return
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class AtomicFile:
-    """A file that is whole or absent: write :attr:`tmp`, then :meth:`commit` renames it over :attr:`path`.
-
-    The temporary file is in the same directory (a rename across filesystems is not atomic).
-    Leaving the ``with`` block without ``commit`` (an exception, or a write given up) removes
-    it, and ``path`` keeps its old content or stays absent. The caller writes and fsyncs ``tmp``;
-    ``commit`` renames and fsyncs the directory.
-
-    Args:
-        path: the final file.
-        tmp: the temporary file to use; default ``<dir>/<prefix><name>.<pid>.<random>``.
-        prefix: the temporary file's name prefix (a reader of the directory can skip or clean
-            up names starting with it).
-
-    Example::
-
-        >>> import tempfile
-        >>> path = os.path.join(tempfile.mkdtemp(), "state.bin")
-        >>> with AtomicFile(path) as target:
-        ...     with open(target.tmp, "xb") as f:
-        ...         _ = f.write(b"whole"); f.flush(); os.fsync(f.fileno())
-        ...     target.commit()
-        >>> open(path, "rb").read()
-        b'whole'
-    """
-
-    def __init__(self, path: PathLike, tmp: Optional[PathLike] = None, prefix: str = ".tmp-") -> None:
-        self.path = os.fspath(path)
-        directory, name = os.path.split(self.path)
-        self.directory = directory or "."
-        self.tmp = (
-            os.fspath(tmp)
-            if tmp is not None
-            else os.path.join(self.directory, f"{prefix}{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-        )
-        self.committed = False
-
-    def commit(self, replace: Optional[Callable[[str, str], None]] = None) -> None:
-        """Rename the (written and fsynced) temporary file over ``path``, then fsync the directory.
-
-        Args:
-            replace: the rename, ``os.replace`` by default; a caller may pass its own that ends
-                in an atomic rename of its first argument over its second.
-        """
-        (replace or os.replace)(self.tmp, self.path)
-        self.committed = True
-        fsync_dir(self.directory)
-
-    def discard(self) -> None:
-        """Remove the temporary file if it is there (idempotent)."""
-        try:
-            os.remove(self.tmp)
-        except FileNotFoundError:
-            pass
-
-    def __enter__(self) -> "AtomicFile":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.discard()
-
-
-def atomic_write_bytes(path: PathLike, data: bytes, prefix: str = ".tmp-") -> None:
-    """Replace ``path`` with ``data`` atomically: temp file beside it, write, fsync, rename, fsync the directory.
-
-    A crash or an error at any moment leaves either the old file (or none) or the new one whole,
-    and no temporary file after an error. The directory must exist.
-
-    Args:
-        path: the file to write.
-        data: its new content.
-        prefix: the temporary file's name prefix.
-
-    Raises:
-        OSError: the file could not be written; ``path`` is unchanged.
-    """
-    with AtomicFile(path, prefix=prefix) as target:
-        with open(target.tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        target.commit()
-
-
-def atomic_write_text(path: PathLike, text: str, encoding: str = "utf-8", prefix: str = ".tmp-") -> None:
-    """Replace ``path`` with ``text`` atomically (see :func:`atomic_write_bytes`); for small JSON or text files.
-
-    Example::
-
-        >>> import json, tempfile
-        >>> path = os.path.join(tempfile.mkdtemp(), "quarantine.json")
-        >>> atomic_write_text(path, json.dumps({"indices": [3, 7]}, indent=1))
-        >>> json.loads(open(path).read())["indices"]
-        [3, 7]
-    """
-    atomic_write_bytes(path, text.encode(encoding), prefix=prefix)
-
-
 # -- writers ---------------------------------------------------------------------------------------
 
 
@@ -195,9 +84,12 @@ def prepare_run_dir(path: PathLike) -> Path:
     try:
         root.mkdir(parents=True, exist_ok=True)
         probe = root / f".write-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        with open(probe, "xb") as f:
-            f.write(b"ok")
-        os.remove(probe)
+        fd = create_new(probe)
+        try:
+            os.write(fd, b"ok")
+        finally:
+            os.close(fd)
+            os.remove(probe)
     except OSError as exc:
         raise RunDirError(f"log.dir={root}: cannot write the run directory ({exc.strerror or exc}); {fix}") from None
     return root
@@ -235,17 +127,24 @@ def _busy(directory: str, holder: str) -> RunDirBusy:
     )
 
 
-def _end_cut_line(path: Path) -> None:
-    """End a last line that a kill or a full disk cut, so that the next record starts a line of its own."""
+def _open_appending(path: Path) -> IO[str]:
+    """Open a journal or ``metrics.csv`` to append (never through a link: :func:`open_append`),
+    first ending a last line that a kill or a full disk cut, so that the next record starts a line of its own."""
     try:
-        with open(path, "rb+") as f:
-            if f.seek(0, os.SEEK_END) == 0:
-                return
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":
-                f.write(b"\n")
-    except FileNotFoundError:
-        pass
+        f = open_append(path)
+    except UnsafeFileError as exc:
+        raise RunDirError(str(exc)) from None
+    except OSError as exc:
+        raise RunDirError(f"{path}: cannot open ({exc.strerror or exc}); set log.dir to a writable directory") from None
+    try:
+        fd = f.fileno()
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            os.write(fd, b"\n")  # O_APPEND: at the end
+    except BaseException:
+        f.close()
+        raise
+    return f
 
 
 def _disk_error(path: Path, exc: OSError) -> RunDirError:
@@ -262,8 +161,7 @@ class Journal:
     def __init__(self, path: PathLike) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        _end_cut_line(self.path)  # a cut last line (a kill, a full disk) would swallow this run's first one
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = _open_appending(self.path)  # a cut last line (a kill, a full disk) would swallow this run's first
 
     def write(self, record: Mapping[str, Any]) -> None:
         """Append one record as a JSON line and flush it to the OS.
@@ -322,15 +220,15 @@ class MetricsWriter:
     def __init__(self, path: PathLike, flush_every: int = 100) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        _end_cut_line(self.path)
         self.flush_every, self._unflushed = max(1, int(flush_every)), 0
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = _open_appending(self.path)
         self._clip_column = True
-        if self._file.tell() == 0:
+        head = os.pread(self._file.fileno(), 4096, 0)
+        if not head:
             self._file.write(",".join(self.COLUMNS) + "\n")
         else:  # appending after a resume: the rows follow the file's own header
-            with open(self.path, encoding="utf-8", errors="replace") as f:
-                self._clip_column = "clipped_to" in f.readline().strip().split(",")
+            first = head.split(b"\n", 1)[0].decode("utf-8", errors="replace")
+            self._clip_column = "clipped_to" in first.strip().split(",")
 
     def write(
         self,

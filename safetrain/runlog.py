@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Union
 
 from .errors import SafetrainError
 from .records import METRICS_COLUMNS, Unsound, sound_event, sound_metrics_row, sound_summary
+from .safefile import UnsafeFileError, read_own
 
 __all__ = ["JOURNAL_FILE", "METRICS_FILE", "OWN_SUBDIR", "ReportError", "RunLog", "Skipped", "read_run"]
 
@@ -122,7 +123,9 @@ def read_run(run_dir: PathLike) -> RunLog:
     if not path.is_file():
         raise ReportError(f"{path}: no journal here; was the run started with log.dir={root}?")
     try:
-        lines = path.read_bytes().split(b"\n")  # not splitlines(): JSON strings may hold U+2028 and friends
+        lines = read_own(path).split(b"\n")  # not splitlines(): JSON strings may hold U+2028 and friends
+    except UnsafeFileError as exc:  # a link out of the run directory, a FIFO
+        raise ReportError(str(exc)) from None
     except OSError as exc:
         raise ReportError(f"{path}: cannot read the journal ({exc.strerror or exc})") from None
     run = RunLog(run_dir=root)
@@ -190,8 +193,8 @@ def _read_metrics(run: RunLog, path: Path, starts: List[Any]) -> None:
     if not path.is_file():
         return
     try:
-        lines = path.read_bytes().split(b"\n")
-    except OSError as exc:
+        lines = read_own(path).split(b"\n")
+    except OSError as exc:  # an UnsafeFileError too: a link out of the run directory, a FIFO
         run.metrics_note = f"cannot read it ({exc.strerror or exc})"
         return
     try:

@@ -9,7 +9,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -19,12 +19,13 @@ from .diagnose.quarantine import QuarantineKeeper
 from .ending import SignalStop, interruption
 from .errors import SafetrainError, SnapshotError, TrainingInterrupted
 from .guard import Guard, StepResult
+from .hooks import RunHook
 from .run import FitResult, Run
 from .wrappers import unwrap_compiled
 
 __all__ = ["SafeTrainer", "FitResult"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 
 class SafeTrainer:
@@ -32,10 +33,13 @@ class SafeTrainer:
 
     Args:
         model: the module to train.
-        optimizer: its optimizer.
+        optimizer: its optimizer, or several stepped together: a list or a dict ``name ->
+            optimizer`` (Muon + AdamW; :mod:`safetrain.optimizers`). One whose ``step`` needs a
+            closure (LBFGS) is handed one that re-runs the guarded forward and backward.
         cfg: a YAML path, dict, DictConfig or TrainConfig (see :func:`safetrain.load_config`).
         loss_fn: ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches.
-        scheduler: an LR scheduler; it follows optimizer steps, and LR backoff holds on top of it.
+        scheduler: an LR scheduler (or a list or dict of them, one per optimizer); it follows
+            optimizer steps, and LR backoff holds on top of it.
         step_fn: ``step_fn(model, batch) -> loss`` for any other batch.
         scaler: a ``torch.amp.GradScaler`` to use instead of the one ``amp.dtype: float16`` makes.
 
@@ -48,7 +52,7 @@ class SafeTrainer:
     def __init__(
         self,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: Any,
         cfg: ConfigLike = None,
         loss_fn: Optional[Callable[..., torch.Tensor]] = None,
         scheduler: Any = None,
@@ -66,6 +70,7 @@ class SafeTrainer:
         epochs: int = 1,
         max_steps: Optional[int] = None,
         resume: Union[None, str, Path] = None,
+        hooks: Sequence[RunHook] = (),
     ) -> FitResult:
         """Train for ``epochs`` over ``loader`` (or until ``max_steps`` steps), surviving anomalies.
 
@@ -87,6 +92,10 @@ class SafeTrainer:
                 training continues exactly where it stopped. ``"auto"``: resume from
                 ``snapshot.dir`` (or ``<log.dir>/snapshots``) if it holds a valid snapshot, else
                 start fresh (the form a requeued job needs).
+            hooks: :class:`~safetrain.hooks.RunHook` objects that receive every event as it is
+                journaled, every decided step (a :class:`~safetrain.hooks.StepRecord`) and the
+                :class:`FitResult` at the end, on every rank (``log.tensorboard: true`` adds a
+                TensorBoard writer on rank 0). They observe; a hook that raises is logged and dropped.
 
         Returns:
             The :class:`FitResult`.
@@ -102,9 +111,8 @@ class SafeTrainer:
         """
         cfg = self.cfg
         _check_counts(epochs, max_steps)
-        logger.setLevel(cfg.log.level)
         # under DDP: rank 0 keeps events.jsonl and metrics.csv, rank r events-rank{r}.jsonl
-        run = Run(cfg.log.dir, distributed.rank(), cfg)  # RunDirError naming it, not an OSError later
+        run = Run(cfg.log.dir, distributed.rank(), cfg, hooks)  # RunDirError naming it, not an OSError later
         stop, error = SignalStop(cfg.log.signals), None
         try:
             with stop:  # the previous handlers come back on every way out
@@ -170,6 +178,8 @@ class SafeTrainer:
                 return self._resume(guard, None, run)
             passed = [{"path": p, "why": why} for p, why in info.passed_over]  # newer files not usable
             used = {"resumed_from": info.path, "passed_over": passed}
+            if info.changed_since:  # the model or optimizer changed layout since the snapshot
+                used["changed_since"] = list(info.changed_since)
             start_epoch, skip = guard.position[0], guard.position[1] + 1
             epoch_rng = info.extra_tensors.get("epoch_rng")
         else:  # a fresh run: refuse a directory holding another run's snapshots (or overwrite them)
@@ -313,8 +323,20 @@ def _advance(iterator: Any, n: int, keeper: QuarantineKeeper) -> int:
     return n
 
 
+def _interactive() -> bool:
+    """Whether a person watches the output: a terminal, or a Jupyter kernel (where ``tqdm.auto``
+    draws its widget although stderr is no terminal). Piped or logged output gets no bar."""
+    if sys.stderr.isatty():
+        return True
+    if "IPython" not in sys.modules:  # a kernel has imported it long before fit; never import it here
+        return False
+    from IPython import get_ipython
+
+    return getattr(get_ipython(), "kernel", None) is not None  # a terminal IPython has no kernel
+
+
 def _progress(enabled: bool, epochs: int, loader: Any) -> Any:
-    if not enabled or not sys.stderr.isatty():
+    if not enabled or not _interactive():
         return None
     from tqdm.auto import tqdm
 

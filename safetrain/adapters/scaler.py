@@ -13,6 +13,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 
+from ..optimizers import members
 from . import torch_private
 
 __all__ = ["FP16Scaler", "NoScaler", "Scaler", "make_scaler"]
@@ -106,7 +107,8 @@ class FP16Scaler:
         scaler: an enabled ``torch.amp.GradScaler`` (the user's, a framework's, or one made by
             :func:`make_scaler`).
         optimizer: the torch optimizer the scaler's per-optimizer state is keyed by (the one
-            inside a framework's wrapper).
+            inside a framework's wrapper), or several as one (:class:`~safetrain.optimizers.Optimizers`:
+            each is unscaled, their overflow flags summed on the device).
 
     Raises:
         TypeError: ``scaler`` is not a ``torch.amp.GradScaler``.
@@ -132,6 +134,8 @@ class FP16Scaler:
         if not scaler.is_enabled():
             raise ValueError("scaler: this GradScaler is disabled; expected an enabled one (or NoScaler)")
         self.scaler, self.optimizer = scaler, optimizer
+        # One scaler, several optimizers (Muon + AdamW): each is unscaled and read (its own stage and flags).
+        self._members = [opt for _, opt in members(optimizer)]
 
     @property
     def loss_scale(self) -> Optional[torch.Tensor]:
@@ -146,13 +150,18 @@ class FP16Scaler:
     def unscale_(self) -> None:
         """Unscale the optimizer's gradients in place, once per step: nothing when they were
         unscaled since the last :meth:`update` (by the guard or by a framework's clipping)."""
-        if not torch_private.unscaled(self.scaler, self.optimizer):
-            self.scaler.unscale_(self.optimizer)
+        for opt in self._members:
+            if not torch_private.unscaled(self.scaler, opt):
+                self.scaler.unscale_(opt)
 
     def values(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """``(found_inf, scale)`` as device tensors for the step's one read: the overflow flags of
         the last :meth:`unscale_` summed over devices (``None`` before it), and the scale."""
-        return torch_private.found_inf(self.scaler, self.optimizer), torch_private.scale_tensor(self.scaler)
+        scale = torch_private.scale_tensor(self.scaler)
+        if len(self._members) == 1:
+            return torch_private.found_inf(self.scaler, self.optimizer), scale
+        flags = [f for opt in self._members if (f := torch_private.found_inf(self.scaler, opt)) is not None]
+        return (torch.stack(flags).sum() if flags else None), scale  # (device-side: no sync)
 
     def backoff_factor(self) -> float:
         """The factor the scale is multiplied by after an overflow."""
@@ -162,7 +171,7 @@ class FP16Scaler:
     def unscaled(self) -> bool:
         """Whether the optimizer's gradients were unscaled since the last :meth:`update` (a step
         was read): an :meth:`update` is due after its optimizer step, taken or not."""
-        return torch_private.unscaled(self.scaler, self.optimizer)
+        return all(torch_private.unscaled(self.scaler, opt) for opt in self._members)
 
     def join_read(self, flags: Any) -> None:
         """Unscale (once) and put ``found_inf`` and ``scale`` into the step's read (``flags``:
@@ -188,7 +197,8 @@ class FP16Scaler:
         overflow flags are forgotten, so the re-run's gradients (scaled like the first run's) are
         unscaled by the next :meth:`unscale_`, and a framework's ``scaler.step`` reads the
         re-run's flags. The scale is kept. A no-op right after :meth:`update`."""
-        torch_private.rewind_unscale(self.scaler, self.optimizer)
+        for opt in self._members:
+            torch_private.rewind_unscale(self.scaler, opt)
 
     def state_dict(self) -> Dict[str, Any]:
         """The GradScaler's ``state_dict()`` (``scale``, ``growth_factor``, ``backoff_factor``,

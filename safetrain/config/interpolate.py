@@ -10,7 +10,9 @@ No torch.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Mapping, Tuple
+import os
+import re
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Set, Tuple, Union
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationKeyError, OmegaConfBaseException
@@ -18,8 +20,18 @@ from omegaconf.errors import InterpolationKeyError, OmegaConfBaseException
 from ..errors import ConfigError
 from .overrides import problem_of
 from .validate import fix_leaves, show
+from .yamlfile import MAX_FILE_BYTES
 
-__all__ = ["has_interpolation", "resolve_interpolations"]
+__all__ = ["has_interpolation", "resolve_interpolations", "check_growth", "MAX_RESOLVED"]
+
+#: The most characters the config's values may resolve to, all together: as much as a config file
+#: may hold. ``b: ${a}${a}`` doubles ``a``; each level of such nesting multiplies again, so a few
+#: hundred kilobytes of YAML could resolve to gigabytes (it ran past 2 minutes and 1 GB).
+MAX_RESOLVED = MAX_FILE_BYTES
+
+Path = Tuple[Union[str, int], ...]
+_OPEN = re.compile(r"\$\{\s*([^\s:{}$,]*)\s*([:}])?")  # "${" and what it names: a key, or a resolver and ":"
+_KEY_ARG = re.compile(r"\s*([^\s,{}$]*)")  # a resolver's first argument, where it names a key or a variable
 
 #: ``key -> (where, raw value)``: the file and line (or override) that set a key, and what it wrote.
 SourceOf = Callable[[str], Tuple[str, Any]]
@@ -48,6 +60,7 @@ def resolve_interpolations(merged: DictConfig, cls: type, source_of: SourceOf) -
     """
     plain = OmegaConf.to_container(merged, resolve=False)
     try:
+        check_growth(plain, source_of)
         resolved = OmegaConf.to_container(OmegaConf.create(plain), resolve=True)
     except OmegaConfBaseException as exc:
         raise _unresolved(exc, source_of) from None
@@ -55,6 +68,103 @@ def resolve_interpolations(merged: DictConfig, cls: type, source_of: SourceOf) -
         raise ConfigError("config: interpolations nested too deeply to resolve; expected plain values") from None
     fix_leaves(resolved, cls, _read_bool)
     return resolved
+
+
+def check_growth(plain: Any, source_of: SourceOf, limit: int = MAX_RESOLVED) -> None:
+    """Refuse a config whose interpolations would resolve to more than ``limit`` characters in all,
+    before anything is resolved.
+
+    Each string's size is measured as its own length plus the size of everything its ``${...}``
+    name (another key or section, ``oc.select``/``oc.dict`` of one, an environment variable), each
+    key measured once and its size reused, so the check costs the config's size, not the resolved
+    one. It is an upper bound (an escaped ``\\${`` counts too); a cycle is left to OmegaConf's error.
+
+    Raises:
+        ConfigError: naming where the biggest interpolation was set, its key and the limit.
+    """
+    memo: Dict[Path, int] = {}
+    active: Set[Path] = set()
+
+    def size(path: Path) -> int:
+        if path in memo:
+            return memo[path]
+        if path in active:
+            return 0
+        active.add(path)
+        node, total = _at(plain, path), 0
+        if isinstance(node, str):
+            total = len(node)
+            for ref in _refs(node, path):
+                total += ref if isinstance(ref, int) else size(ref)
+                if total > limit:
+                    break
+        elif isinstance(node, Mapping):
+            total = sum(size((*path, k)) for k in node)
+        elif isinstance(node, (list, tuple)):
+            total = sum(size((*path, i)) for i in range(len(node)))
+        elif node is not None:
+            total = len(str(node))
+        active.discard(path)
+        memo[path] = min(total, limit + 1)
+        return memo[path]
+
+    if size(()) <= limit:
+        return
+    grown = max((size(p), p) for p in _strings(plain, ()) if "${" in _at(plain, p))[1]
+    key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in grown).lstrip(".")
+    where, raw = source_of(key)
+    raw = _at(plain, grown) if raw is None else raw
+    raise ConfigError(
+        f"{where}{key}: cannot resolve {show(raw)}: the config's interpolations would resolve to over {limit} "
+        "characters (each ${...} repeats the value it names, and nested ones multiply); expected at most "
+        f"{limit} characters"
+    )
+
+
+def _refs(text: str, path: Path) -> Iterator[Union[int, Path]]:
+    """What each ``${...}`` in ``text`` (the value at ``path``) brings in: the key it names, or a size."""
+    for m in _OPEN.finditer(text):
+        name, end = m.group(1), m.group(2)
+        if end == "}":
+            yield _target(name, path)
+        elif end == ":" and name in ("oc.env", "oc.select", "oc.dict.keys", "oc.dict.values"):
+            arg = _KEY_ARG.match(text, m.end()).group(1)  # type: ignore[union-attr]
+            yield len(os.environ.get(arg, "")) if name == "oc.env" else _target(arg, path)
+
+
+def _target(name: str, path: Path) -> Path:
+    """The path a key written in the value at ``path`` names (``.x``: a sibling, ``..x``: the parent's)."""
+    dots = len(name) - len(name.lstrip("."))
+    base: List[Union[str, int]] = list(path[: len(path) - dots]) if dots else []
+    for part in name[dots:].replace("[", ".").replace("]", "").split("."):
+        if part:
+            base.append(int(part) if part.isdigit() else part)
+    return tuple(base)
+
+
+def _at(data: Any, path: Path) -> Any:
+    for part in path:
+        if isinstance(data, Mapping) and part in data:
+            data = data[part]
+        elif isinstance(data, Mapping) and str(part) in data:
+            data = data[str(part)]
+        elif isinstance(data, (list, tuple)) and isinstance(part, int) and part < len(data):
+            data = data[part]
+        else:
+            return None
+    return data
+
+
+def _strings(data: Any, path: Path) -> Iterator[Path]:
+    """The paths of every string in ``data``."""
+    if isinstance(data, str):
+        yield path
+    elif isinstance(data, Mapping):
+        for k, v in data.items():
+            yield from _strings(v, (*path, k))
+    elif isinstance(data, (list, tuple)):
+        for i, v in enumerate(data):
+            yield from _strings(v, (*path, i))
 
 
 def _unresolved(exc: OmegaConfBaseException, source_of: SourceOf) -> ConfigError:

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from ..errors import ConfigError
-from .interpolate import has_interpolation, resolve_interpolations
+from .interpolate import check_growth, has_interpolation, resolve_interpolations
 from .overrides import check_overrides, override_notes, parse_overrides, problem_of
 from .presets import preset_path
 from .schema import REPLACED_KEYS, TrainConfig, to_dict
@@ -31,7 +31,7 @@ from .yamlfile import Located, read_yaml
 
 __all__ = ["ConfigLike", "load_config", "as_config"]
 
-_log = logging.getLogger("safetrain")
+_log = logging.getLogger(__name__)
 
 ConfigLike = Union[None, str, os.PathLike, Mapping[str, Any], DictConfig, TrainConfig]
 
@@ -89,6 +89,7 @@ def as_config(cfg: ConfigLike) -> TrainConfig:
         return _build(OmegaConf.structured(TrainConfig), [(to_dict(cfg), "TrainConfig")], None)
     if isinstance(cfg, DictConfig):
         try:
+            check_growth(OmegaConf.to_container(cfg, resolve=False), lambda key: ("DictConfig: ", None))
             data = OmegaConf.to_container(cfg, resolve=True)
         except OmegaConfBaseException as exc:
             raise ConfigError(f"DictConfig: {_key_of(exc) or 'config'}: cannot resolve: {problem_of(exc)}") from None

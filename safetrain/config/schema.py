@@ -312,8 +312,13 @@ class LogConfig:
     """Journal, logging and progress bar, and how ``fit`` meets a stop signal (preemption)."""
 
     dir: Optional[str] = _f(None, "run directory for events.jsonl and reports (null: journal in memory only)")
-    progress: bool = _f(True, "show a tqdm progress bar when stderr is a terminal")
-    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = _f("INFO", "level of the 'safetrain' logger")
+    progress: bool = _f(True, "show a tqdm progress bar in a terminal or a Jupyter notebook (never in piped output)")
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = _f(
+        "INFO", "level of the 'safetrain' logger under the CLI (a library run leaves levels to the application)"
+    )
+    tensorboard: bool = _f(
+        False, "write loss, LR, grad norm, counters and events to <log.dir>/tensorboard (pip install tensorboard)"
+    )
     signals: Literal["term", "term+int", "off"] = _f(
         "term+int",
         "signals fit catches to stop cleanly after the current step: SIGTERM, SIGTERM and SIGINT (Ctrl-C), or none",
@@ -370,6 +375,6 @@ def without_replays(cfg: TrainConfig, why: str) -> TrainConfig:
     """The config with ``detect.replay.enabled`` false; ``why`` goes to the log (once) when they were on."""
     if not cfg.detect.replay.enabled:
         return cfg
-    logging.getLogger("safetrain").info("%s", why)
+    logging.getLogger(__name__).info("%s", why)
     detect = dataclasses.replace(cfg.detect, replay=dataclasses.replace(cfg.detect.replay, enabled=False))
     return dataclasses.replace(cfg, detect=detect)

@@ -32,7 +32,7 @@ __all__ = ["ActivationMonitor", "GRANULARITIES"]
 #: block (:mod:`safetrain.detect.blocks`) instead of the modules inside it.
 GRANULARITIES = ("module", "block")
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 
 def _matches(name: str, patterns: Sequence[str]) -> bool:

@@ -14,35 +14,24 @@ host, from the kept norm vector, only after the step's single read shows a probl
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
 from .findings import GradFinding, WeightFinding
-from .flags import gathered
+from .fused import HALF as _LOW
+from .fused import DotPlan as _DotPlan
+from .fused import DTensor as _DTensor
+from .fused import fused_norms
+from .fused import local as _local
+from .fused import stack_norms as _stack
 from .norms import true_norms
 
 __all__ = ["GradNorms", "GradCheck", "WeightCheck", "fused_norms"]
 
-_LOW = (torch.float16, torch.bfloat16)
-_FLOATS = (torch.float32, torch.float64)
-#: Elements from which a CPU gradient's norm is a BLAS dot (faster than _foreach_norm from ~16K
-#: elements here; 64K leaves small models on the single fused call).
-_DOT_MIN = 1 << 16
 NamedParams = Union[nn.Module, Iterable[Tuple[str, Tensor]]]
 Probes = Sequence[Tuple[str, Tensor, Callable[[Tensor], Tensor]]]
-
-
-try:  # FSDP2 shards parameters and gradients as DTensors: the checks look at each rank's shard
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:  # pragma: no cover - torch without DTensor
-    _DTensor = ()  # type: ignore[assignment,misc]
-
-
-def _local(t: Any) -> Any:
-    """A ``DTensor``'s local shard (a view of its live storage); anything else as it is."""
-    return t.to_local() if isinstance(t, _DTensor) else t
 
 
 def _named(params: NamedParams) -> List[Tuple[str, Tensor]]:
@@ -50,33 +39,11 @@ def _named(params: NamedParams) -> List[Tuple[str, Tensor]]:
     return [(name, p) for name, p in items]
 
 
-def fused_norms(tensors: Sequence[Tensor], ord: float = 2.0) -> List[Tensor]:
-    """Every tensor's norm in one fused pass per (device, dtype) group, as 0-dim tensors.
-
-    Args:
-        tensors: dense or sparse tensors, any devices and dtypes (low precision is reduced in
-            float32 so a finite norm cannot overflow the half range).
-        ord: the norm's order (``2.0`` for gradients).
-
-    Returns:
-        ``len(tensors)`` 0-dim tensors, in order, each on its tensor's device. No host sync.
-    """
-    first = tensors[0]
-    if all(t.device == first.device and t.dtype == first.dtype and not t.is_sparse for t in tensors):
-        return list(torch._foreach_norm(list(tensors), ord, dtype=torch.float32 if first.dtype in _LOW else None))
-    groups: Dict[Tuple[torch.device, torch.dtype], List[int]] = {}
-    for i, t in enumerate(tensors):
-        if not t.is_sparse:
-            groups.setdefault((t.device, t.dtype), []).append(i)
-    out: List[Optional[Tensor]] = [None] * len(tensors)
-    for (_, dtype), idx in groups.items():
-        norms = torch._foreach_norm([tensors[i] for i in idx], ord, dtype=torch.float32 if dtype in _LOW else None)
-        for i, n in zip(idx, norms):
-            out[i] = n
-    for i, t in enumerate(tensors):
-        if t.is_sparse:
-            out[i] = torch.linalg.vector_norm(t.coalesce().values(), ord)
-    return out  # type: ignore[return-value]
+def _any_grad(params: List[Tensor]) -> bool:
+    for p in params:  # a plain loop, as _has_none
+        if p.grad is not None:
+            return True
+    return False
 
 
 def _has_none(items: List[Any]) -> bool:
@@ -84,58 +51,6 @@ def _has_none(items: List[Any]) -> bool:
         if item is None:
             return True
     return False
-
-
-class _DotPlan:
-    """Which tensors of a fixed list take their L2 norm by a BLAS ``dot`` on the CPU.
-
-    ``torch._foreach_norm`` on the CPU is a per-tensor loop on one thread; a ``dot(t, t)`` is
-    multi-threaded and 2-2.5x faster from about 16K elements (the MLP's 8.4 MB of gradients: 430
-    against 290 us). Same result: a sum of squares, NaN/Inf exactly when the norm is, overflowing
-    exactly when the norm does. Planned once (one CPU device, one fp32/fp64 dtype, contiguous
-    tensors of :data:`_DOT_MIN` elements or more); a GPU keeps its fused ``_foreach_norm``.
-    """
-
-    __slots__ = ("big", "small")
-
-    def __init__(self, tensors: Sequence[Tensor]) -> None:
-        first = tensors[0] if tensors else None
-        every = tuple(range(len(tensors)))
-        self.big: Tuple[int, ...] = ()
-        if (
-            first is not None
-            and first.device.type == "cpu"
-            and first.dtype in _FLOATS
-            and all(t.device == first.device and t.dtype == first.dtype for t in tensors)
-        ):
-            self.big = tuple(i for i, t in enumerate(tensors) if t.numel() >= _DOT_MIN and t.is_contiguous())
-        self.small = tuple(i for i in every if i not in self.big)
-
-    def norms(self, tensors: List[Tensor]) -> Optional[List[Tensor]]:
-        """The tensors' norms (aligned with the planned list), or ``None`` when nothing is planned
-        or a large tensor has no flat view (laid out unlike planned, sparse): the plan is then
-        dropped, and the caller's fused pass is used from now on."""
-        if not self.big:
-            return None
-        out: List[Tensor] = [None] * len(tensors)  # type: ignore[list-item]
-        try:
-            flat = [tensors[i].view(-1) for i in self.big]
-            for i, root in zip(self.big, torch._foreach_sqrt([t.dot(t) for t in flat])):
-                out[i] = root
-        except RuntimeError:
-            self.big, self.small = (), tuple(range(len(tensors)))  # not tried again
-            return None
-        if self.small:
-            for i, norm in zip(self.small, torch._foreach_norm([tensors[i] for i in self.small], 2.0)):
-                out[i] = norm
-        return out
-
-
-def _stack(norms: List[Tensor]) -> Tensor:
-    try:
-        return torch.stack(norms).float()
-    except RuntimeError:  # norms on several devices: gather on an accelerator (see gather_device)
-        return torch.stack(gathered(norms)).float()
 
 
 class GradNorms:
@@ -202,8 +117,18 @@ class GradCheck:
     """
 
     def __init__(self, params: NamedParams, *, enabled: bool = True) -> None:
-        named = [(n, p) for n, p in _named(params) if p.requires_grad]
         self.enabled = enabled
+        self._given = _named(params)
+        self.replan()
+
+    def replan(self) -> None:
+        """Plan the pass again over the parameters given, as they are now: the ones that train
+        (``requires_grad``, or a gradient already there) are checked; the frozen ones are watched,
+        and the first gradient one of them gets (unfrozen mid-run: progressive unfreezing) plans
+        again on its own. Also after a lazy module made its parameters (their sizes are known only
+        then). O(parameters), off the healthy path."""
+        named = [(n, p) for n, p in self._given if p.requires_grad or p.grad is not None]
+        self._frozen = [p for _, p in self._given if not (p.requires_grad or p.grad is not None)]
         self._all_names = tuple(n for n, _ in named)
         self._params = [p for _, p in named]
         #: Names aligned with the last ``run()``'s ``norms`` (parameters with a gradient).
@@ -227,6 +152,8 @@ class GradCheck:
         """
         if not self.enabled:
             return None
+        if self._frozen and _any_grad(self._frozen):  # a frozen parameter unfrozen (none frozen: no cost)
+            self.replan()
         params = self._params
         grads = [p.grad for p in params]
         if self._sharded:
@@ -245,7 +172,8 @@ class GradCheck:
             return None
         try:
             norms = torch._foreach_norm(grads, 2.0, dtype=self._acc) if self._uniform else fused_norms(grads)
-        except RuntimeError:  # sparse gradients or a gradient on another device than its parameter
+        except RuntimeError:  # sparse gradients (nn.Embedding(sparse=True)) or a gradient on another device
+            self._uniform = False  # than its parameter: grouped by fused_norms from now on (no raise a step)
             norms = fused_norms(grads)
         return GradNorms(norms if isinstance(norms, list) else list(norms))
 
@@ -369,6 +297,10 @@ class WeightCheck:
         self._probes = tuple(probes)
         self.every = every
         self.enabled = enabled and every > 0 and bool(self._params)
+        self._dots = _DotPlan([_local(p) for p in self._params])
+
+    def replan(self) -> None:
+        """Plan the fused pass again (a lazy module made its parameters: their sizes are known now)."""
         self._dots = _DotPlan([_local(p) for p in self._params])
 
     def due(self, step: int) -> bool:

@@ -18,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 
 __all__ = ["HookHandle", "floating_tensors", "make_hook", "MAX_RECORDS", "PASSTHROUGH"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 #: A forward that records more calls than this without a ``reset()`` drops its records (and
 #: warns), so a monitor left attached through a long evaluation cannot grow without bound.

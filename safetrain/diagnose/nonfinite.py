@@ -50,6 +50,11 @@ def user_frames(stack: Iterable[Tuple[str, int, str]]) -> List[str]:
     return out
 
 
+def _values(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's values: a sparse COO gradient's (``nn.Embedding(sparse=True)``) as a dense vector."""
+    return t.coalesce().values() if t.is_sparse else t
+
+
 def _finite(tensors: Sequence[torch.Tensor]) -> List[bool]:
     """Whether each tensor is all finite: one reduction per tensor, one host read per device."""
     by_device: Dict[torch.device, List[int]] = {}
@@ -57,7 +62,7 @@ def _finite(tensors: Sequence[torch.Tensor]) -> List[bool]:
         by_device.setdefault(t.device, []).append(i)
     finite = [True] * len(tensors)
     for where in by_device.values():
-        reduced = torch.stack([torch.isfinite(tensors[i].detach()).all() for i in where])
+        reduced = torch.stack([torch.isfinite(_values(tensors[i].detach())).all() for i in where])
         for i, ok in zip(where, reduced.tolist()):  # host sync: replay only
             finite[i] = ok
     return finite

@@ -20,10 +20,11 @@ from torch.utils.data import DataLoader, Sampler
 from .. import distributed
 from ..errors import SafetrainError
 from ..rundir import atomic_write_text
+from ..safefile import read_own
 
 __all__ = ["QuarantineSampler", "QuarantineKeeper", "read_quarantine", "write_quarantine"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 
 class QuarantineSampler(Sampler[int]):
@@ -136,7 +137,7 @@ def read_quarantine(path: Union[str, os.PathLike]) -> List[int]:
     if not path.exists():
         return []
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_own(path).decode("utf-8"))  # never through a link out of the run directory
         return [int(i) for i in data["indices"]]
     except (ValueError, KeyError, TypeError) as exc:
         raise SafetrainError(f'{path}: not a quarantine file ({exc}); expected {{"indices": [int, ...]}}') from None

@@ -17,13 +17,14 @@ import torch
 
 from ..config import ReplayConfig
 from ..detect import GradCheck, iter_tensors
+from ..optimizers import needs_closure
 from .diagnosis import Diagnosis
 from .nonfinite import first_nonfinite_op, nonfinite_names
 from .rng import RNG_MOVED
 
 __all__ = ["WeightReplay", "describe_optimizer"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 
 #: Optimizer settings that say how an update is computed, not what it computes: left out of the line.
@@ -141,6 +142,7 @@ class WeightReplay:
         self.prepare, self.accumulate, self.clip = prepare, accumulate, clip
         self._clipper = GradCheck(self.params)
         self.keep = int(cfg.keep_steps) if cfg.enabled else 0
+        self.never = ""  # why this run's updates are never replayed (named steps), else ""
         self._steps: List[_Applied] = []
         self._applied = 0  # updates since the base snapshot, kept or not
         self._base: Optional[int] = None  # the step of the newest snapshot, once one is known
@@ -242,6 +244,10 @@ class WeightReplay:
         """Why the kept updates cannot be replayed from ``store``'s newest snapshot (``""``: they can)."""
         if self.keep == 0:
             return "detect.replay.keep_steps=0: the updates since the snapshot are not kept"
+        if self.never:
+            return self.never
+        if needs_closure(self.state.optimizer):
+            return f"{type(self.state.optimizer).__name__}.step needs a closure: its updates are not replayed"
         if not self.sync.steps_alone:
             return "not replayed under torch.distributed (every rank would have to replay together)"
         if self._base is None or len(store) == 0:

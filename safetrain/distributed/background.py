@@ -24,7 +24,7 @@ from .mark import write_mark
 
 __all__ = ["BackgroundSaves", "GroupSync"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 
 class GroupSync:

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from typing import Any, Iterable, List, Optional
 
 from ..errors import SnapshotError
+from ..safefile import real_dir, remove_tree
 from ..snapshot.codec import encode
 from ..snapshot.store import SnapshotInfo, SnapshotStore, make_info, run_of
 from ..snapshot.tensors import nonfinite
@@ -41,7 +41,7 @@ from .snapdir import (
 
 __all__ = ["ShardedStore", "save_sharded"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 _MINE = ("model/", "optim/state/")  # captured tensors that DCP writes from get_state_dict instead
 
@@ -55,7 +55,7 @@ def save_sharded(snap: str, state: Any, captured: Any, sync: Any, run_id: str, b
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
     rank, world = getattr(sync, "rank", 0), getattr(sync, "world", 1)
-    os.makedirs(snap, exist_ok=True)
+    real_dir(snap)  # a link planted in its place is refused: DCP's files would go through it
     tensors, optim = flat_state(state)
     own = {n: t for n, t in captured.tensors.items() if not n.startswith(_MINE)}
     optim_json = encode(optim, "optim_json", lambda n, t: own.__setitem__(n, t.detach()))
@@ -135,7 +135,7 @@ class ShardedStore(SnapshotStore):
         self._vote(0)  # every rank has looked before rank 0 deletes
         if self.rank == 0:
             for path in others:
-                shutil.rmtree(path, ignore_errors=True)
+                remove_tree(path)
         self._vote(0)
         return others
 
@@ -217,6 +217,8 @@ class ShardedStore(SnapshotStore):
 
     def _clean(self, snap: str) -> None:
         """Rank 0: clear ``snap`` and this run's incomplete directories (a save that was cut short)."""
+        if os.path.islink(snap) or (os.path.lexists(snap) and not os.path.isdir(snap)):
+            remove_tree(snap)  # a link or file planted in its place: the link only, never what it points to
         for path in sharded_snapshots(self.directory, complete=False):
             if os.path.isfile(os.path.join(path, MARK)) and path != snap:
                 continue
@@ -226,7 +228,7 @@ class ShardedStore(SnapshotStore):
                 run = None
             if path == snap or run in self._ids:
                 logger.info("removing %s: an incomplete snapshot of this run", path)
-                shutil.rmtree(path, ignore_errors=True)
+                remove_tree(path)
 
     def _rotate(self, step: int) -> None:
         own = self.own_paths()
@@ -235,7 +237,7 @@ class ShardedStore(SnapshotStore):
         doomed += usable[: max(0, len(usable) - self.keep)]
         for path in doomed:
             self._passed.discard(path)
-            shutil.rmtree(path, ignore_errors=True)
+            remove_tree(path)
 
     def _candidates(self) -> Iterable[str]:
         return list(reversed(self.own_paths()))
@@ -275,7 +277,7 @@ class ShardedStore(SnapshotStore):
     def _discard(self, snap: str) -> None:
         self._vote(0)
         if self.rank == 0:
-            shutil.rmtree(snap, ignore_errors=True)
+            remove_tree(snap)
         self._vote(0)
 
     def _where(self) -> str:

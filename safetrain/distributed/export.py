@@ -15,7 +15,9 @@ from typing import Dict, Union
 
 import torch
 
+from ..atomicfile import atomic_save
 from ..errors import SnapshotError
+from .layout import shard_layout
 from .snapdir import MARK, sharded_snapshots
 
 __all__ = ["export_model"]
@@ -26,7 +28,7 @@ def export_model(snapshot: Union[str, os.PathLike], out: Union[str, os.PathLike]
 
     Args:
         snapshot: a ``step-*`` snapshot directory, or a snapshot directory (its newest complete one).
-        out: the safetensors file to write.
+        out: the safetensors file to write (replaced atomically; a link there is replaced, not followed).
 
     Raises:
         SnapshotError: no complete sharded snapshot there, or it cannot be read.
@@ -42,12 +44,8 @@ def export_model(snapshot: Union[str, os.PathLike], out: Union[str, os.PathLike]
             raise SnapshotError(f"{snap}: no complete sharded snapshot (step-*/ with {MARK}) here")
         snap = found[-1]
     try:
-        meta = HuggingFaceStorageReader(snap).read_metadata()
-        full = {
-            k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
-            for k, m in meta.state_dict_metadata.items()
-            if k.startswith("model/")
-        }
+        layout = shard_layout(snap)  # sizes checked against the bytes held: a few bytes cannot ask for gigabytes
+        full = {k: torch.zeros(size, dtype=dtype) for k, (size, dtype) in layout.items() if k.startswith("model/")}
         with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process, on purpose
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(full, storage_reader=HuggingFaceStorageReader(snap), no_dist=True)
@@ -57,7 +55,9 @@ def export_model(snapshot: Union[str, os.PathLike], out: Union[str, os.PathLike]
         raise SnapshotError(f"{snap}: the snapshot holds no model tensor")
     tensors = {k[len("model/") :]: t.contiguous() for k, t in full.items()}
     try:
-        save_file(tensors, os.fspath(out), metadata={"format": "pt", "safetrain.snapshot": os.path.basename(snap)})
+        metadata = {"format": "pt", "safetrain.snapshot": os.path.basename(snap)}
+        # written in a private temporary directory beside OUT, then renamed: a link at OUT is replaced
+        atomic_save(out, lambda tmp: save_file(tensors, tmp, metadata=metadata))
     except OSError as exc:
         raise SnapshotError(f"{os.fspath(out)}: cannot write the model file: {exc.strerror or exc}") from None
     return tensors

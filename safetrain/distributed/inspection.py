@@ -2,14 +2,14 @@
 directory of them, described as :func:`safetrain.snapshot.inspect_snapshot` describes a file.
 
 Every rank's shards are read in one process (no process group), through DCP's
-``HuggingFaceStorageReader`` (it checks every shard's size and offsets), every file is checked
+``HuggingFaceStorageReader``, into tensors allocated from :func:`.layout.shard_layout` (every
+shard's size and offsets checked against the bytes present first), every file is checked
 against the checksums in the completion mark (:mod:`.verify`; a snapshot written before they
 were recorded says so), and the model and optimizer tensors are checked for NaN/Inf. Nothing is written.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 import warnings
 from typing import Any, Dict, List, Union
@@ -19,8 +19,10 @@ import torch
 from ..errors import SnapshotError
 from ..snapshot.accepted import check_patterns
 from ..snapshot.codec import decode
+from ..snapshot.inspection import checked_description, created_time
 from ..snapshot.store import CorruptSnapshotError
 from ..snapshot.tensors import nonfinite
+from .layout import shard_layout
 from .snapdir import MARK, rank_path, read_json, sharded_snapshots, step_of
 from .verify import bad_files
 
@@ -60,12 +62,9 @@ def inspect_sharded(path: Union[str, os.PathLike]) -> Dict[str, Any]:
         raise CorruptSnapshotError(f"{snap}: {INCOMPLETE}")
     mark, meta = read_json(os.path.join(snap, MARK)), read_json(rank_path(snap, 0))
     recorded = mark.get("files") if isinstance(mark, dict) else None
-    if recorded is not None and not isinstance(recorded, dict):
-        raise CorruptSnapshotError(f"{snap}: the completion mark's checksum table is malformed")
-    bad = None if recorded is None else bad_files(snap, recorded)
+    bad = None if recorded is None else bad_files(snap, recorded)  # names checked: nothing outside snap is read
     try:
-        layout = HuggingFaceStorageReader(snap).read_metadata().state_dict_metadata
-        full = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in layout.items()}
+        full = {k: torch.zeros(size, dtype=dtype) for k, (size, dtype) in shard_layout(snap).items()}
         with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process, on purpose
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(full, storage_reader=HuggingFaceStorageReader(snap), no_dist=True)
@@ -87,13 +86,13 @@ def _describe(snap: str, mark: Dict[str, Any], meta: Dict[str, Any], full: Dict[
     scaler_state = decode(scaler["state"], {}, snap) if scaler else None
     created = mark.get("created")
     files = [os.path.join(snap, f) for f in os.listdir(snap)]
-    return {
+    info = {
         "path": snap,
         "step": counters.get("step"),
         "epoch": counters.get("epoch"),
         "batch": counters.get("batch"),
         "counters": counters,
-        "created": datetime.datetime.fromtimestamp(created).isoformat(timespec="seconds") if created else None,
+        "created": created_time(created, snap),
         "size_bytes": sum(os.path.getsize(f) for f in files if os.path.isfile(f)),
         "data_bytes": sum(t.numel() * t.element_size() for t in full.values()),
         "n_tensors": len(full),
@@ -113,6 +112,7 @@ def _describe(snap: str, mark: Dict[str, Any], meta: Dict[str, Any], full: Dict[
         "world": mark.get("world"),
         "run_id": mark.get("run_id"),
     }
+    return checked_description(info, snap)
 
 
 def inspect_sharded_directory(path: Union[str, os.PathLike]) -> List[Dict[str, Any]]:

@@ -22,7 +22,7 @@ from .sync import DistributedSync
 
 __all__ = ["load_snapshot", "resume_sharded"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 
 def load_snapshot(path: Any, state: Any) -> SnapshotInfo:

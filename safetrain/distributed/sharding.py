@@ -16,6 +16,7 @@ import torch
 
 from ..config import without_replays
 from ..errors import SafetrainError
+from ..optimizers import Optimizers
 from ..snapshot import TrainState
 
 __all__ = ["DDP", "FSDP2", "LOCAL", "layout_of", "local", "ShardedState", "LocalOptimizer", "for_layout", "train_state"]
@@ -187,5 +188,14 @@ class ShardedState(TrainState):
 
 
 def train_state(layout: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any) -> TrainState:
-    """The guard's :class:`~safetrain.snapshot.TrainState`: a :class:`ShardedState` under FSDP2."""
+    """The guard's :class:`~safetrain.snapshot.TrainState`: a :class:`ShardedState` under FSDP2.
+
+    Raises:
+        ValueError: several optimizers under FSDP2 (its sharded snapshots hold one).
+    """
+    if layout == FSDP2 and isinstance(optimizer, Optimizers):
+        raise ValueError(
+            f"{optimizer!r} under FSDP2: sharded snapshots hold one optimizer; pass one optimizer over every "
+            "parameter group (or train with DDP or in one process, where several are snapshotted together)"
+        )
     return (ShardedState if layout == FSDP2 else TrainState)(model, optimizer, **kwargs)

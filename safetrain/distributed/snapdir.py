@@ -26,8 +26,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ..atomicfile import atomic_write_bytes
 from ..errors import SnapshotError
-from ..rundir import AtomicFile
+from ..safefile import skip_links
+from ..snapshot.header import parse_json, read_regular
 from ..snapshot.store import CorruptSnapshotError
 
 __all__ = [
@@ -38,7 +40,9 @@ __all__ = [
     "sharded_snapshots",
     "rank_path",
     "snapshot_files",
+    "is_snapshot_file",
     "read_json",
+    "MAX_JSON_BYTES",
     "write_json",
     "dcp_modules",
     "flat_state",
@@ -48,6 +52,8 @@ __all__ = [
 MARK = "safetrain.json"
 #: The completion mark's ``format``.
 FORMAT = "safetrain.sharded"
+#: The most bytes a snapshot's JSON file (the mark, a rank's part) may hold: the safetensors header limit.
+MAX_JSON_BYTES = 100 * 2**20
 _NAME = re.compile(r"^step-(\d{10,})$")
 
 
@@ -63,11 +69,13 @@ def step_of(path: str) -> Optional[int]:
 
 
 def sharded_snapshots(directory: str, complete: bool = True) -> List[str]:
-    """Snapshot directories in ``directory``, oldest step first (only complete ones by default)."""
+    """Snapshot directories in ``directory``, oldest step first (only complete ones by default);
+    symbolic links are left out (named once in a warning)."""
     try:
         names = os.listdir(directory)
     except (FileNotFoundError, NotADirectoryError):
         return []
+    names = skip_links(directory, [n for n in names if _NAME.match(n)], "a sharded snapshot")
     found = sorted((int(m.group(1)), n) for n in names if (m := _NAME.match(n)))
     paths = [os.path.join(directory, n) for _, n in found]
     return [p for p in paths if os.path.isfile(os.path.join(p, MARK))] if complete else paths
@@ -78,36 +86,46 @@ def rank_path(snap: str, rank: int) -> str:
     return os.path.join(snap, f"rank-{rank}.json")
 
 
+def is_snapshot_file(name: Any) -> bool:
+    """Whether ``name`` is one the completion mark covers: a plain file name (no separator, not
+    hidden, so never ``..`` or absolute) ending ``.safetensors`` or ``.json``, not the mark itself."""
+    return (
+        isinstance(name, str)
+        and name != MARK
+        and not name.startswith(".")
+        and name.endswith((".safetensors", ".json"))
+        and "/" not in name
+        and os.sep not in name
+        and (os.altsep is None or os.altsep not in name)
+        and "\0" not in name
+    )
+
+
 def snapshot_files(snap: str) -> List[str]:
     """The file names in ``snap`` that the completion mark covers (every file but the mark), sorted."""
-    covered = (".safetensors", ".json")
-    return sorted(n for n in os.listdir(snap) if n != MARK and not n.startswith(".") and n.endswith(covered))
+    return sorted(n for n in os.listdir(snap) if is_snapshot_file(n))
 
 
 def write_json(path: str, obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` atomically (a temporary file, fsync, rename)."""
-    target = AtomicFile(path)
-    try:
-        with open(target.tmp, "w") as f:
-            json.dump(obj, f, separators=(",", ":"), allow_nan=False)
-            f.flush()
-            os.fsync(f.fileno())
-        target.commit()
-    finally:
-        target.discard()
+    """Write ``obj`` as JSON to ``path`` atomically (a temporary file, fsync, rename; a link there
+    is replaced, never written through)."""
+    atomic_write_bytes(path, json.dumps(obj, separators=(",", ":"), allow_nan=False).encode("utf-8"))
 
 
 def read_json(path: str) -> Any:
-    """The JSON in ``path``.
+    """The JSON in ``path``: a regular file of the snapshot (a FIFO or device is refused, not
+    waited on; a link is not followed out of it) of at most :data:`MAX_JSON_BYTES`.
 
     Raises:
-        CorruptSnapshotError: it cannot be read or is not JSON.
+        CorruptSnapshotError: it cannot be read, is not a regular file, is too big, or is not JSON
+            (nested too deeply included).
     """
     try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CorruptSnapshotError(f"{path}: unreadable ({exc})") from None
+        return parse_json(read_regular(path, MAX_JSON_BYTES, follow=False), path, "the file")
+    except CorruptSnapshotError:
+        raise
+    except SnapshotError as exc:  # missing or unreadable
+        raise CorruptSnapshotError(str(exc)) from None
 
 
 def dcp_modules() -> Tuple[Any, Any]:

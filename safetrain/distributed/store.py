@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DistributedStore", "wrap_store", "agree_restored"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 
 def wrap_store(store: Any, sync: Any) -> Any:

@@ -12,7 +12,7 @@ from .store import wrap_store
 
 __all__ = ["make_store"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 
 def make_store(layout: str, cfg: Any, run_dir: Optional[str], sync: Any) -> Any:

@@ -26,7 +26,7 @@ from .sharding import DDP, FSDP2, layout_of
 
 __all__ = ["LocalSync", "DistributedSync", "make_sync", "from_rank0"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 _FIRST, _SUM, _MEAN, _HYPOT = 0, 1, 2, 3
 #: Floating values that are counts, not magnitudes: summed over ranks like bool flags.

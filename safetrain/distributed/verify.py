@@ -23,20 +23,28 @@ from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 
+from ..errors import SnapshotError
 from ..snapshot.fileformat import checksum
+from ..snapshot.header import open_regular
 from ..snapshot.store import CorruptSnapshotError
-from .snapdir import snapshot_files
+from .snapdir import is_snapshot_file, snapshot_files
 
-__all__ = ["ALGORITHM", "file_checksum", "checksum_files", "verify_files", "bad_files"]
+__all__ = ["ALGORITHM", "file_checksum", "checksum_files", "check_recorded", "verify_files", "bad_files"]
 
 ALGORITHM = "blocksum64"
 _CHUNK = 64 * 2**20  # bytes read and checksummed at a time
 
 
 def file_checksum(path: str) -> str:
-    """A file's checksum: ``blocksum64`` of each 64 MiB piece, joined by ``:`` (one piece for most files)."""
+    """A file's checksum: ``blocksum64`` of each 64 MiB piece, joined by ``:`` (one piece for most files).
+
+    Raises:
+        SnapshotError: ``path`` is a link, a FIFO, a device or missing: a snapshot's files are
+            regular files in its directory (never followed out of it, never waited on).
+    """
     parts = []
-    with open(path, "rb") as f:
+    fd, _ = open_regular(path, follow=False)
+    with os.fdopen(fd, "rb") as f:
         while True:
             data = f.read(_CHUNK)
             parts.append(checksum(torch.frombuffer(bytearray(data), dtype=torch.uint8)) if data else "")
@@ -60,16 +68,46 @@ def checksum_files(snap: str, sync: Any) -> Dict[str, str]:
     return merged
 
 
+def check_recorded(snap: str, recorded: Any) -> Dict[str, str]:
+    """The completion mark's checksum table ``recorded``, checked: ``{name: checksum}`` where every
+    name is a plain file name of a snapshot's file (``shard-*.safetensors``, ``rank-*.json``): no
+    separator, no ``..``, not absolute, so that nothing outside ``snap`` is ever read for it.
+
+    Raises:
+        CorruptSnapshotError: the table is not such a map; the message names the first bad name.
+    """
+    if not isinstance(recorded, dict) or not all(isinstance(v, str) for v in recorded.values()):
+        raise CorruptSnapshotError(f"{snap}: the completion mark's checksum table is malformed")
+    for name in recorded:
+        if not is_snapshot_file(name):
+            raise CorruptSnapshotError(
+                f"{snap}: the completion mark lists {name!r:.80}, not the name of a file in the snapshot "
+                "(expected plain names such as rank-0.json or shard-*.safetensors): corrupted or planted"
+            )
+    return recorded
+
+
 def bad_files(snap: str, recorded: Mapping[str, str], names: Optional[List[str]] = None) -> List[str]:
     """The files of ``snap`` (of ``names``, default every file listed or present) that are missing,
-    not listed in ``recorded``, or fail their checksum."""
+    not listed in ``recorded``, not regular files (a link, a FIFO), or fail their checksum.
+
+    Raises:
+        CorruptSnapshotError: ``recorded`` is malformed or names a file outside ``snap`` (:func:`check_recorded`).
+    """
+    recorded = check_recorded(snap, recorded)
     names = sorted(set(recorded) | set(snapshot_files(snap))) if names is None else names
     bad = []
     for name in names:
-        path = os.path.join(snap, name)
-        if name not in recorded or not os.path.isfile(path) or file_checksum(path) != recorded[name]:
+        if name not in recorded or _checksum_or_none(os.path.join(snap, name)) != recorded[name]:
             bad.append(name)
     return bad
+
+
+def _checksum_or_none(path: str) -> Optional[str]:
+    try:
+        return file_checksum(path)
+    except SnapshotError:  # missing, a link, a FIFO: it fails (every rank must reach the vote)
+        return None
 
 
 def verify_files(snap: str, mark: Mapping[str, Any], sync: Any = None) -> bool:
@@ -83,8 +121,7 @@ def verify_files(snap: str, mark: Mapping[str, Any], sync: Any = None) -> bool:
     recorded = mark.get("files")
     if recorded is None:
         return False
-    if not isinstance(recorded, dict) or not all(isinstance(v, str) for v in recorded.values()):
-        raise CorruptSnapshotError(f"{snap}: the completion mark's checksum table is malformed")
+    recorded = check_recorded(snap, recorded)
     rank, world = getattr(sync, "rank", 0), getattr(sync, "world", 1)
     names = sorted(set(recorded) | set(snapshot_files(snap)))
     bad = bad_files(snap, recorded, _share(names, rank, world))

@@ -20,7 +20,7 @@ from ..lr import LRBackoff
 from ..policy import Anomaly, Rules, decide, newest_taken, raises, read_clean
 from ..steps import Counters, Pending, StepResult
 from .judge import Judge
-from .outcomes import Rerun, Verdict
+from .outcomes import Outcome, Rerun, Verdict
 from .recovery import Recovery
 from .state import RecoveryState
 
@@ -129,6 +129,19 @@ class Decisions:
             detail.update(jump_began=began, sound_snapshot=verdict.step)
             rs.damage = (began, verdict.step)
         return dataclasses.replace(anomaly, detail=detail, cause=verdict)
+
+    def after_update(self, anomaly: Anomaly, verdict: Verdict, pending: Pending, rules: Rules) -> Outcome:
+        """An anomaly found inside the update itself, after the step was judged (an evaluation of a
+        closure optimizer's line search went non-finite): decided and carried out as one turn of the
+        loop (no replay, no re-run: the update has already moved the state; the ladder restores).
+        A step that read clean vouched for the state it started from: the newest snapshot is kept."""
+        rs = self.recovery_state
+        if verdict.outcome is None and not verdict.rerun_action:
+            rs.history = read_clean(rs.history)
+        read = verdict.read
+        history = dataclasses.replace(rs.history, has_snapshot=bool(len(self.store)))
+        decision, rs.history = decide(anomaly, history, rules, None)
+        return self.recovery.carry_out(anomaly, decision, read, pending, None)
 
     def _explain(self, anomaly: Anomaly, p: Pending) -> Diagnosis:
         """The slow path's replay: the step's (its parameters were finite: the judge checked), or

@@ -24,7 +24,7 @@ from .plumbing import Plumbing
 
 __all__ = ["Judge", "micro_rows"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 
 def micro_rows(micro: List[Any], sanitize: SanitizeConfig) -> List[List[Any]]:

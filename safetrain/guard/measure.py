@@ -14,9 +14,10 @@ would have without them; one host read.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from typing import Any, List, Sequence
+from typing import Any, Iterator, List, Sequence
 
 import torch
 
@@ -24,12 +25,12 @@ from .. import distributed
 from ..detect import ActivationMonitor
 from ..spike import SpikeDetector
 from .forward import Forward
-from .plumbing import Plumbing
+from .plumbing import Plumbing, put_buffer_
 from .state import RecoveryState
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
-__all__ = ["measure", "start_losses", "measuring"]
+__all__ = ["measure", "start_losses", "measuring", "aside"]
 
 _active = [False]
 
@@ -40,6 +41,26 @@ def measuring() -> bool:
     return _active[0]
 
 
+@contextlib.contextmanager
+def aside(monitor: ActivationMonitor, named: torch.nn.Module) -> Iterator[None]:
+    """Forwards that are no step's (the start measurement, a lazy model's dry run): the testing
+    injectors leave them alone (:func:`measuring`), the monitor's records they make are dropped,
+    and the buffers they change (BatchNorm's statistics, quantization observers, their shapes
+    included) are put back; the RNG is the caller's to keep."""
+    buffers = [b for b in named.buffers() if b.is_floating_point() or b.numel() == 1]
+    saved = [b.detach().clone() for b in buffers]
+    held = monitor.set_aside()
+    _active[0] = True
+    try:
+        yield
+    finally:
+        _active[0] = False
+        monitor.set_aside()  # these forwards' records are no step's
+        monitor.put_back(held)
+        for live, kept in zip(buffers, saved):
+            put_buffer_(live, kept)
+
+
 def measure(
     forward: Forward,
     plumbing: Plumbing,
@@ -47,11 +68,13 @@ def measure(
     named: torch.nn.Module,
     spike: SpikeDetector,
     recovery_state: RecoveryState,
+    lazy: Any,
     batches: Sequence[Any],
 ) -> List[float]:
     """Measure the start model's losses on ``batches`` (:func:`start_losses`) and hand two or more
     finite ones to the spike detector as the first steps' reference (:meth:`SpikeDetector.begin`)
-    and to the end-of-run check as the level and spread the run started from.
+    and to the end-of-run check as the level and spread the run started from. A lazy model's
+    parameters are made first (``lazy``: :class:`~.lazy.LazyParams`), on the first of ``batches``.
 
     A loop of your own calls it as ``guard.measure_start([next_batch, the_one_after])`` before its
     first step. Nothing is trained and nothing changes; one host read, once per run.
@@ -59,6 +82,8 @@ def measure(
     Returns:
         The finite losses measured.
     """
+    if batches:
+        lazy.make(batches[0])
     losses = start_losses(forward, plumbing, monitor, named, batches) if len(batches) >= 2 else []
     if len(losses) >= 2:
         spike.begin(losses)
@@ -86,24 +111,12 @@ def start_losses(
     Returns:
         The finite losses, in the order of ``batches``.
     """
-    buffers = [b for b in named.buffers() if b.is_floating_point() or b.numel() == 1]
-    saved = [b.detach().clone() for b in buffers]
-    held = monitor.set_aside()
     losses = []
-    _active[0] = True
-    try:
-        with torch.no_grad(), distributed.keep_rng(), distributed.local(named):
-            for batch in batches:
-                batch = plumbing.move(batch) if plumbing.moves else batch
-                with plumbing.autocast():
-                    losses.append(forward.eager_loss(batch).detach().float().reshape(()))
-    finally:
-        _active[0] = False
-        monitor.set_aside()  # these forwards' records are no step's
-        monitor.put_back(held)
-        with torch.no_grad():
-            for live, kept in zip(buffers, saved):
-                live.copy_(kept)
+    with aside(monitor, named), torch.no_grad(), distributed.keep_rng(), distributed.local(named):
+        for batch in batches:
+            batch = plumbing.move(batch) if plumbing.moves else batch
+            with plumbing.autocast():
+                losses.append(forward.eager_loss(batch).detach().float().reshape(()))
     if not losses:
         return []
     values = torch.stack(losses).tolist()  # host sync: once per run, before its first step

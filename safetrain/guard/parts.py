@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
 
@@ -21,10 +21,11 @@ from .. import detect, distributed, snapshot
 from ..config import ConfigLike, TrainConfig, as_config
 from ..diagnose import Diagnoser
 from ..divergence import DivergenceDetector
-from ..events import AnomalyFound, Event, EventBus, LRChanged
+from ..events import Event, EventBus, LRChanged
 from ..gradclip import NormStats
 from ..kinds import Action
 from ..lr import LRBackoff
+from ..optimizers import as_optimizer, as_scheduler
 from ..policy import History, Rules
 from ..snapshot import SnapshotInfo
 from ..spike import SpikeDetector
@@ -32,17 +33,20 @@ from ..steps import Counters, Pending, Phase
 from ..wrappers import plain_namer, unwrap_compiled
 from .decisions import Decisions
 from .forward import Forward
+from .journal import StepJournal
 from .judge import Judge
+from .lazy import LazyParams
 from .measure import measure
 from .plumbing import Plumbing
 from .recovery import Recovery
 from .snapshots import Snapshots
 from .state import RecoveryState
+from .stepping import Stepper
 from .update import Updates
 
 __all__ = ["Parts"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 _Self = TypeVar("_Self", bound="Parts")  # ``with Guard(...) as guard``: a Guard
 
@@ -73,21 +77,25 @@ class Parts:
     store: Any  # where snapshots go
     snapshots: Snapshots  # takes them, and records what each owes before it is vouched for
     backoff: LRBackoff  # the LR scale on top of the schedule
+    stepper: Stepper  # moves the optimizer: every one, a named step's, or with a closure (LBFGS)
     sync: Any  # distributed.LocalSync or DistributedSync
 
     def __init__(
         self,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: Any,
         cfg: ConfigLike = None,
         *,
         loss_fn: Optional[Callable[..., torch.Tensor]] = None,
-        step_fn: Optional[Callable[[torch.nn.Module, Any], torch.Tensor]] = None,
+        step_fn: Union[None, Callable[[torch.nn.Module, Any], torch.Tensor], Mapping[str, Callable[..., Any]]] = None,
         scheduler: Any = None,
         scaler: Optional[torch.amp.GradScaler] = None,
         bus: Optional[EventBus] = None,
         run_dir: Optional[str] = None,
     ) -> None:
+        # Several optimizers (a sequence or a dict: Muon + AdamW, a GAN's two) step as one, and
+        # several schedulers; one is itself (its path and snapshot format unchanged).
+        optimizer, scheduler = as_optimizer(optimizer), as_scheduler(scheduler)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         # The forward runs through the user's model; names, hooks and snapshots use what a
         # torch.compile wrapper holds, so they read as in the user's code (no "_orig_mod." prefix)
@@ -120,17 +128,29 @@ class Parts:
         self._params = params = [(n, p) for n, p in all_params if p.requires_grad]
         # Gradients are always checked (clipping and the scaler need the norm anyway); the
         # activation and weight checks follow detect.mode. Disabled parts are no-ops, not ifs.
-        self.grads = grads = detect.GradCheck(params)
+        self.grads = grads = detect.GradCheck(all_params)  # (frozen ones watched: one may be unfrozen mid-run)
         self.monitor = monitor = detect.ActivationMonitor.from_config(named, c.detect)
         monitor.attach()
         # Distributed (a process group of > 1 rank and a DDP model): the one read combines every
         # rank's flags with one collective, and snapshots and replays agree across ranks.
         self.sync = sync = distributed.make_sync(self.device, named)
         self.rank = sync.rank  # stamped on every event
+        self._emit = StepJournal(self.bus, counters, sync)
         flags, k = detect.StepFlags(reduce=sync.reduce), c.guard.accumulate_steps
+        steps = dict(step_fn) if isinstance(step_fn, Mapping) else {}  # named steps: a GAN's "d" and "g"
         self.forward = fwd = Forward(
-            flags, grads, model, named, monitor, pipes, c.sanitize, k, loss_fn=loss_fn, step_fn=step_fn
+            flags,
+            grads,
+            model,
+            named,
+            monitor,
+            pipes,
+            c.sanitize,
+            k,
+            loss_fn=loss_fn,
+            step_fn=None if steps else step_fn,
         )
+        self.stepper = Stepper(optimizer, fwd, grads, pipes, steps)  # plain, a named step's, or a closure (LBFGS)
         # The weight checks cover floating buffers (BatchNorm statistics), and a mask's -inf by its pattern.
         bufs, probes = fwd.buffers.checked(), fwd.buffers.patterned(state)
         on = c.detect.mode != "off"
@@ -150,8 +170,11 @@ class Parts:
             sync=sync,
         )
         diag.wrap_step_replay(lambda replay: distributed.wrap_replayer(replay, sync, named))
+        if steps:  # each update has its own loss and optimizer: the weight replay cannot redo them in order
+            diag.weight_replay.never = "named steps (each update its own loss and optimizer) are not replayed"
         kept = fwd.buffers.checked(kept=True), fwd.buffers.patterned(state, kept=True)  # as before the step
         all_weights = detect.WeightCheck(all_params + kept[0], 0, probes=kept[1])
+        self.lazy = LazyParams(named, fwd, pipes, monitor, state, (grads, self.weights, all_weights))
         self.judge = Judge(
             c,
             counters,
@@ -177,7 +200,7 @@ class Parts:
             state,
             backoff,
             grads,
-            dict(params),
+            dict(all_params),  # (a frozen parameter may be unfrozen mid-run)
             emit=self._emit,
             not_applied=self._not_applied,
             after_restore=self._after_restore,
@@ -258,6 +281,11 @@ class Parts:
         return self.backoff.scale
 
     @property
+    def lrs(self) -> Tuple[float, ...]:
+        """The LR in force of every parameter group, of every optimizer in order (the backoff included)."""
+        return tuple(float(group["lr"]) for group in self.optimizer.param_groups)
+
+    @property
     def run_id(self) -> Optional[str]:
         """The run's id, stamped into each of its snapshots (``None``: a store without one)."""
         return getattr(self.store, "run_id", None)
@@ -306,7 +334,7 @@ class Parts:
         the finite losses measured."""
         if self.counters.steps or self.phase is not Phase.READY or not self.sync.steps_alone:
             return []
-        parts = self.forward, self.plumbing, self.monitor, self._named, self.spike, self.recovery_state
+        parts = self.forward, self.plumbing, self.monitor, self._named, self.spike, self.recovery_state, self.lazy
         return measure(*parts, batches)
 
     # ----------------------------------------------------------------- resume or a fresh start
@@ -418,31 +446,3 @@ class Parts:
         self.diagnoser.rng_reset()  # the snapshot's RNG state is back
         self.diagnoser.clear(step)
         self._pending.weights = None
-
-    def _emit(
-        self,
-        cls: type,
-        kind: str,
-        action: str,
-        message: str,
-        detail: Mapping[str, Any],
-        at: Optional[Tuple[int, int]] = None,
-    ) -> Event:
-        """Journal an event at the step; ``at``: the ``(epoch, batch index)`` of the micro-batch it
-        is about (an accumulated step's micro-batches each have their own), else the step's last batch."""
-        c, kind = self.counters, str(kind)  # the journal holds plain strings
-        if cls is AnomalyFound:  # under DDP: which ranks' own values tripped
-            detail = self.sync.annotate(detail, kind)
-        epoch, batch = at if at is not None else (c.epoch, c.batch - 1)
-        return self.bus.emit(
-            cls(
-                step=c.steps,
-                epoch=epoch,
-                batch=batch,
-                kind=kind,
-                action=str(action),
-                message=message,
-                detail=detail,
-                rank=self.rank,
-            )
-        )

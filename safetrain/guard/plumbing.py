@@ -13,16 +13,19 @@ import logging
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from ..adapters import Scaler, make_scaler
 from ..adapters.torch_private import profiler_enabled
 from ..batches import pageable_tensors, to_device
 from ..config import AmpConfig
+from ..optimizers import members
 from ..snapshot.accepted import matches, pattern_tensor
+from ..snapshot.tensors import put_buffer_
 
-__all__ = ["Plumbing", "Buffers"]
+__all__ = ["Plumbing", "Buffers", "put_buffer_"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 #: What :meth:`Plumbing.autocast` returns without mixed precision: one reusable no-op context.
 _NO_AUTOCAST = contextlib.nullcontext()
@@ -62,9 +65,7 @@ class Plumbing:
         # torch's own zero_grad (not overridden by the optimizer's class or instance): free_grads
         # may run its set_to_none loop itself. Decided here: a zero_grad patched in later is not
         # seen; a wrapper forwarding through __getattr__ always goes through optimizer.zero_grad.
-        self._plain_zero_grad = getattr(
-            type(optimizer), "zero_grad", None
-        ) is torch.optim.Optimizer.zero_grad and "zero_grad" not in getattr(optimizer, "__dict__", {})
+        self._plain_zero_grad = all(_plain_zero_grad(opt) for _, opt in members(optimizer))  # (each of several)
         self.grads_dropped = False  # set_to_none done at the end of the last step
 
     # ------------------------------------------------------------------ batches
@@ -166,10 +167,14 @@ class Buffers:
 
     def __init__(self, model: torch.nn.Module, namer: Callable[[str], str] = str) -> None:
         self._model, self._namer = model, namer
+        self._live: List[torch.Tensor] = []
         self._collect()
 
     def _collect(self) -> None:
-        named = [(n, b) for n, b in self._model.named_buffers() if b.is_floating_point() or b.numel() == 1]
+        # A buffer kept once stays kept: a fake-quantize zero_point is one int32 before the first
+        # forward and one per channel after it (a step not applied must still put it back).
+        before = {id(b) for b in self._live}
+        named = [(n, b) for n, b in self._model.named_buffers() if not is_lazy(b) and (id(b) in before or _kept(b))]
         self.names = tuple(self._namer(n) for n, _ in named)
         self._live = [b for _, b in named]
         self._saved = [b.detach().clone() for b in self._live]
@@ -185,18 +190,21 @@ class Buffers:
             self._collect()
             torch._foreach_copy_(self._saved, self._live)
 
+    def recollect(self) -> None:
+        """Take the buffers as they are now (a lazy module made its own at the first forward)."""
+        self._collect()
+
     def put_back(self) -> Tuple[str, ...]:
-        """Put the kept buffers back; returns the names of those the step had changed (slow path:
-        one host read per buffer). A buffer replaced since :meth:`keep` is left alone."""
+        """Put the kept buffers back, with the shape and dtype they had (a quantization observer's
+        per-channel statistics take their shape at the first forward); returns the names of those
+        the step had changed (slow path: one host read per buffer)."""
         if not self.enabled:
             return ()
         changed = []
         with torch.no_grad():
             for name, live, saved in zip(self.names, self._live, self._saved):
-                if live.shape != saved.shape or live.dtype != saved.dtype:
-                    continue
-                if not _same(live, saved):  # host sync: slow path
-                    live.copy_(saved)
+                if live.shape != saved.shape or live.dtype != saved.dtype or not _same(live, saved):  # host sync
+                    put_buffer_(live, saved)
                     changed.append(name)
         if changed:
             logger.info("put back %d buffer(s) the step had changed: %s", len(changed), ", ".join(changed[:6]))
@@ -236,6 +244,17 @@ class Buffers:
         with torch.no_grad():
             finite = torch.stack([torch.isfinite(b).all() for _, b in named]).tolist()  # host sync: once
         return [nb for nb, ok in zip(named, finite) if ok]
+
+
+def _plain_zero_grad(optimizer: Any) -> bool:
+    """Whether ``optimizer.zero_grad`` is torch's own (not overridden by its class or instance)."""
+    own = getattr(type(optimizer), "zero_grad", None) is torch.optim.Optimizer.zero_grad
+    return own and "zero_grad" not in getattr(optimizer, "__dict__", {})
+
+
+def _kept(b: torch.Tensor) -> bool:
+    """Whether a buffer is kept before a step: floating ones and one-element ones (counters)."""
+    return b.is_floating_point() or b.numel() == 1
 
 
 def _same(live: torch.Tensor, saved: torch.Tensor) -> bool:

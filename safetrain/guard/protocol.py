@@ -29,10 +29,11 @@ from . import start
 from .decisions import nan_result
 from .outcomes import Rerun, Verdict
 from .parts import Parts
+from .stepping import after_fault
 
 __all__ = ["Guard", "without_reruns"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 #: Who drives the step: the guard itself (``Guard.step``), or the caller's loop through the verbs.
 GUARD, CALLER = "Guard.step", "the verbs"
@@ -52,12 +53,15 @@ class Guard(Parts):
     """The per-step protocol: detect, decide and recover, around a user's model and optimizer.
 
     Args:
-        model: the module to train.
-        optimizer: its optimizer.
+        model: the module to train (for a GAN, a ``ModuleDict`` of both networks).
+        optimizer: its optimizer, or several stepped together: a list or a dict ``name ->
+            optimizer`` (:mod:`safetrain.optimizers`); one whose ``step`` needs a closure (LBFGS)
+            is handed one by :meth:`step` (:mod:`.stepping`).
         cfg: anything :func:`safetrain.as_config` accepts (path, dict, DictConfig, TrainConfig, None).
         loss_fn: ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches.
         step_fn: ``step_fn(model, batch) -> loss`` for any other batch; a loop that runs its own
-            forward gives it so that the guard can re-run and replay a step.
+            forward gives it so that the guard can re-run and replay a step. A dict ``name ->
+            step_fn`` (names of the optimizers' dict) makes named steps: ``step(batch, name=...)``.
         scheduler: an LR scheduler, stepped as ``guard.scheduler_interval`` says (a loop that steps
             it itself: the guard follows it instead, see :meth:`follow_scheduler`).
         scaler: a ``torch.amp.GradScaler``; made from ``amp.*`` when ``amp.dtype`` is float16 and none is given.
@@ -100,7 +104,9 @@ class Guard(Parts):
     _decided: Optional[Tuple[Optional[Verdict], StepResult]] = None  # decide()'s, while finish_step() is due
 
     # ----------------------------------------------------------------- the guard's own step
-    def step(self, batch: Any, indices: Optional[Sequence[int]] = None) -> Optional[StepResult]:
+    def step(
+        self, batch: Any, indices: Optional[Sequence[int]] = None, *, name: Optional[str] = None
+    ) -> Optional[StepResult]:
         """Feed one (micro-)batch; returns the :class:`StepResult` when an optimizer step was decided.
 
         With ``guard.accumulate_steps`` = k, the first k - 1 calls only accumulate gradients and
@@ -111,6 +117,9 @@ class Guard(Parts):
                 (``guard.to_device``), asynchronously when the loader pins memory.
             indices: the dataset index of each row, when known: a replay then names bad samples
                 by dataset index (``SafeTrainer.fit`` passes them from a :class:`QuarantineSampler`).
+            name: with named steps (``step_fn`` a dict, the optimizers a dict of the same names: a
+                GAN's ``"d"`` and ``"g"``), the step to take: its ``step_fn`` gives the loss and only
+                its optimizer moves (:mod:`.stepping`).
 
         Raises:
             TrainingAborted: the policy aborted; the model and optimizer are at the last good snapshot.
@@ -118,6 +127,7 @@ class Guard(Parts):
         """
         if self.phase is Phase.CLOSED:
             raise RuntimeError("Guard.step() after close(); make a new Guard")
+        self.stepper.select(name)  # (named steps: that step's loss and optimizer)
         self._stepping = True
         try:
             clean = self.begin_batch(batch, indices)
@@ -159,7 +169,11 @@ class Guard(Parts):
         """Decide, step the optimizer when the verdict trains, and finish."""
         decided = self.decide()
         if decided.trained:
-            self.optimizer.step()
+            fault = self.stepper.step(self._pending)  # (LBFGS: a closure; a named step: its optimizer)
+            if fault is not None:
+                self._decided = after_fault(
+                    fault, self._decided, self.decisions, self._pending, self.rules, self.optimizer
+                )  # type: ignore[arg-type]
         self.plumbing.update_scaler()  # fp16: as after any step the scaler read (a skipped one lowers the scale)
         return self.finish_step()
 
@@ -330,6 +344,8 @@ class Guard(Parts):
         snapshot, which is never taken of a non-finite state."""
         first = not self._started
         self._started = True
+        if self.lazy.pending:  # a lazy model's parameters exist before its first snapshot (a dry run: :mod:`.lazy`)
+            self.lazy.make(batch)
         if self.counters.steps == 0 and self.phase is Phase.READY and len(self.store) == 0:
             if self.snapshot(force=True).action == "refused" and first and self.store.refused:
                 self._broken_start(list(self.store.refused), batch)

@@ -24,6 +24,7 @@ from ..errors import SnapshotError, TrainingAborted
 from ..events import Aborted, AnomalyFound, Event, LRChanged, Restored
 from ..kinds import DATA_KINDS, Action, Cause, Kind
 from ..lr import LRBackoff
+from ..optimizers import lrs_by_name
 from ..policy import Anomaly, Decision, mark_last_skipped, record_step
 from ..steps import Counters, Pending
 from .judge import micro_rows
@@ -33,7 +34,7 @@ from .state import RecoveryState
 
 __all__ = ["Recovery", "Outcome", "Rerun", "Verdict", "Emit", "with_hint"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 #: How the executor journals: ``emit(event_class, kind, action, message, detail, at=None) -> event``;
 #: ``at``: the ``(epoch, batch index)`` of the micro-batch the event is about (``None``: the step's).
@@ -51,7 +52,7 @@ class Recovery:
         store: the snapshot store; ``train_state`` is what it restores into.
         backoff: the LR scale kept on top of the schedule.
         grads: the gradient check (the norm of what is left after zeroing).
-        params: trained parameters by name.
+        params: every parameter by name (frozen ones too: one may be unfrozen mid-run).
         emit: journals an event.
         not_applied: drops the step's gradients and counts it as skipped.
         after_restore: called with the restored step and the snapshot's guard state (replays forget
@@ -377,6 +378,8 @@ class Recovery:
         self.counters.restores += 1
         self.state.since_snapshot = 0
         self.state.skip_after_restore = self.cfg.recovery.skip_batches_after_restore
+        detail = {"snapshot_step": info.step, "path": str(info.path) if info.path else None, "passed_over": passed}
+        changed = list(info.changed_since)  # what changed layout since the snapshot (observers, groups added)
         event = self.emit(
             Restored,
             decision.kind,
@@ -391,8 +394,9 @@ class Recovery:
                 )
                 if passed
                 else ""
-            ),
-            {"snapshot_step": info.step, "path": str(info.path) if info.path else None, "passed_over": passed},
+            )
+            + "".join(f"; {c}" for c in changed),
+            {**detail, "changed_since": changed} if changed else detail,
         )
         self.backoff.hold()  # no LR above the last healthy update's, however often the schedule sets it
         return event
@@ -417,10 +421,9 @@ class Recovery:
         """Set the LR scale and journal the change."""
         old = self.backoff.lrs()
         self.backoff.set_scale(scale)
-        return self.emit(
-            LRChanged,
-            "lr",
-            Action.SCALE_LR,
-            f"LR scale {scale:g} ({why}); lr {old} -> {self.backoff.lrs()}",
-            {"scale": scale, "old_lr": old, "new_lr": self.backoff.lrs()},
+        each = lrs_by_name(self.train_state.optimizer)  # several optimizers: each one's groups, by name
+        detail = {"scale": scale, "old_lr": old, "new_lr": self.backoff.lrs(), **({"optimizers": each} if each else {})}
+        message = f"LR scale {scale:g} ({why}); lr {old} -> {self.backoff.lrs()}" + (
+            f" by optimizer {each}" if each else ""
         )
+        return self.emit(LRChanged, "lr", Action.SCALE_LR, message, detail)

@@ -19,20 +19,23 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..optimizers import members
+
 __all__ = ["first_nonfinite_modules", "broken_start_reason", "state_names"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 
 def state_names(params: Sequence[Tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer) -> Dict[str, str]:
     """Snapshot tensor names (``model/{name}``, ``optim/state/{i}/{key}``) -> what a user calls them
     (``fc.weight``, ``fc.weight (optimizer exp_avg)``), for the model's parameters and their optimizer state."""
     by_id = {id(p): n for n, p in params}
-    order = [p for g in optimizer.param_groups for p in g["params"]]
     out = {f"model/{n}": n for n, _ in params}
-    for i, p in enumerate(order):
-        for key in optimizer.state.get(p, {}):
-            out[f"optim/state/{i}/{key}"] = f"{by_id.get(id(p), f'param {i}')} (optimizer {key})"
+    for prefix, opt in members(optimizer):  # (several optimizers: optim/{name}/state/...)
+        order = [p for g in opt.param_groups for p in g["params"]]
+        for i, p in enumerate(order):
+            for key in opt.state.get(p, {}):
+                out[f"{prefix}/state/{i}/{key}"] = f"{by_id.get(id(p), f'param {i}')} (optimizer {key})"
     return out
 
 

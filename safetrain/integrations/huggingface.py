@@ -66,7 +66,7 @@ from .huggingface_setup import guarded_model, loss_of, model_loss, with_accumula
 
 __all__ = ["SafeTrainingCallback", "MIN_TRANSFORMERS", "model_loss"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 #: The oldest transformers with every hook the callback needs (``on_pre_optimizer_step``: 4.46).
 MIN_TRANSFORMERS = (4, 46)
@@ -211,7 +211,6 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
             raise RuntimeError("SafeTrainingCallback: the Trainer gave no model or optimizer to on_train_begin")
         guarded = guarded_model(model, int(getattr(args, "world_size", 1)))
         cfg = with_accumulation(self.cfg, model, args.gradient_accumulation_steps)
-        logger.setLevel(cfg.log.level)
         self._run = run = Run(cfg.log.dir or args.output_dir, int(getattr(args, "process_index", 0)), cfg)
         run.open(share=lambda value: distributed.from_rank0(value, guarded))  # a refused directory stops every rank
         log_before_reporters(self)

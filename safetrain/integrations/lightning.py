@@ -43,7 +43,7 @@ from ..runlog import OWN_SUBDIR
 
 __all__ = ["SafeTraining"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 #: The guard's counters sent to Lightning's loggers as ``safetrain/<name>`` (see ``FitResult``).
 LOGGED_COUNTS = (
@@ -146,7 +146,6 @@ class SafeTraining(Callback):
         model, optimizer, scheduler = self._check(trainer, pl_module)
         scaler = precision_scaler(trainer)
         cfg = self._config(trainer)
-        logger.setLevel(cfg.log.level)
         self._run = run = Run(self._run_dir(trainer, cfg), trainer.global_rank, cfg)
         self.result = run.result
         run.open(share=lambda value: distributed.from_rank0(value, model))  # a refused directory stops every rank
@@ -189,7 +188,11 @@ class SafeTraining(Callback):
         if not pl_module.automatic_optimization:
             raise ValueError(
                 "SafeTraining guards Lightning's automatic optimization; this module sets "
-                "automatic_optimization = False (use safetrain.Guard around your own optimizer step instead)"
+                "automatic_optimization = False (manual optimization: Lightning's way to write a GAN or "
+                "several optimizers). Drop the callback and guard the steps in training_step with a "
+                "safetrain.Guard built once over the networks and optimizers: for a GAN, "
+                "Guard(self, {'d': opt_d, 'g': opt_g}, step_fn={'d': d_loss, 'g': g_loss}) and "
+                "guard.step(batch, name='d') then name='g' (README: alternating objectives)"
             )
         if len(trainer.optimizers) != 1:
             raise ValueError(f"SafeTraining: got {len(trainer.optimizers)} optimizers; expected exactly one")

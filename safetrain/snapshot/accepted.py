@@ -14,8 +14,9 @@ What is accepted is the buffer AS IT WAS at the start of the run: its *pattern*,
 fingerprint (the counts of NaN, +inf and -inf and a position hash of the non-finite entries). A
 snapshot checks an accepted buffer against its pattern instead of for finiteness, in the same
 device pass and host read as every other tensor; a buffer that gains, loses or moves a non-finite
-entry is refused like any non-finite state. The patterns travel in every snapshot's metadata, so a
-resumed run keeps the acceptance. Slow path only (a snapshot, the start of a run).
+entry is refused like any non-finite state; one that turns all finite is not (a quantization
+observer's ``+-inf`` start values become the data's range at its first batch). The patterns travel
+in every snapshot's metadata, so a resumed run keeps the acceptance. Slow path only (a snapshot, the start of a run).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 from typing import Dict, Iterable, List, Mapping, Sequence, Tuple, Union
 
 import torch
+from torch.nn.parameter import is_lazy
 
 __all__ = ["Pattern", "pattern", "patterns_of", "matches", "pattern_tensor", "describe", "check_patterns"]
 
@@ -62,7 +64,7 @@ def patterns_of(named: Iterable[Tuple[str, torch.Tensor]]) -> Dict[str, Pattern]
         >>> patterns_of([("w", torch.ones(2)), ("mask", torch.tensor([0.0, float("-inf")]))])["mask"][:3]
         (0, 0, 1)
     """
-    items = [(n, t.detach()) for n, t in named if t.is_floating_point() and t.numel() and not t.is_meta]
+    items = [(n, t.detach()) for n, t in named if t.is_floating_point() and not (is_lazy(t) or t.is_meta) and t.numel()]
     if not items:
         return {}
     finite = torch.stack([torch.isfinite(t).all() for _, t in items]).tolist()  # host sync: start of a run
@@ -71,13 +73,18 @@ def patterns_of(named: Iterable[Tuple[str, torch.Tensor]]) -> Dict[str, Pattern]
 
 
 def matches(t: torch.Tensor, expected: Union[Sequence[int], torch.Tensor]) -> torch.Tensor:
-    """A 0-d float32 device value: 0 when ``t`` has the ``expected`` pattern, NaN when not.
+    """A 0-d float32 device value: 0 when ``t`` has the ``expected`` pattern or is all finite
+    now, NaN when not. Going finite is no fault: a quantization observer's ``min_val``/``max_val``
+    start at ``+inf``/``-inf`` and take the data's range at the first forward
+    (``torch.ao.quantization.MinMaxObserver``); a NaN, or infinities elsewhere, are.
 
     ``expected`` as a tensor on ``t``'s device (:func:`pattern_tensor`) costs no host sync; as
     numbers it is copied to the device first (on CUDA a blocking copy: snapshot steps only).
     """
     want = expected if isinstance(expected, torch.Tensor) else pattern_tensor(expected, t.device)
-    return torch.where((pattern(t) == want).all(), 0.0, float("nan")).to(torch.float32)
+    now = pattern(t)
+    ok = (now == want).all() | (now[:3] == 0).all()
+    return torch.where(ok, 0.0, float("nan")).to(torch.float32)
 
 
 def pattern_tensor(expected: Sequence[int], device: torch.device) -> torch.Tensor:

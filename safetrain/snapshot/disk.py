@@ -35,6 +35,7 @@ import torch
 from ..dirlock import DirLock, tmp_tag
 from ..errors import SnapshotError
 from ..rundir import AtomicFile, fsync_dir
+from ..safefile import skip_links
 from .fileformat import FileWriter, checksum, read_header, read_tensors
 from .state import Captured, TrainState, validate_meta
 from .store import SnapshotInfo, SnapshotStore, make_info, run_of
@@ -43,7 +44,7 @@ from .tmpnames import stale
 
 __all__ = ["SafetensorsStore", "load_snapshot", "list_snapshots", "snapshot_step"]
 
-log = logging.getLogger("safetrain")
+log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^snapshot-(\d{10,})\.safetensors$")
 _UNREADABLE = "\0unreadable"  # the run of a file whose header cannot be read (never anyone's)
@@ -58,11 +59,13 @@ def _stat_key(path: str) -> Optional[Tuple[int, int, int]]:
 
 
 def list_snapshots(directory: Union[str, os.PathLike]) -> List[str]:
-    """Snapshot files in ``directory``, oldest step first; temporary and set-aside files excluded."""
+    """Snapshot files in ``directory``, oldest step first; temporary and set-aside files excluded,
+    and symbolic links too (named once in a warning: a reader is never led out of the directory)."""
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return []
+    names = skip_links(directory, [n for n in names if _NAME.match(n)], "a snapshot")
     found = [(int(m.group(1)), n) for n in names if (m := _NAME.match(n))]
     return [os.path.join(os.fspath(directory), n) for _, n in sorted(found)]
 
@@ -80,7 +83,7 @@ def _load_file(path: str, state: TrainState) -> SnapshotInfo:
     tensors, _ = read_tensors(header)
     state.apply(tensors, meta, owned=True, where=path)
     log.debug("restored snapshot %s", path)
-    return make_info(meta, tensors, path, path)
+    return dataclasses.replace(make_info(meta, tensors, path, path), changed_since=tuple(state.changed))
 
 
 class SafetensorsStore(SnapshotStore):

@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 import torch
 
 from ..errors import SnapshotError
+from ..safefile import create_new
 from .header import (
     ALGORITHM,
     CHECKSUM_KEY,
@@ -88,7 +89,7 @@ class FileWriter:
     :meth:`finish` then writes the header and fsyncs; :meth:`abort` stops and deletes the file.
 
     Args:
-        path: the (temporary) file to create.
+        path: the (temporary) file to create; nothing may be there yet (``FileExistsError``).
         tensors: contiguous CPU tensors; they must not change until ``finish`` or ``abort``.
         state_json: the JSON part of the training state.
     """
@@ -108,7 +109,7 @@ class FileWriter:
         self._header_len = len(self._header({n: "0" * 40 for n in tensors}))
         self._cancel = threading.Event()
         self._error: Optional[BaseException] = None
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._fd = create_new(path)  # new (O_EXCL | O_NOFOLLOW): nothing planted there is opened; 0o664 - umask
         self._thread = threading.Thread(target=self._write_data, name="safetrain-snapshot-writer", daemon=True)
         self._thread.start()
 
@@ -239,7 +240,7 @@ def read_tensors(
 
 def _pread_tensor(fd: int, header: Header, e: Entry) -> torch.Tensor:
     t = torch.empty(e.shape, dtype=e.dtype)
-    view, pos, done = byte_view(t), header.data_start + e.begin, 0
+    view, pos, done = byte_view(t, into=True), header.data_start + e.begin, 0
     while done < len(view):
         got = os.preadv(fd, [view[done : done + _CHUNK]], pos + done)
         if got == 0:

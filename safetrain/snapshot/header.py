@@ -25,24 +25,29 @@ import os
 import stat
 import zlib
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
 from ..errors import SnapshotError
+from ..safefile import file_kind
 from .store import CorruptSnapshotError
 
 __all__ = [
     "Entry",
     "Header",
     "read_header",
+    "read_layout",
     "open_regular",
+    "read_regular",
+    "numel_within",
     "parse_json",
     "header_digest",
     "DTYPES",
     "STATE_KEY",
     "CHECKSUM_KEY",
     "TABLE_VERSION",
+    "MAX_DIMS",
 ]
 
 DTYPES: Dict[torch.dtype, str] = {
@@ -75,6 +80,9 @@ TABLE_VERSION = 2  # the checksum table's version; 1: before the header was cove
 ALGORITHM = "blocksum64"
 _TABLE_KEYS = {1: {"algorithm", "state", "tensors"}, 2: {"version", "algorithm", "state", "tensors", "header"}}
 _HEADER_LIMIT = 100 * 2**20  # the safetensors library's own limit
+#: The most dimensions a tensor in a file may have (NumPy's own limit; no model tensor comes close).
+MAX_DIMS = 64
+_MAX_INDEX = 2**63 - 1  # torch's sizes and strides are int64
 
 
 @dataclass(frozen=True)
@@ -137,37 +145,49 @@ def header_digest(entries: List[Entry], metadata: Mapping[str, str], table: Mapp
     return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
-def _kind(mode: int) -> str:
-    for test, kind in (
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    ):
-        if test(mode):
-            return kind
-    return "not a plain file"
-
-
-def open_regular(path: str) -> Tuple[int, int]:
+def open_regular(path: str, follow: bool = True) -> Tuple[int, int]:
     """Open ``path`` for reading if it is a regular file: ``(fd, size)``; never blocks on a FIFO.
 
+    Args:
+        path: the file.
+        follow: ``False``: a symbolic link at ``path`` is refused too (``O_NOFOLLOW``), for names
+            that must be files of the directory they are in.
+
     Raises:
-        SnapshotError: it is missing, unreadable, or not a regular file (FIFO, device, directory).
+        SnapshotError: it is missing, unreadable, or not a regular file (FIFO, device, directory, link).
     """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        mode = os.stat(path).st_mode
+        mode = (os.stat if follow else os.lstat)(path).st_mode
         if not stat.S_ISREG(mode):
-            raise CorruptSnapshotError(f"{path}: not a regular file ({_kind(mode)}); a snapshot is a regular file")
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+            raise CorruptSnapshotError(f"{path}: not a regular file ({file_kind(mode)}); a snapshot is a regular file")
+        fd = os.open(path, flags | (0 if follow else getattr(os, "O_NOFOLLOW", 0)))
     except OSError as exc:
         raise SnapshotError(f"{path}: cannot read: {exc.strerror or exc}") from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):  # replaced between the stat and the open
         os.close(fd)
-        raise CorruptSnapshotError(f"{path}: not a regular file ({_kind(st.st_mode)}); a snapshot is a regular file")
+        kind = file_kind(st.st_mode)
+        raise CorruptSnapshotError(f"{path}: not a regular file ({kind}); a snapshot is a regular file")
     return fd, st.st_size
+
+
+def read_regular(path: str, limit: int, follow: bool = True) -> bytes:
+    """The bytes of ``path``, a regular file of at most ``limit`` bytes; never blocks on a FIFO
+    (``follow=False``: nor reads through a link, as :func:`open_regular`).
+
+    Raises:
+        SnapshotError: it is missing, unreadable, not a regular file, or over ``limit`` bytes.
+    """
+    fd, size = open_regular(path, follow)
+    try:
+        if size > limit:
+            raise CorruptSnapshotError(f"{path}: {size} bytes, over the {limit} a snapshot's file may hold: corrupted")
+        return _pread_exact(fd, size, 0, path)
+    except OSError as exc:
+        raise SnapshotError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
 
 
 def _pread_exact(fd: int, n: int, pos: int, path: str) -> bytes:
@@ -175,19 +195,24 @@ def _pread_exact(fd: int, n: int, pos: int, path: str) -> bytes:
     while done < n:
         got = os.pread(fd, n - done, pos + done)
         if not got:
-            raise CorruptSnapshotError(f"{path}: truncated while reading the header (file changed?)")
+            raise CorruptSnapshotError(f"{path}: truncated while reading (file changed?)")
         parts.append(got)
         done += len(got)
     return b"".join(parts)
 
 
-def read_header(path: str) -> Header:
-    """Parse and validate a snapshot file's header without reading tensor data.
+def read_layout(path: str) -> Header:
+    """Parse a safetensors file's header without trust: every tensor's dtype, shape and byte range
+    checked against the bytes present, metadata a map of strings; no safetrain key required.
+
+    Bounded whatever the file says: the header is at most 100 MiB (the safetensors library's own
+    limit), a shape has at most :data:`MAX_DIMS` dimensions, and a tensor's element count is
+    multiplied out only while it still fits the file (a zero dimension makes it 0 at once), so
+    the cost is linear in the header's size.
 
     Raises:
-        SnapshotError: the file is missing, not a regular file, empty, truncated, not safetensors,
-            not a safetrain snapshot, or its header or metadata fails its checksum; the message
-            names the file.
+        SnapshotError: the file is missing, not a regular file, empty, truncated or not
+            safetensors; the message names the file.
     """
     fd, size = open_regular(path)
     try:
@@ -214,8 +239,8 @@ def read_header(path: str) -> Header:
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise CorruptSnapshotError(f"{path}: __metadata__ is not a map of strings: corrupted")
-    entries = _entries(path, header)
     data_start, data_size = 8 + n, size - 8 - n
+    entries = _entries(path, header, data_size)
     end = entries[-1].end if entries else 0
     if end > data_size:
         raise CorruptSnapshotError(
@@ -223,6 +248,20 @@ def read_header(path: str) -> Header:
         )
     if end < data_size:
         raise CorruptSnapshotError(f"{path}: {data_size - end} unexpected bytes after the tensor data: corrupted")
+    return Header(path, tuple(entries), metadata, data_start, size)
+
+
+def read_header(path: str) -> Header:
+    """Parse and validate a snapshot file's header without reading tensor data
+    (:func:`read_layout`, then safetrain's metadata and checksums).
+
+    Raises:
+        SnapshotError: the file is missing, not a regular file, empty, truncated, not safetensors,
+            not a safetrain snapshot, or its header or metadata fails its checksum; the message
+            names the file.
+    """
+    layout = read_layout(path)
+    entries, metadata = list(layout.entries), layout.metadata
     if STATE_KEY not in metadata or CHECKSUM_KEY not in metadata:
         raise CorruptSnapshotError(
             f"{path}: a safetensors file without safetrain metadata ({STATE_KEY!r}): not a safetrain snapshot"
@@ -240,21 +279,30 @@ def read_header(path: str) -> Header:
     state = parse_json(metadata[STATE_KEY], path, f"{STATE_KEY} metadata")
     if not isinstance(state, dict):
         raise CorruptSnapshotError(f"{path}: {STATE_KEY} metadata is not a JSON object: corrupted")
-    return Header(path, tuple(entries), metadata, data_start, size)
+    return layout
 
 
-def _entries(path: str, header: Mapping[str, Any]) -> List[Entry]:
+def _entries(path: str, header: Mapping[str, Any], data_size: int) -> List[Entry]:
     entries = []
     for name, spec in header.items():
         try:
             dtype = _CODES[spec["dtype"]]
-            shape = tuple(_nonneg_int(d) for d in spec["shape"])
+            dims = spec["shape"]
+            if not isinstance(dims, list) or len(dims) > MAX_DIMS:
+                raise ValueError(dims)
+            shape = tuple(_nonneg_int(d) for d in dims)
             begin, end = (_nonneg_int(x) for x in spec["data_offsets"])
         except (KeyError, TypeError, ValueError):
-            raise CorruptSnapshotError(f"{path}: tensor {name!r} has a malformed header entry {spec!r:.200}") from None
-        numel = 1
-        for d in shape:
-            numel *= d
+            raise CorruptSnapshotError(
+                f"{path}: tensor {name!r} has a malformed header entry {spec!r:.200} "
+                f"(expected a dtype, a shape of at most {MAX_DIMS} integers >= 0 and two offsets)"
+            ) from None
+        numel = numel_within(shape, data_size // dtype.itemsize)
+        if numel is None:
+            raise CorruptSnapshotError(
+                f"{path}: tensor {name!r}: shape {_cut(shape)} {dtype} holds more than the {data_size} bytes of "
+                "tensor data in the file: corrupted or truncated"
+            )
         if end - begin != numel * dtype.itemsize:
             raise CorruptSnapshotError(
                 f"{path}: tensor {name!r}: shape {list(shape)} {dtype} does not match byte range {begin}..{end}"
@@ -269,6 +317,30 @@ def _entries(path: str, header: Mapping[str, Any]) -> List[Entry]:
             )
         cursor = e.end
     return entries
+
+
+def numel_within(shape: Tuple[int, ...], limit: int) -> Optional[int]:
+    """The element count of ``shape``, or ``None`` once it is over ``limit`` (the elements the data
+    can hold) or a stride would not fit torch's int64 (dimensions beside a 0 still count for that).
+
+    Multiplying stops as soon as a bound is passed, so a shape of 80,000 huge dimensions costs
+    80,000 small multiplications, not a product of a million digits (quadratic in its length).
+    """
+    if 0 in shape:
+        limit = _MAX_INDEX  # no element; torch still computes the strides of the others
+    product = 1
+    for d in shape:
+        product *= max(d, 1)
+        if product > limit:
+            return None
+    return 0 if 0 in shape else product
+
+
+def _cut(shape: Tuple[int, ...], shown: int = 8) -> str:
+    """A shape for a message: its first dimensions and how many there are."""
+    if len(shape) <= shown:
+        return str(list(shape))
+    return f"[{', '.join(map(str, shape[:shown]))}, ...] ({len(shape)} dimensions)"
 
 
 def _nonneg_int(x: Any) -> int:

@@ -5,18 +5,27 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Any, Dict, List, Union
+from typing import Any, Dict, List, Optional, Union
 
 from ..errors import SnapshotError
+from ..records import one_line
 from .accepted import check_patterns, describe
 from .codec import decode
 from .disk import list_snapshots, snapshot_step
 from .fileformat import read_header, read_tensors
+from .optim import is_state_tensor
 from .state import validate_meta
 from .store import CorruptSnapshotError
 from .tensors import nonfinite
 
-__all__ = ["inspect_snapshot", "format_inspection", "inspect_directory", "format_directory"]
+__all__ = [
+    "inspect_snapshot",
+    "format_inspection",
+    "inspect_directory",
+    "format_directory",
+    "created_time",
+    "checked_description",
+]
 
 
 def inspect_snapshot(path: Union[str, os.PathLike]) -> Dict[str, Any]:
@@ -54,20 +63,20 @@ def inspect_snapshot(path: Union[str, os.PathLike]) -> Dict[str, Any]:
 def _describe(path: str, header: Any, tensors: Dict[str, Any], bad: List[str]) -> Dict[str, Any]:
     meta = header.state()
     validate_meta(meta, path)
-    checked = [(n, t) for n, t in tensors.items() if n.startswith(("model/", "optim/state/"))]
+    checked = [(n, t) for n, t in tensors.items() if n.startswith("model/") or is_state_tensor(n)]
     accepted = check_patterns(meta["model"].get("accepted", {}), path)  # masks: non-finite by design
     bad_values = nonfinite(checked, accepted)
     counters = meta.get("counters", {})
     scaler = meta.get("scaler")
     scaler_state = decode(scaler["state"], tensors, path) if scaler else None
     created = meta.get("created")
-    return {
+    info = {
         "path": path,
         "step": counters.get("step"),
         "epoch": counters.get("epoch"),
         "batch": counters.get("batch"),
         "counters": counters,
-        "created": datetime.datetime.fromtimestamp(created).isoformat(timespec="seconds") if created else None,
+        "created": created_time(created, path),
         "size_bytes": header.size,
         "data_bytes": sum(e.end - e.begin for e in header.entries),
         "n_tensors": len(header.entries),
@@ -86,6 +95,20 @@ def _describe(path: str, header: Any, tensors: Dict[str, Any], bad: List[str]) -
         "extra": decode(meta.get("extra", {}), {}, path),
         "extra_tensors": list(meta.get("extra_tensors", [])),
     }
+    return checked_description(info, path)
+
+
+def checked_description(info: Dict[str, Any], where: str) -> Dict[str, Any]:
+    """``info`` (an inspection's dict) if every part read from the file has the type printed:
+    counters and extra state maps, extra tensors a list of names.
+
+    Raises:
+        CorruptSnapshotError: naming ``where`` and the part (a crafted file can hold anything).
+    """
+    for key, kind in (("counters", dict), ("extra", dict), ("extra_tensors", list), ("scaler", (dict, type(None)))):
+        if not isinstance(info[key], kind):
+            raise CorruptSnapshotError(f"{where}: malformed snapshot metadata: {key} is {type(info[key]).__name__}")
+    return info
 
 
 def _size(n: int) -> str:
@@ -97,39 +120,70 @@ def _size(n: int) -> str:
 
 
 def format_inspection(info: Dict[str, Any]) -> str:
-    """Render :func:`inspect_snapshot`'s dict as the lines ``safetrain inspect`` prints."""
+    """Render :func:`inspect_snapshot`'s dict as the lines ``safetrain inspect`` prints.
+
+    Every value taken from the file (names, types, counters, the run id) is escaped
+    (:func:`safetrain.records.one_line`): a snapshot cannot print terminal control sequences.
+    """
     ok = lambda flag: "ok" if flag else "FAILED"  # noqa: E731
     lines = [
-        f"snapshot   {info['path']}",
-        f"step       {info['step']}  (epoch {info['epoch']}, batch {info['batch']})",
-        f"created    {info['created']}",
+        f"snapshot   {_p(info['path'])}",
+        f"step       {_p(info['step'])}  (epoch {_p(info['epoch'])}, batch {_p(info['batch'])})",
+        f"created    {_p(info['created'])}",
         f"size       {_size(info['size_bytes'])}  "
         f"({info['n_tensors']} tensors, {info['n_model_tensors']} in the model)",
         f"checksum   {ok(info['checksum_ok'])}"
-        + ("" if info["checksum_ok"] else f"  ({', '.join(info['bad_checksums'][:5])})")
+        + ("" if info["checksum_ok"] else f"  ({_list(info['bad_checksums'][:5])})")
         if info["checksum_ok"] is not None
         else "checksum   - (sharded, written without checksums by an older safetrain; sizes and offsets checked)",
         f"finite     {ok(info['all_finite'])}"
-        + ("" if info["all_finite"] else f"  ({', '.join(info['nonfinite'][:5])})")
+        + ("" if info["all_finite"] else f"  ({_list(info['nonfinite'][:5])})")
         + (
-            f"  (non-finite by design, as at the start: {info['accepted_nonfinite']})"
+            f"  (non-finite by design, as at the start: {_p(info['accepted_nonfinite'])})"
             if info.get("accepted_nonfinite")
             else ""
         ),
-        f"optimizer  {info['optimizer'] or '-'}",
-        f"scheduler  {info['scheduler'] or '-'}",
-        f"scaler     {'-' if info['scaler'] is None else info['scaler']}",
+        f"optimizer  {_p(info['optimizer'] or '-')}",
+        f"scheduler  {_p(info['scheduler'] or '-')}",
+        f"scaler     {_p('-' if info['scaler'] is None else info['scaler'])}",
     ]
     if info.get("world") is not None:
-        lines.insert(1, f"sharded    {info['world']} rank(s), run {info.get('run_id')}")
+        lines.insert(1, f"sharded    {_p(info['world'])} rank(s), run {_p(info.get('run_id'))}")
     if info["extra"]:
-        lines.append(f"extra      {', '.join(sorted(info['extra']))}")
+        lines.append(f"extra      {_list(sorted(map(str, info['extra'])))}")
     if info["extra_tensors"]:
-        lines.append(f"tensors    {', '.join(info['extra_tensors'])}")
+        lines.append(f"tensors    {_list(info['extra_tensors'])}")
     others = {k: v for k, v in info["counters"].items() if k not in ("step", "epoch", "batch")}
     if others:
-        lines.append(f"counters   {others}")
+        lines.append(f"counters   {_p(others)}")
     return "\n".join(lines)
+
+
+def _p(value: Any) -> str:
+    """A value read from a file, as printed: one escaped line."""
+    return one_line(str(value))
+
+
+def _list(values: Any) -> str:
+    return ", ".join(_p(v) for v in values)
+
+
+def created_time(created: Any, where: str) -> Optional[str]:
+    """A snapshot's ``created`` time (seconds since the epoch) as an ISO date; ``None`` when not recorded.
+
+    Raises:
+        CorruptSnapshotError: it is not a number, or not a date (``1e300``: past any calendar).
+    """
+    if created is None or created == 0:
+        return None
+    if isinstance(created, bool) or not isinstance(created, (int, float)):
+        raise CorruptSnapshotError(f"{where}: malformed snapshot metadata: created {created!r:.40} is not a time")
+    try:
+        return datetime.datetime.fromtimestamp(created).isoformat(timespec="seconds")
+    except (OverflowError, ValueError, OSError):
+        raise CorruptSnapshotError(
+            f"{where}: malformed snapshot metadata: created {created!r:.40} is not a date (seconds since 1970 expected)"
+        ) from None
 
 
 def inspect_directory(path: Union[str, os.PathLike]) -> List[Dict[str, Any]]:
@@ -180,8 +234,8 @@ def inspect_directory(path: Union[str, os.PathLike]) -> List[Dict[str, Any]]:
 
 def format_directory(path: str, rows: List[Dict[str, Any]]) -> str:
     """Render :func:`inspect_directory`'s rows as the lines ``safetrain inspect DIR`` prints."""
-    lines = [f"snapshots  {path}  ({len(rows)}, newest first)", f"{'step':>10}  {'file':<34} verifies"]
+    lines = [f"snapshots  {_p(path)}  ({len(rows)}, newest first)", f"{'step':>10}  {'file':<34} verifies"]
     for row in rows:
-        verdict = "ok" if row["ok"] else f"FAILED  {row['problem']}"
-        lines.append(f"{row['step']:>10}  {os.path.basename(row['path']):<34} {verdict}")
+        verdict = "ok" if row["ok"] else f"FAILED  {_p(row['problem'])}"
+        lines.append(f"{_p(row['step']):>10}  {_p(os.path.basename(row['path'])):<34} {verdict}")
     return "\n".join(lines)

@@ -8,6 +8,7 @@ builds it for ``snapshot.store: memory``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +24,7 @@ from .tensors import alloc_like, copy_all_, copy_checked_, layout_of, streamable
 
 __all__ = ["MemoryStore"]
 
-log = logging.getLogger("safetrain")
+log = logging.getLogger(__name__)
 
 # Threads for the one-pass copy and check: torch's intra-op thread count, at most this many.
 # Memory bandwidth is usually saturated well before; more threads would queue on the GIL.
@@ -164,7 +165,7 @@ class MemoryStore(SnapshotStore):
         state.check_compatible(specs, meta, where)
         state.apply(slot.buffers, meta, owned=False, where=where, homes=slot.homes)
         log.debug("restored %s", where)
-        return self._info(slot)
+        return dataclasses.replace(self._info(slot), changed_since=tuple(state.changed))
 
     def _info(self, slot: _Slot, meta: Optional[Dict[str, Any]] = None) -> SnapshotInfo:
         homes = slot.homes

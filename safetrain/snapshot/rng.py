@@ -20,7 +20,7 @@ from .codec import decode
 
 __all__ = ["capture_rng", "restore_rng"]
 
-log = logging.getLogger("safetrain")
+log = logging.getLogger(__name__)
 
 
 def _cuda_in_use() -> bool:

@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 import torch
+from torch.nn.parameter import is_lazy
 
-from ..errors import SnapshotError
+from ..errors import SafetrainError, SnapshotError
 from ..wrappers import plain_namer
 from .accepted import Pattern, check_patterns, patterns_of
 from .codec import decode, encode, tensor_refs
-from .optim import capture_optimizer, check_optimizer, restore_optimizer
+from .optim import capture_optimizer, check_optimizer, is_state_tensor, restore_optimizer
 from .rng import capture_rng, restore_rng
 from .store import CorruptSnapshotError
-from .tensors import copy_all_
+from .tensors import copy_all_, put_buffer_
 
 __all__ = ["TrainState", "Captured", "FORMAT", "VERSION", "validate_meta"]
 
@@ -83,6 +84,10 @@ class TrainState:
         self.rng = rng
         #: Buffers non-finite by design (``model/{name}`` -> pattern), see :meth:`accept_nonfinite_buffers`.
         self.accepted: Dict[str, Pattern] = {}
+        #: What the last :meth:`apply` found changed since its snapshot was taken and how it was
+        #: handled (a buffer put back with another shape, a buffer or param group that appeared
+        #: since): sentences for the journal; empty when the live state had the snapshot's layout.
+        self.changed: List[str] = []
 
     def accept_nonfinite_buffers(self) -> Dict[str, Pattern]:
         """Accept the model's buffers that hold NaN/Inf now (at the start of a run) as part of it.
@@ -119,7 +124,8 @@ class TrainState:
           a tensor shared under two names (tied weights) is stored once, the other name is an alias;
         * ``optim/state/{i}/{key}``: per-parameter optimizer state (``exp_avg``, ``step``...), ``i`` being
           the parameter's index in ``optimizer.state_dict()``; ``optim/groups/{g}/{key}`` for tensor
-          hyperparameters;
+          hyperparameters (several optimizers: ``optim/{name}/state/...`` and ``optim/{name}/groups/...``,
+          one set per optimizer; see :mod:`.optim`);
         * ``sched/...``, ``scaler/...``: tensors found in the scheduler's or scaler's state (rare);
         * ``rng/torch``, ``rng/cuda/{i}``, ``rng/numpy``: generator states;
         * ``extra/{name}``: the caller's own tensors (an epoch's shuffling seed, say).
@@ -147,7 +153,7 @@ class TrainState:
         checked = list(tensors)
         accepted = {n: p for n, p in self.accepted.items() if n in tensors}
         optim = capture_optimizer(self.optimizer, sink)
-        checked += [n for n in tensors if n.startswith("optim/state/")]
+        checked += [n for n in tensors if is_state_tensor(n)]
         meta: Dict[str, Any] = {
             "format": FORMAT,
             "version": VERSION,
@@ -221,10 +227,17 @@ class TrainState:
             where: the file (or store slot) named in errors.
 
         Raises:
+            SafetrainError: the model has lazy parameters not made yet (a dry run first).
             SnapshotError: naming the first mismatch: a model on the meta device, format, a missing
                 or extra model tensor, a shape or dtype, the optimizer's type or parameter layout, the scheduler's type,
                 the scaler's enabled state. ``CorruptSnapshotError`` when the metadata is malformed.
         """
+        lazy = [n for n, t in self._model_state().items() if is_lazy(t)]
+        if lazy:  # (not a SnapshotError: resume="auto" would start fresh over a run that has snapshots)
+            raise SafetrainError(
+                f"{where}: the model's lazy modules have not made their parameters yet ({_few(lazy)}), so their "
+                "shapes are unknown: run one forward of a batch (a dry run) before loading or resuming"
+            )
         meta_device = [n for n, t in self._model_state().items() if t.is_meta]
         if meta_device:
             raise SnapshotError(
@@ -245,15 +258,20 @@ class TrainState:
         aliases = meta["model"]["aliases"]
         check_patterns(meta["model"].get("accepted", {}), where)
         saved = {n[len("model/") :] for n in specs if n.startswith("model/")} | set(aliases)
-        missing, unexpected = sorted(set(live) - saved), sorted(saved - set(live))
+        params = self._param_names()
+        # A buffer that appeared since the snapshot is left as it is (a module that registers one
+        # at its first forward); a parameter missing is another model.
+        missing, unexpected = sorted(n for n in set(live) - saved if n in params), sorted(saved - set(live))
         if missing or unexpected:
             raise SnapshotError(
                 f"{where}: snapshot does not match the model (from another model?): "
                 f"missing {_few(missing)}, unexpected {_few(unexpected)}"
             )
         for name, t in live.items():
+            if name not in saved:
+                continue
             shape, dtype = specs[f"model/{aliases.get(name, name)}"]
-            if tuple(shape) != tuple(t.shape) or dtype != t.dtype:
+            if (tuple(shape) != tuple(t.shape) or dtype != t.dtype) and name in params:  # (buffers go back as saved)
                 raise SnapshotError(
                     f"{where}: model tensor {name!r} is {list(shape)} {dtype} in the snapshot, "
                     f"{list(t.shape)} {t.dtype} in the live model"
@@ -270,6 +288,26 @@ class TrainState:
             raise SnapshotError(f"{where}: snapshot has no RNG state; build TrainState(..., rng=False) to load it")
 
     # -- restore -------------------------------------------------------------------------------
+
+    def _param_names(self) -> Set[str]:
+        plain = plain_namer(self.model)
+        return {plain(n) for n, _ in self.model.named_parameters(remove_duplicate=False)}
+
+    def _put_back_changed(self, pairs: List[Tuple[str, torch.Tensor, Optional[torch.Tensor]]]) -> None:
+        """Buffers whose shape or dtype changed since the snapshot go back as they were in it (in
+        place: the module keeps its tensor); buffers the snapshot lacks are left as they are."""
+        reshaped = [n for n, t, src in pairs if src is not None and (src.shape != t.shape or src.dtype != t.dtype)]
+        if reshaped:  # the buffers themselves (state_dict() holds detached aliases: their shape is their own)
+            plain = plain_namer(self.model)
+            buffers = {plain(n): b for n, b in self.model.named_buffers(remove_duplicate=False)}
+            for name, _, src in pairs:
+                if name in reshaped:
+                    put_buffer_(buffers[name], src)
+        if reshaped:
+            self.changed.append(f"buffers put back with the shape or dtype of the snapshot: {_few(reshaped)}")
+        new = [n for n, _, src in pairs if src is None]
+        if new:
+            self.changed.append(f"buffers that appeared since the snapshot, left as they are: {_few(new)}")
 
     def apply(
         self,
@@ -294,13 +332,19 @@ class TrainState:
             where: named in errors.
             homes: the device each tensor was captured on, for copies the optimizer must own.
         """
+        self.changed = []
         try:
             aliases = meta["model"]["aliases"]
             live = self._model_state()
-            copy_all_(list(live.values()), [tensors[f"model/{aliases.get(n, n)}"] for n in live])
+            pairs = [(n, t, tensors.get(f"model/{aliases.get(n, n)}")) for n, t in live.items()]
+            same = [(t, s) for _, t, s in pairs if s is not None and s.shape == t.shape and s.dtype == t.dtype]
+            copy_all_([t for t, _ in same], [s for _, s in same])
+            self._put_back_changed(pairs)
             if "accepted" in meta["model"]:  # a snapshot of this safetrain: its acceptance goes on (resume)
                 self.accepted = check_patterns(meta["model"]["accepted"], where)
-            restore_optimizer(self.optimizer, tensors, meta["optimizer"], owned=owned, where=where, homes=homes)
+            self.changed += restore_optimizer(
+                self.optimizer, tensors, meta["optimizer"], owned=owned, where=where, homes=homes
+            )
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
             raise CorruptSnapshotError(f"{where}: malformed snapshot metadata ({type(exc).__name__}: {exc})") from None
         try:

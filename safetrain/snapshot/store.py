@@ -30,7 +30,7 @@ from .tensors import nonfinite
 
 __all__ = ["SnapshotInfo", "SnapshotStore", "StoreState", "CorruptSnapshotError", "make_info", "new_run_id", "run_of"]
 
-log = logging.getLogger("safetrain")
+log = logging.getLogger(__name__)
 
 
 class CorruptSnapshotError(SnapshotError):
@@ -53,6 +53,9 @@ class SnapshotInfo:
         passed_over: ``(path, why)`` of each newer file that a load from a directory skipped
             (damaged, not a regular file, from another model), newest first.
         run_id: the run that wrote it (``None``: a snapshot of a safetrain without run ids).
+        changed_since: after a restore or a resume, what no longer had the snapshot's layout and
+            how it was handled (:attr:`TrainState.changed`: a buffer put back with another shape,
+            param groups added since); empty when everything fit as it was.
     """
 
     step: int
@@ -65,6 +68,7 @@ class SnapshotInfo:
     created: float = 0.0
     passed_over: Tuple[Tuple[str, str], ...] = field(default=(), compare=False)
     run_id: Optional[str] = None
+    changed_since: Tuple[str, ...] = ()
 
 
 def make_info(

@@ -15,6 +15,7 @@ the GIL). It writes before it knows, so a store uses it only where a refused cop
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections import defaultdict
 from concurrent.futures import Executor
@@ -30,9 +31,11 @@ __all__ = [
     "alloc_like",
     "layout_of",
     "copy_all_",
+    "put_buffer_",
     "copy_checked_",
     "streamable",
     "byte_view",
+    "unpinned_array",
     "is_cuda_available",
 ]
 
@@ -145,7 +148,7 @@ def copy_checked_(
     tasks: List[Tuple[int, np.ndarray, np.ndarray, int, int]] = []
     total = 0
     for i, (_, dst, src) in enumerate(named):
-        d, s = dst.detach().view(-1).numpy(), src.detach().view(-1).numpy()
+        d, s = dst.detach().view(-1).numpy(), unpinned_array(src)  # (the store's buffer; the live tensor)
         step = max(1, _CHUNK_BYTES // d.itemsize)
         tasks.extend((i, d, s, lo, lo + step) for lo in range(0, d.size, step))
         total += d.nbytes
@@ -211,8 +214,44 @@ def copy_all_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
             torch._foreach_copy_(ds, ss, non_blocking=True)
 
 
-def byte_view(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy (for checksums and file I/O)."""
+def put_buffer_(live: torch.Tensor, saved: torch.Tensor) -> None:
+    """Write ``saved`` into the buffer ``live`` in place (every reference to it stays valid),
+    taking ``saved``'s shape and dtype when they differ: a buffer that changed shape or dtype since
+    it was kept (an observer's per-channel ``min_val``, empty before the first forward) goes back
+    as it was, on its own device. The module keeps the same tensor object either way."""
+    with torch.no_grad():
+        if live.shape == saved.shape and live.dtype == saved.dtype:
+            live.copy_(saved)
+        else:  # slow path: the buffer's metadata changes (a fresh copy: ``saved`` may be reused)
+            live.data = saved.detach().to(device=live.device, copy=True)
+
+
+def byte_view(t: torch.Tensor, into: bool = False) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (for checksums and file I/O).
+
+    Read out through :func:`unpinned_array`, so a snapshot leaves the live model's storages
+    resizable; ``into``: the view is written into (a read from a file into a fresh tensor)."""
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    if into or not t.is_contiguous():  # (a fresh tensor, or a copy: numpy's array keeps it alive)
+        return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return memoryview(unpinned_array(t.view(-1).view(torch.uint8))).cast("B")
+
+
+_NUMPY = {torch.uint8: np.uint8, torch.float32: np.float32, torch.float64: np.float64}
+
+
+def unpinned_array(t: torch.Tensor) -> np.ndarray:
+    """A flat numpy array over a contiguous CPU tensor's memory (uint8, float32 or float64), without
+    a copy, that leaves its storage resizable (``t`` must be contiguous: a view, never a copy).
+
+    ``Tensor.numpy()`` pins a storage's size for good: a quantization observer's ``scale``, one
+    element until its first forward resizes it to one per channel, would then fail that forward
+    ("Trying to resize storage that is not resizable") after a snapshot read it. The array is
+    valid while ``t`` lives and keeps its size: a snapshot's own synchronous copies and writes.
+    """
+    flat = t.detach().view(-1)  # (a view: t's storage, which the caller holds)
+    if flat.numel() == 0:
+        return np.empty(0, dtype=_NUMPY[flat.dtype])
+    raw = (ctypes.c_char * (flat.numel() * flat.element_size())).from_address(flat.data_ptr())
+    return np.frombuffer(raw, dtype=_NUMPY[flat.dtype])

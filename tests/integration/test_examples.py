@@ -43,6 +43,8 @@ def test_every_example_is_tested():
         "requeue.py",  # tests/integration/test_preempt.py runs it under a real SIGTERM
         "hf_trainer_callback.py",  # tests/integration/test_huggingface.py runs it
         "lightning_callback.py",  # tests/integration/test_lightning_example.py
+        "gan.py",
+        "lbfgs.py",
     }  # ddp.py: tests/integration/test_ddp.py (under torchrun); fsdp.py: below, under torchrun
     assert {p.name for p in (ROOT / "examples").glob("*.py")} <= tested
 
@@ -51,6 +53,17 @@ def test_quickstart():
     out = run_example("quickstart.py")
     assert re.search(r"rows dropped [1-9]", out), out
     assert "input" in out
+
+
+def test_gan():
+    out = run_example("gan.py")
+    assert "batch 25 d step: restore" in out and "1 restores" in out, out
+
+
+def test_lbfgs():
+    out = run_example("lbfgs.py")
+    assert out.count("inside LBFGS.step(closure)") == 2 and "2 restores" in out, out
+    assert re.search(r"final loss 0\.0[0-9]", out), out
 
 
 def test_custom_loop():

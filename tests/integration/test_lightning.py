@@ -22,10 +22,11 @@ pytest.importorskip("lightning")
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.loggers import Logger  # noqa: E402
 
-from safetrain import TrainingAborted  # noqa: E402
+from safetrain import Guard, TrainingAborted, load_config  # noqa: E402
 from safetrain.integrations.lightning import SafeTraining  # noqa: E402
 from safetrain.steps import Phase  # noqa: E402
 from safetrain.testing import GradFault, OutputFault, PoisonRows, WeightFault, count_host_syncs  # noqa: E402
+from tests.integration.test_gan import _gan, d_loss, g_loss  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG: Dict[str, Any] = {"snapshot": {"every": 5}, "detect": {"check_weights_every": 0}, "log": {"level": "WARNING"}}
@@ -494,7 +495,9 @@ class Manual(Net):
 
 
 def test_manual_optimization_is_refused_naming_what_to_use_instead(tmp_path):
-    with pytest.raises(ValueError, match="automatic_optimization = False"):
+    """Manual optimization (Lightning's way to write a GAN) is refused at start, and the sentence
+    says what to do: a Guard with named steps in training_step."""
+    with pytest.raises(ValueError, match=r"automatic_optimization = False.*safetrain\.Guard.*name='d'"):
         trainer(SafeTraining(CFG), tmp_path, max_steps=2).fit(Manual(), loader())
 
 
@@ -582,3 +585,43 @@ def test_a_schedule_bug_is_held_after_the_restore_and_not_re_installed(tmp_path)
     assert ended["action"] == "done", ended
     with torch.no_grad():
         assert F.cross_entropy(model(x), y).item() < start
+
+
+class ManualGAN(pl.LightningModule):
+    """A GAN the Lightning way (manual optimization), guarded as the refusal above says: one Guard
+    over both networks and Lightning's two optimizers, named steps in ``training_step``."""
+
+    def __init__(self, log_dir: Path, fault_at: Optional[int] = None) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.nets, _ = _gan()
+        self.log_dir, self.fault_at, self.results = log_dir, fault_at, []
+        self.nets["d"][0].register_forward_hook(lambda m, a, out: out * math.nan if self.fault else out)
+        self.fault = False
+
+    def configure_optimizers(self) -> Any:
+        return [torch.optim.Adam(self.nets[name].parameters(), 1e-3) for name in ("d", "g")]
+
+    def on_train_start(self) -> None:
+        opt_d, opt_g = self.optimizers()  # Lightning's wrappers: their step counts Lightning's global step
+        more = ["snapshot.every=2", "recovery.actions.forward=restore", "detect.replay.enabled=false"]
+        cfg = load_config(None, ["log.progress=false", f"log.dir={self.log_dir}", *more])
+        self.guard = Guard(self.nets, {"d": opt_d, "g": opt_g}, cfg, step_fn={"d": d_loss, "g": g_loss})
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        for name in ("d", "g"):
+            self.fault = batch_idx == self.fault_at and name == "d"
+            self.results.append(self.guard.step(batch[0], name=name))
+        self.fault = False
+
+    def on_train_end(self) -> None:
+        self.guard.close()
+
+
+def test_a_manual_optimization_gan_is_guarded_with_named_steps(tmp_path):
+    data = DataLoader(TensorDataset(torch.randn(256, 2) * 0.3 + 1.0), batch_size=32)
+    module = ManualGAN(tmp_path / "run", fault_at=5)
+    trainer(None, tmp_path, max_steps=14).fit(module, data)
+    restored = [r for r in module.results if r.restored]
+    assert len(restored) == 1 and module.results.index(restored[0]) == 10  # batch 5's D step
+    assert finite(module.nets) and module.guard.counts.optimizer_steps == len(module.results) - 1

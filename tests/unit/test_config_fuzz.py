@@ -61,6 +61,10 @@ TRICKY = [
     "skip_batch",
     "[a, b]",
     "{a: 1}",
+    "${log.dir}" * 64,  # nested repeats (issue 36): bounded before they are resolved
+    "${snapshot.dir}${snapshot.dir}" * 32,
+    "${detect.include}" * 16,
+    "x" * 20_000,
 ]
 
 scalars = st.one_of(

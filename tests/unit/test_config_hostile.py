@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import time
 import typing
 from pathlib import Path
 
@@ -122,3 +123,70 @@ def test_error_values_are_cut_short():
     with pytest.raises(ConfigError) as info:
         load_config(None, ["detect.exclude={" + ",".join(f"k{i}:1" for i in range(200)) + "}"])
     assert len(str(info.value)) < 250
+
+
+def nested_interpolations(repeat: int, length: int) -> str:
+    """YAML whose `snapshot.dir` repeats `log.dir` and whose `detect.include` repeats that again:
+    `repeat**2 * length` characters once resolved (the issue's 230 KB file: past 2 minutes and 1 GB)."""
+    return (
+        f"log:\n  dir: {'x' * length}\n"
+        f"snapshot:\n  dir: '{'${log.dir}' * repeat}'\n"
+        f"detect:\n  include: ['{'${snapshot.dir}' * repeat}']\n"
+    )
+
+
+def test_nested_interpolations_are_refused_before_they_are_resolved(tmp_path):
+    """Issue 36: string interpolations that repeat one another resolve without bound.
+
+    Fails before: this 2 KB file loads, its `detect.include[0]` 10,000,000 characters long (the
+    issue's 230 KB one never finished); now a ConfigError naming the key, in milliseconds.
+    """
+    path = tmp_path / "nest.yaml"
+    path.write_text(nested_interpolations(100, 1000))
+    start = time.perf_counter()
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert time.perf_counter() - start < 1.0
+    message = str(info.value)
+    assert message.startswith(f"{path}:6: detect.include[0]: cannot resolve '${{snapshot.dir}}"), message
+    assert "would resolve to over 1048576 characters" in message and len(message) < 400
+
+
+def test_nested_interpolations_from_overrides_and_a_long_chain_are_refused_too():
+    overrides = [
+        "log.dir=" + "y" * 2000,
+        "snapshot.dir=" + "${log.dir}" * 200,
+        "detect.include=['" + "${snapshot.dir}" * 50 + "']",
+    ]
+    with pytest.raises(ConfigError, match=r"^override: detect\.include\[0\]: cannot resolve .*would resolve to over"):
+        load_config(None, overrides)
+    chain = ["a"] + [f"${{detect.include[{i}]}}" for i in range(3000)]  # each item the one before
+    with pytest.raises(ConfigError, match=r"detect\.include\[\d+\]: cannot resolve"):
+        as_config({"detect": {"include": chain}})
+
+
+def test_ordinary_interpolations_still_resolve(monkeypatch):
+    monkeypatch.setenv("SAFETRAIN_TEST_RUNS", "/scratch/runs")
+    cfg = load_config(None, ["log.dir=${oc.env:SAFETRAIN_TEST_RUNS}/a", "snapshot.dir=${log.dir}/snaps"])
+    assert (cfg.log.dir, cfg.snapshot.dir) == ("/scratch/runs/a", "/scratch/runs/a/snaps")
+    cfg = load_config(None, ["detect.include=[" + ",".join(["'${log.dir}'"] * 50) + "]", "log.dir=" + "z" * 1000])
+    assert cfg.detect.include == ("z" * 1000,) * 50
+
+
+def test_nested_interpolations_in_a_dictconfig_are_refused_too():
+    """A DictConfig handed to as_config (OmegaConf.load of someone's file) is resolved by OmegaConf
+    itself: the same bound first. Fails before: resolved to 10,000,000 characters."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create(
+        {
+            "log": {"dir": "x" * 1000},
+            "snapshot": {"dir": "${log.dir}" * 100},
+            "detect": {"include": ["${snapshot.dir}" * 100]},
+        }
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"^DictConfig: detect\.include\[0\]: cannot resolve '\$\{snapshot\.dir\}.*would resolve to over",
+    ):
+        as_config(cfg)

@@ -165,6 +165,8 @@ def test_the_lower_layers_import_no_torch_module(module):
         "safetrain.events",
         "safetrain.rundir",
         "safetrain.dirlock",
+        "safetrain.safefile",
+        "safetrain.atomicfile",
         "safetrain.runlog",
         "safetrain.records",
         "safetrain.report",

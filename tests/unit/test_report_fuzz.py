@@ -22,6 +22,7 @@ from safetrain.cli import main
 from safetrain.records import MAX_STEP, METRICS_COLUMNS
 from safetrain.report import format_report, reconcile
 from safetrain.rundir import ReportError, read_run
+from tests.bounds import bounded
 
 EVENTS = ["run_started", "anomaly", "restored", "snapshot", "lr_changed", "aborted", "quarantine", "run_ended"]
 SUMMARY_KEYS = ["steps", "restores", "dropped_rows", "events", "lr_scale", "final_loss", "aborted", "ended", "error"]
@@ -144,7 +145,8 @@ def check_sound(run) -> None:
     rows=metrics_rows,
 )
 def test_read_run_and_report_never_raise(lines, end, header, rows):
-    with tempfile.TemporaryDirectory() as tmp:
+    """Also (issue 36): each journal is read and reported within a second, in bounded memory."""
+    with tempfile.TemporaryDirectory() as tmp, bounded():
         root = Path(tmp)
         _write(root, lines, end, header, rows)
         run = read_run(root)

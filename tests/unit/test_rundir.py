@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from safetrain import rundir
+from safetrain import atomicfile, rundir
 from safetrain.rundir import AtomicFile, Journal, MetricsWriter, atomic_write_bytes, atomic_write_text, journal_path
 
 
@@ -55,9 +55,11 @@ def test_a_failing_first_write_leaves_no_file(tmp_path, monkeypatch):
 
 def test_the_rename_comes_before_the_directory_fsync(tmp_path, monkeypatch):
     calls = []
-    real_replace, real_fsync_dir = os.replace, rundir.fsync_dir
+    real_replace, real_fsync_dir = os.replace, atomicfile.fsync_dir
     monkeypatch.setattr(rundir.os, "replace", lambda a, b: (calls.append("replace"), real_replace(a, b)))
-    monkeypatch.setattr(rundir, "fsync_dir", lambda d: (calls.append(("fsync_dir", os.fspath(d))), real_fsync_dir(d)))
+    monkeypatch.setattr(
+        atomicfile, "fsync_dir", lambda d: (calls.append(("fsync_dir", os.fspath(d))), real_fsync_dir(d))
+    )
     atomic_write_text(tmp_path / "f.txt", "x")
     assert calls == ["replace", ("fsync_dir", os.fspath(tmp_path))]
 
