@@ -1,7 +1,8 @@
 """The recovery policy's memory between steps: :class:`History`, part of every snapshot. No torch.
 
-:mod:`safetrain.policy` moves it (``decide`` and ``observe_healthy`` return a new one); it is
-frozen, so every state is a value a table test can write down.
+:mod:`safetrain.policy` moves it on an anomaly (``decide`` returns a new one); the functions here
+move it on healthy steps and on steps outside the ladder (:func:`observe_healthy`,
+:func:`record_step`). It is frozen, so every state is a value a table test can write down.
 
 Example::
 
@@ -12,11 +13,28 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple
 
 from .faults import Signature
+from .kinds import Kind
 
-__all__ = ["History", "MIN_SKIP_STEPS", "VOUCH_READS", "skip_denominator", "vouch", "read_clean", "newest_taken"]
+if TYPE_CHECKING:  # config imports no torch either; only its type is needed here
+    from .config import RecoveryConfig
+
+__all__ = [
+    "History",
+    "MIN_SKIP_STEPS",
+    "VOUCH_READS",
+    "skip_denominator",
+    "vouch",
+    "read_clean",
+    "newest_taken",
+    "observe_healthy",
+    "climb_pending",
+    "record_step",
+    "mark_last_skipped",
+    "push_recent",
+]
 
 #: ``recovery.max_skip_fraction`` is judged over the steps so far once this many (or the whole
 #: ``skip_window`` when smaller) have run: a run that skips every step stops early, not never.
@@ -134,3 +152,78 @@ def read_clean(history: History) -> History:
 def newest_taken(history: History, reads: int = VOUCH_READS) -> History:
     """A snapshot was taken after an update: unverified until ``reads`` more steps read clean."""
     return replace(history, unverified=reads)
+
+
+def push_recent(recent: Tuple[int, ...], skipped: bool, window: int, times: int = 1) -> Tuple[int, ...]:
+    """``recent`` with ``times`` more steps (1: not trained), the last ``window`` kept."""
+    return (recent + (int(skipped),) * min(times, window))[-window:]
+
+
+def observe_healthy(history: History, recovery: "RecoveryConfig", steps: int = 1) -> Tuple[History, Optional[float]]:
+    """Record ``steps`` healthy steps: reset the ladder after ``reset_after``, climb the LR scale back.
+
+    A healthy step also ends an fp16 overflow streak and vouches for the newest snapshot. Several
+    steps at once are what one step at a time would give, as long as no LR climb can happen on the
+    way (:func:`climb_pending` is false): the guard then counts healthy steps and brings the
+    history up to date only when it is read, instead of building one every step.
+
+    Args:
+        history: the policy's memory before these steps.
+        recovery: the ``recovery`` section of the config.
+        steps: how many healthy steps in a row (>= 1).
+
+    Returns:
+        ``(new_history, new_lr_scale)``; ``new_lr_scale`` is ``None`` unless the LR scale
+        climbed back one notch (after ``recovery.lr_restore_after`` healthy steps).
+
+    Raises:
+        ValueError: ``steps`` < 1, or ``steps`` > 1 while an LR climb is pending (each climb is
+            an event at its own step).
+    """
+    if steps < 1 or (steps > 1 and climb_pending(history, recovery)):
+        raise ValueError(f"observe_healthy: got steps={steps}; expected 1, or more only when no LR climb is pending")
+    streak = history.healthy_streak + steps
+    reset = streak >= recovery.reset_after
+    consecutive = 0 if reset else history.consecutive
+    reset_from = history.consecutive if reset and history.consecutive else history.reset_from
+    # a fault in the weights is silent until read: healthy steps do not say it is gone
+    forget = reset and history.fault is not None and history.fault.kind != Kind.WEIGHTS
+    since = history.since_lr_change + steps
+    lr_scale, changed = history.lr_scale, None
+    after = recovery.lr_restore_after
+    if after is not None and lr_scale < 1.0 and since >= after:
+        lr_scale = min(1.0, lr_scale / recovery.lr_factor)
+        changed, since = lr_scale, 0
+    new = History(
+        consecutive=consecutive,
+        healthy_streak=streak,
+        recent=push_recent(history.recent, False, recovery.skip_window, steps),
+        lr_scale=lr_scale,
+        since_lr_change=since,
+        fault=None if forget else history.fault,
+        restored=False if forget else history.restored,
+        recurrences=0 if forget else history.recurrences,
+        reset_from=reset_from,
+        unverified=max(0, history.unverified - steps),
+    )
+    return new, changed
+
+
+def climb_pending(history: History, recovery: "RecoveryConfig") -> bool:
+    """Whether a run of healthy steps could climb the LR scale back (``lr_restore_after`` set and
+    the scale below 1): then :func:`observe_healthy` must see them one at a time."""
+    return recovery.lr_restore_after is not None and history.lr_scale < 1.0
+
+
+def record_step(history: History, recovery: "RecoveryConfig", skipped: bool) -> History:
+    """Record a step outside the ladder: a batch skipped after a restore (``skipped=True``), or a
+    transient fault retried and trained (``skipped=False``).
+
+    It counts toward ``recovery.max_skip_fraction`` but neither climbs nor resets the ladder.
+    """
+    return replace(history, recent=push_recent(history.recent, skipped, recovery.skip_window))
+
+
+def mark_last_skipped(history: History) -> History:
+    """The step :func:`decide` recorded as trained was not (``drop_rows`` found every row bad)."""
+    return replace(history, recent=history.recent[:-1] + (1,)) if history.recent else history

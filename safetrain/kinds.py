@@ -26,6 +26,9 @@ __all__ = [
     "ESCALATION",
     "DEFAULT_ESCALATE",
     "SANITIZE_ACTIONS",
+    "Cause",
+    "CAUSE_TESTED",
+    "CAUSE_ACTIONS",
 ]
 
 
@@ -115,3 +118,25 @@ ESCALATION: Tuple[Action, ...] = (Action.SKIP_BATCH, Action.ZERO_GRADS, Action.R
 DEFAULT_ESCALATE: Tuple[Action, ...] = (Action.RESTORE, Action.SCALE_LR)
 #: What ``sanitize.inputs`` / ``sanitize.targets`` may say (``raise`` aborts the step with BatchError).
 SANITIZE_ACTIONS: Tuple[str, ...] = ("skip_batch", "drop_rows", "replace", "raise", "off")
+
+
+class Cause(str, enum.Enum):
+    """Why a step's loss stands far above its level, as the cause test tells it (see
+    :func:`safetrain.policy.cause_of`): the step's data, the model, or the data from now on."""
+
+    BAD_BATCH = "bad_batch"  # the next fresh batch is normal: this batch alone was bad
+    DAMAGE = "damage"  # an older snapshot does well where the current model does badly
+    DATA_CHANGE = "data_change"  # old and current model both do badly on fresh data: the data is harder now
+    UNKNOWN = "unknown"  # the test could not tell (no snapshot with a level, or in between): the ladder decides
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: Kinds the cause test runs for before the ladder escalates: a finite loss far above its level
+#: (a non-finite value, or a gradient, names its own cause).
+CAUSE_TESTED: FrozenSet[Kind] = frozenset({Kind.SPIKE})
+#: What each cause calls for (``warn``: the step trains; a data change is journaled as a level shift).
+CAUSE_ACTIONS: Mapping[Cause, Action] = MappingProxyType(
+    {Cause.BAD_BATCH: Action.SKIP_BATCH, Cause.DAMAGE: Action.RESTORE, Cause.DATA_CHANGE: Action.WARN}
+)

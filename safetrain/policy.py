@@ -43,6 +43,12 @@ forward, loss, gradient with no diagnosis              yes (nothing clears the w
 ... replay: transient (retried, failed again)           no: the weights read clean in the replay
 =====================================================  ==========================
 
+A spike the cause test explained (``Anomaly.cause``, :mod:`safetrain.causes`) takes the cause's
+action from :data:`~safetrain.kinds.CAUSE_ACTIONS`: a data change trains and clears the ladder
+(the anomalies that led to it were no fault); damage restores the snapshot the test found sound,
+whatever the rung (an abort stays an abort); an unknown cause climbs the ladder as before. A level
+rise (a spike of rule ``level``) that is neither damage nor a data change is trained on (``warn``).
+
 Divergence (a loss growing geometrically) is fixed only by a smaller LR: every rung after its
 first is ``scale_lr`` (a restore or a skip alone replays the same climb), a climb back within
 the same episode is the same anomaly again (the detector's ``episode`` keeps the ladder going
@@ -55,10 +61,34 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Tuple
 
+from .causes import Verdict
 from .fallbacks import without_snapshot
 from .faults import broken_for, persistent_reason, signature_of
-from .history import MIN_SKIP_STEPS, VOUCH_READS, History, newest_taken, read_clean, skip_denominator, vouch
-from .kinds import DATA_KINDS, NON_CLIMBING, REPLAYED_KINDS, RESTORING, TRAINING_ACTIONS, Action, Kind
+from .history import (
+    MIN_SKIP_STEPS,
+    VOUCH_READS,
+    History,
+    climb_pending,
+    mark_last_skipped,
+    newest_taken,
+    observe_healthy,
+    push_recent,
+    read_clean,
+    record_step,
+    skip_denominator,
+    vouch,
+)
+from .kinds import (
+    CAUSE_ACTIONS,
+    DATA_KINDS,
+    NON_CLIMBING,
+    REPLAYED_KINDS,
+    RESTORING,
+    TRAINING_ACTIONS,
+    Action,
+    Cause,
+    Kind,
+)
 
 if TYPE_CHECKING:  # config imports no torch either; only its types are needed here
     from .config import RecoveryConfig, TrainConfig
@@ -97,6 +127,8 @@ class Anomaly:
             recovered from (the ladder goes on from there).
         lrs: a ``divergence``: the schedule's own LRs, one per group (an abort names them; a
             backoff that would take them below ``recovery.min_lr`` aborts).
+        cause: the cause test's verdict (:mod:`safetrain.causes`), when it ran: a data change
+            trains and leaves the ladder; damage restores the snapshot that does well.
     """
 
     kind: Kind
@@ -105,6 +137,7 @@ class Anomaly:
     again: bool = False
     episode: int = 1
     lrs: Tuple[float, ...] = ()
+    cause: Optional[Verdict] = None
 
 
 class Diagnosed(Protocol):
@@ -162,6 +195,8 @@ class Decision:
         trains: whether the step's update is still applied.
         reason: one line for the journal.
         pass_over_newest: restore from the snapshot before the newest (see ``History.unverified``).
+        older: restore the snapshot this many usable ones back (damage: the newest the cause
+            test found sound), passing over the newer ones.
     """
 
     kind: Kind
@@ -172,10 +207,7 @@ class Decision:
     trains: bool
     reason: str
     pass_over_newest: bool = False
-
-
-def _push(recent: Tuple[int, ...], skipped: bool, window: int, times: int = 1) -> Tuple[int, ...]:
-    return (recent + (int(skipped),) * min(times, window))[-window:]
+    older: int = 0
 
 
 def _off_ladder(kind: Kind, action: Action, history: History, reason: str) -> Decision:
@@ -225,7 +257,25 @@ def decide(
             kind, Action.RETRY, history, "transient (the replay from the same state was finite): retrying the step once"
         )
         return decision, record_step(history, rules.recovery, skipped=False)
+    if anomaly.cause is not None and anomaly.cause.cause is Cause.DATA_CHANGE:
+        return _level_shift(kind, anomaly.cause, history, rules)
+    if anomaly.detail.get("rule") == "level" and (anomaly.cause is None or anomaly.cause.cause is not Cause.DAMAGE):
+        reason = f"{kind}: the loss rose to a new level and stays, no cause found (no snapshot told): training on"
+        return _off_ladder(kind, Action.WARN, history, reason), record_step(history, rules.recovery, skipped=False)
     return _climb(kind, history, rules, anomaly, diagnosis)
+
+
+def _level_shift(kind: Kind, verdict: Verdict, history: History, rules: Rules) -> Tuple[Decision, History]:
+    """The data changed: the step trains, and the anomalies that led here were no fault (the
+    ladder and the fault it remembers are cleared)."""
+    action = CAUSE_ACTIONS[Cause.DATA_CHANGE]
+    reason = (
+        f"{kind}: the data changed (level {verdict.level:.4g} -> {verdict.current:.4g}; the snapshots' models do "
+        "as badly on it): training on, the loss references re-based at the new level"
+    )
+    decision = _off_ladder(kind, action, history, reason)
+    history = replace(record_step(history, rules.recovery, skipped=False), consecutive=0, fault=None, restored=False)
+    return decision, history
 
 
 #: Kinds whose fault may lie in the weights the last update made (see the module's table).
@@ -287,6 +337,14 @@ def _climb(
         action, reason = Action.SCALE_LR, f"{kind}: still growing at step {n} of the episode, backing the LR off again"
     if diverging:
         action, reason = _divergence_limit(action, reason, n, history, recovery, anomaly.lrs)
+    damage = anomaly.cause if anomaly.cause is not None and anomaly.cause.cause is Cause.DAMAGE else None
+    if damage is not None and action is not Action.ABORT:
+        action = CAUSE_ACTIONS[Cause.DAMAGE]
+        reason = (
+            f"{kind}: damage: the loss stands at {damage.current:.4g}, far above its level {damage.level:.4g}, "
+            f"where the snapshot of step {damage.step} does well on the same batch: the model was damaged after "
+            "that step; restoring it"
+        )
     persistent = persistent_reason(signature, recurrences, diagnosis) if signature is not None else ""
     if persistent and action is not Action.ABORT:
         action, reason = Action.ABORT, persistent
@@ -297,7 +355,7 @@ def _climb(
     if action is Action.SCALE_LR:
         lr_scale, since = lr_scale * recovery.lr_factor, 0
     trains = action in TRAINING_ACTIONS
-    recent = _push(history.recent, not trains, recovery.skip_window)
+    recent = push_recent(history.recent, not trains, recovery.skip_window)
     if action is not Action.ABORT and replace(history, recent=recent).skipped_fraction(recovery.skip_window) > (
         recovery.max_skip_fraction
     ):
@@ -331,7 +389,11 @@ def _climb(
         lr_scale=lr_scale,
         trains=trains,
         reason=reason,
-        pass_over_newest=restoring and history.unverified > 0 and _implicates_weights(kind, diagnosis),
+        pass_over_newest=restoring
+        and damage is None
+        and history.unverified > 0
+        and _implicates_weights(kind, diagnosis),
+        older=damage.older if damage is not None and restoring else 0,
     )
     return decision, new
 
@@ -361,73 +423,3 @@ def _divergence_limit(
         )
         reason += ", normalize the inputs and targets, or add LR warmup or guard.clip_grad_norm"
     return action, reason
-
-
-def observe_healthy(history: History, recovery: "RecoveryConfig", steps: int = 1) -> Tuple[History, Optional[float]]:
-    """Record ``steps`` healthy steps: reset the ladder after ``reset_after``, climb the LR scale back.
-
-    A healthy step also ends an fp16 overflow streak and vouches for the newest snapshot. Several
-    steps at once are what one step at a time would give, as long as no LR climb can happen on the
-    way (:func:`climb_pending` is false): the guard then counts healthy steps and brings the
-    history up to date only when it is read, instead of building one every step.
-
-    Args:
-        history: the policy's memory before these steps.
-        recovery: the ``recovery`` section of the config.
-        steps: how many healthy steps in a row (>= 1).
-
-    Returns:
-        ``(new_history, new_lr_scale)``; ``new_lr_scale`` is ``None`` unless the LR scale
-        climbed back one notch (after ``recovery.lr_restore_after`` healthy steps).
-
-    Raises:
-        ValueError: ``steps`` < 1, or ``steps`` > 1 while an LR climb is pending (each climb is
-            an event at its own step).
-    """
-    if steps < 1 or (steps > 1 and climb_pending(history, recovery)):
-        raise ValueError(f"observe_healthy: got steps={steps}; expected 1, or more only when no LR climb is pending")
-    streak = history.healthy_streak + steps
-    reset = streak >= recovery.reset_after
-    consecutive = 0 if reset else history.consecutive
-    reset_from = history.consecutive if reset and history.consecutive else history.reset_from
-    # a fault in the weights is silent until read: healthy steps do not say it is gone
-    forget = reset and history.fault is not None and history.fault.kind != Kind.WEIGHTS
-    since = history.since_lr_change + steps
-    lr_scale, changed = history.lr_scale, None
-    after = recovery.lr_restore_after
-    if after is not None and lr_scale < 1.0 and since >= after:
-        lr_scale = min(1.0, lr_scale / recovery.lr_factor)
-        changed, since = lr_scale, 0
-    new = History(
-        consecutive=consecutive,
-        healthy_streak=streak,
-        recent=_push(history.recent, False, recovery.skip_window, steps),
-        lr_scale=lr_scale,
-        since_lr_change=since,
-        fault=None if forget else history.fault,
-        restored=False if forget else history.restored,
-        recurrences=0 if forget else history.recurrences,
-        reset_from=reset_from,
-        unverified=max(0, history.unverified - steps),
-    )
-    return new, changed
-
-
-def climb_pending(history: History, recovery: "RecoveryConfig") -> bool:
-    """Whether a run of healthy steps could climb the LR scale back (``lr_restore_after`` set and
-    the scale below 1): then :func:`observe_healthy` must see them one at a time."""
-    return recovery.lr_restore_after is not None and history.lr_scale < 1.0
-
-
-def record_step(history: History, recovery: "RecoveryConfig", skipped: bool) -> History:
-    """Record a step outside the ladder: a batch skipped after a restore (``skipped=True``), or a
-    transient fault retried and trained (``skipped=False``).
-
-    It counts toward ``recovery.max_skip_fraction`` but neither climbs nor resets the ladder.
-    """
-    return replace(history, recent=_push(history.recent, skipped, recovery.skip_window))
-
-
-def mark_last_skipped(history: History) -> History:
-    """The step :func:`decide` recorded as trained was not (``drop_rows`` found every row bad)."""
-    return replace(history, recent=history.recent[:-1] + (1,)) if history.recent else history

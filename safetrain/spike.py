@@ -39,6 +39,13 @@ first batch in the wrong unit is a spike, skipped before its update), the second
 A loss growing 100x a step (an LR far too high) is left to the divergence detector. The run's range
 is usually its first descent, so a healthy run never comes near.
 
+A loss can also jump and stay without any one step being a spike (a plateau a few sigmas up, a
+rise over two steps): :meth:`SpikeDetector.level` calls it after :data:`LEVEL_STEPS` losses in a
+row each at least ``zscore / 2`` robust sigmas above the median of the window before them. The
+median and sigma the healthy path compares with are refreshed every :data:`LEVEL_REFRESH` losses
+(amortized O(1)); the call that finds a rise checks it exactly against the window before it. The
+guard then asks the cause test (issue 32).
+
 The healthy path is O(1) amortized: the window's lowest and highest losses are kept as monotonic
 queues, and the median and MAD are computed only for a loss that passed the cheap gates.
 """
@@ -50,7 +57,7 @@ import statistics
 from collections import deque
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-__all__ = ["SpikeDetector", "HARD_MIN_HISTORY", "RESOLUTION"]
+__all__ = ["SpikeDetector", "HARD_MIN_HISTORY", "RESOLUTION", "LEVEL_STEPS"]
 
 #: Healthy losses the ``hard_ratio`` rule needs before it judges (it judges the 4th step on).
 HARD_MIN_HISTORY = 3
@@ -58,6 +65,10 @@ HARD_MIN_HISTORY = 3
 #: than this times the loss's magnitude is rounding, not information. The only place the rules
 #: depend on where zero is.
 RESOLUTION = 1e-6
+#: Losses in a row above the window's noise that make a level rise (:meth:`SpikeDetector.level`).
+LEVEL_STEPS = 4
+#: The window's median and sigma that a level rise is measured from are refreshed this often.
+LEVEL_REFRESH = 32
 
 
 def spread_floor(level: float) -> float:
@@ -113,6 +124,9 @@ class SpikeDetector:
         self._lows: deque = deque()
         self._excess: deque = deque()  # of each loss's excess over the window's lowest when it came
         self._added = 0
+        self._streak = 0  # healthy losses in a row above the gate below (a level rise under way)
+        self._gate = math.inf  # the window's median + zscore / 2 sigmas, refreshed every LEVEL_REFRESH losses
+        self._gated = -LEVEL_REFRESH  # the add count the gate was computed at
 
     def check(self, loss: float) -> Optional[Dict[str, float]]:
         """Return the evidence (median, sigma, z; ``rule``: ``zscore`` or ``hard_ratio``) when
@@ -148,6 +162,51 @@ class SpikeDetector:
             evidence["rule"] = "zscore"
             return evidence
         return None
+
+    @property
+    def rising(self) -> bool:
+        """The last healthy losses stand above the window's noise (a level rise may be under way):
+        the guard then takes no snapshot and lets none be vouched for until it is judged."""
+        return self._streak > 0
+
+    def level(self, loss: float) -> Optional[Dict[str, Any]]:
+        """The evidence when ``loss`` ends :data:`LEVEL_STEPS` losses in a row that stand above the
+        window's noise as it was before them (rule ``level``), else ``None``; the streak starts
+        again after a call that finds one. O(1) unless the streak is long enough."""
+        if self._streak < LEVEL_STEPS - 1 or not self.enabled or not math.isfinite(loss):
+            return None
+        if loss <= self._gate:
+            return None
+        streak = self._streak
+        losses = list(self._losses)
+        before, rise = losses[:-streak], [*losses[-streak:], loss]
+        if len(before) < self.min_history:
+            return None
+        median = statistics.median(before)
+        sigma = max(1.4826 * statistics.median(abs(x - median) for x in before), spread_floor(median))
+        z = (min(rise) - median) / sigma
+        if z <= self.zscore / 2:
+            return None
+        level = statistics.median(rise)
+        # Judged once: the gate moves to the new level and holds there until the window has turned over.
+        self._streak, self._gate = 0, level + self.zscore / 2 * sigma
+        self._gated = self._added + self.window - LEVEL_REFRESH
+        return {
+            "loss": loss,
+            "median": median,
+            "sigma": sigma,
+            "z": z,
+            "threshold": self.zscore / 2,
+            "rule": "level",
+            "steps": len(rise),
+            "level": level,
+        }
+
+    def _level_gate(self) -> float:
+        """The window's median plus ``zscore / 2`` robust sigmas: a loss above it counts toward a level rise."""
+        median = statistics.median(self._losses)
+        sigma = max(1.4826 * statistics.median(abs(x - median) for x in self._losses), spread_floor(median))
+        return median + self.zscore / 2 * sigma
 
     def begin(self, losses: Sequence[float]) -> None:
         """Take the start model's losses on batches the run has not trained on (two or more, finite):
@@ -191,6 +250,13 @@ class SpikeDetector:
                 self.start = ()  # the run has a history of its own now
             loss = float(loss)
             lows, excess = self._lows, self._excess
+            if (
+                not self._streak
+                and len(self._losses) >= self.min_history
+                and self._added - self._gated >= LEVEL_REFRESH
+            ):
+                self._gate, self._gated = self._level_gate(), self._added  # (amortized: a median every 32 losses)
+            self._streak = self._streak + 1 if loss > self._gate else 0  # the gate stays put during a rise
             if over is None:
                 over = loss - lows[0][1] if lows else 0.0
                 if over < 0.0:
@@ -234,6 +300,7 @@ class SpikeDetector:
         self._lows.clear()
         self._excess.clear()
         self.run_max, self.run_min = -math.inf, math.inf
+        self._streak, self._gate, self._gated = 0, math.inf, -LEVEL_REFRESH
         losses, excess = state["losses"], state.get("excess")
         if excess is None or len(excess) != len(losses):
             excess = [None] * len(losses)

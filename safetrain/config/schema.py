@@ -275,6 +275,11 @@ class RecoveryConfig:
     skip_batches_after_restore: int = _f(
         0, "after a restore, skip this many batches (PaLM: roll back and skip the data that led in)", ge=0
     )
+    cause_test: bool = _f(
+        True,
+        "before a spike escalates, test its cause on the batch with the snapshots' models: a damaged model "
+        "restores the snapshot that does well, data that changed trains on (false: the ladder alone)",
+    )
 
 
 @dataclass(frozen=True)

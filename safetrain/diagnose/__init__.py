@@ -6,7 +6,8 @@
 (``detect.replay.max_per_run``); nothing else spends it. On a healthy step only
 :meth:`Diagnoser.begin_step` runs (a host-side RNG copy, see :mod:`.rng`) and
 :meth:`Diagnoser.record_update` keeps references to the update's batches. Row bisection
-(:mod:`.bisect`) and the quarantine of isolated samples (:mod:`.quarantine`) sit beside them.
+(:mod:`.bisect`) and the quarantine of isolated samples (:mod:`.quarantine`) sit beside them, and
+the cause test (:mod:`.cause_test`: the batch under the current model and the snapshots').
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from ..config import ReplayConfig
 from ..detect import ActivationMonitor
 from ..kinds import REPLAYED_KINDS, Kind
+from .cause_test import CauseTest
 from .diagnosis import Diagnosis
 from .optim_numerics import explain_optimizer
 from .rng import StepRNG
@@ -92,6 +94,7 @@ class Diagnoser:
             clip=clip,
             sync=sync,
         )
+        self.cause_test = CauseTest(state, loss_of, autocast, prepare, sync)
 
     @property
     def enabled(self) -> bool:

@@ -15,7 +15,7 @@ from .. import detect
 from ..diagnose import Diagnoser, Diagnosis
 from ..divergence import DivergenceDetector
 from ..events import Event
-from ..kinds import Action
+from ..kinds import CAUSE_TESTED, Action, Cause
 from ..lr import LRBackoff
 from ..policy import Anomaly, Rules, decide, newest_taken, raises, read_clean
 from ..steps import Counters, Pending, StepResult
@@ -75,6 +75,8 @@ class Decisions:
             anomaly = dataclasses.replace(anomaly, retried=retried, again=bool(rerun_action))
             if raises(anomaly.kind, rules):
                 self.recovery.reject_rows(anomaly)
+            if self._tests_cause(anomaly, rules):  # before the ladder escalates: which cause?
+                anomaly = self._cause(anomaly, pending)
             replays = rules.reruns and self.diagnoser.explains(anomaly.kind)  # (a replay runs the step's forward)
             diagnosis = self._explain(anomaly, pending) if replays else None
             # A typed fact for the policy: is there a snapshot to restore (slow path: lists a directory)?
@@ -82,14 +84,52 @@ class Decisions:
             decision, rs.history = decide(anomaly, history, rules, diagnosis)
             outcome = self.recovery.carry_out(anomaly, decision, read, pending, diagnosis)
             events += outcome.events
+            if anomaly.cause is not None and anomaly.cause.cause is Cause.DATA_CHANGE:
+                self.judge.rebase()  # the new level is the run's level from here on
+                rs.rebase()
             if outcome.rerun is None:
                 return Verdict(read, events, rerun_action, outcome)
             rerun_action, retried = str(outcome.action), retried or decision.action is Action.RETRY
             read, pending, loss = again(outcome.rerun, read)
-        if not self.divergence.climbing:  # (mid-climb a read vouches for nothing)
+        if not self._unsettled:  # (mid-climb, or the loss above its level, a read vouches for nothing)
             self.backoff.read_clean()  # the last update's LRs are trusted: a restore holds the schedule to them
             rs.clean_reads.append(self.counters.steps)
         return Verdict(read, events, rerun_action)
+
+    @property
+    def _unsettled(self) -> bool:
+        """A climb may be under way, or the loss stands above its level (a damaged model's loss
+        before the cause test has spoken): no snapshot is taken or vouched for."""
+        return self.divergence.climbing or self.judge.spike.rising
+
+    def _tests_cause(self, anomaly: Anomaly, rules: Rules) -> bool:
+        """Whether the cause test runs: a finite loss far above its level (a spike) that the ladder
+        would escalate (the second anomalous step in a row, before a restore or a second skip),
+        when the guard can run the forward and a snapshot may witness."""
+        return (
+            anomaly.kind in CAUSE_TESTED
+            and rules.recovery.cause_test
+            and rules.reruns
+            and not anomaly.again
+            and (self.recovery_state.history.consecutive >= 1 or anomaly.detail.get("rule") == "level")
+            and "median" in anomaly.detail
+            and bool(len(self.store))
+        )
+
+    def _cause(self, anomaly: Anomaly, p: Pending) -> Anomaly:
+        """The cause test's verdict on the step's batch, in the anomaly; damage names the step the
+        loss jumped at (the first of the anomalous steps in a row)."""
+        rs = self.recovery_state
+        verdict = self.diagnoser.cause_test.run(p.micro, self.store, rs.vouched, float(anomaly.detail["median"]))
+        detail = {**anomaly.detail, "cause": str(verdict.cause)}
+        if verdict.cause is Cause.DAMAGE:
+            rise = int(anomaly.detail.get("steps", 1))  # a level rise: its first loss; else the first in a row
+            began = self.counters.steps - (
+                rise - 1 if anomaly.detail.get("rule") == "level" else rs.history.consecutive
+            )
+            detail.update(jump_began=began, sound_snapshot=verdict.step)
+            rs.damage = (began, verdict.step)
+        return dataclasses.replace(anomaly, detail=detail, cause=verdict)
 
     def after_update(self, anomaly: Anomaly, verdict: Verdict, pending: Pending, rules: Rules) -> Outcome:
         """An anomaly found inside the update itself, after the step was judged (an evaluation of a
@@ -131,8 +171,8 @@ class Decisions:
         events = list(decided.events)
         rs.count_loss(loss)  # before the snapshot below, which keeps the epoch's losses
         self.judge.observe(loss)
-        # Mid-climb (divergence.climbing) a read vouches for no snapshot and none is taken: a restore lands before it.
-        owed = rs.history.unverified if (climbing := self.divergence.climbing) else 0
+        # Mid-climb, or the loss above its level (_unsettled), a read vouches for no snapshot and none is taken.
+        owed = rs.history.unverified if (climbing := self._unsettled) else 0
         if verdict.rerun_action:
             rs.history = read_clean(rs.history)  # vouches for the newest snapshot, ends an fp16 overflow run
         else:

@@ -54,6 +54,10 @@ class Judge:
             ``recovery.min_lr`` limit and abort message.
         norm_stats: the gradient norm's EMA statistics, which ``guard.grad_norm_threshold: adaptive``
             judges by (a far z-score; nothing before their warm-up is over).
+
+    A loss that rose to a new level and stays (:meth:`~safetrain.spike.SpikeDetector.level`) is
+    judged a ``spike`` of rule ``level`` while ``recovery.cause_test`` is on (the cause test
+    explains it: damage, a data change, or nothing found).
     """
 
     def __init__(
@@ -80,6 +84,7 @@ class Judge:
         self.weights_checked = cfg.detect.mode != "off"
         self.divergence = divergence if divergence is not None else DivergenceDetector(enabled=False)
         self.lrs = lrs
+        self.levels = cfg.recovery.cause_test  # a level rise is the cause test's to explain
 
     def where(self, pending: Optional[Pending] = None, micro: Optional[int] = None) -> Dict[str, int]:
         """The current step, epoch and batch index, as findings name them: those of micro-batch
@@ -150,6 +155,8 @@ class Judge:
             detail = {"finding": diverged, "episode": diverged.episode, "lr": list(lrs)}  # (the journal's)
             return Anomaly(Kind.DIVERGENCE, detail, episode=diverged.episode, lrs=lrs)
         evidence = self.spike.check(loss)
+        if evidence is None and self.levels:  # a loss that jumped and stays, no step of it a spike
+            evidence = self.spike.level(loss)
         if evidence is not None:
             return Anomaly(Kind.SPIKE, evidence)
         return None
@@ -158,6 +165,12 @@ class Judge:
         """A trained step's loss joins the spike and divergence windows (a non-finite one is ignored)."""
         self.spike.add(loss)
         self.divergence.add(loss)
+
+    def rebase(self) -> None:
+        """The data changed (the cause test said so): the loss detectors forget the old level and
+        learn the new one from the next trained losses."""
+        self.spike.load_state_dict({"losses": []})
+        self.divergence.load_state_dict({})
 
     def state_dict(self) -> Dict[str, Any]:
         """The loss detectors' windows, JSON-ready: ``spike`` and ``divergence``."""

@@ -16,18 +16,19 @@ from typing import Any, Callable, Dict, List, Mapping, NoReturn, Optional, Tuple
 import torch
 
 from ..batches import without_rows
+from ..causes import Verdict as CauseVerdict
 from ..config import TrainConfig
 from ..detect import batch_error
 from ..diagnose.optim_numerics import explain_optimizer
 from ..errors import SnapshotError, TrainingAborted
 from ..events import Aborted, AnomalyFound, Event, LRChanged, Restored
-from ..kinds import DATA_KINDS, Action, Kind
+from ..kinds import DATA_KINDS, Action, Cause, Kind
 from ..lr import LRBackoff
 from ..optimizers import lrs_by_name
 from ..policy import Anomaly, Decision, mark_last_skipped, record_step
 from ..steps import Counters, Pending
-from .evidence import event_payload, micro_batch, place_of, summary
 from .judge import micro_rows
+from .messages import micro_batch_of, payload_of, place_of, summary, with_hint
 from .outcomes import Outcome, Rerun, Verdict
 from .returns import MAX_RETURNS, cause_of, loop_reason
 from .state import RecoveryState
@@ -95,7 +96,7 @@ class Recovery:
                 action,
                 f"{kind} anomaly: {summary(kind, anomaly.detail)} -> "
                 "transient (the replay from the same state was finite): retrying the step once",
-                self._put_back(event_payload(anomaly.detail, diagnosis)),  # the re-run updates them once
+                self._put_back(payload_of(anomaly.detail, diagnosis)),  # the re-run updates them once
                 at=place_of(anomaly.detail, diagnosis),
             )
             rerun = Rerun(list(pending.micro), list(pending.indices), list(pending.places))
@@ -119,9 +120,11 @@ class Recovery:
             self.masked_targets += 1  # NaN targets, yet a finite loss: the loss masks them
         if kind in DATA_KINDS and action is not Action.ABORT:
             return self.fix_rows(kind, decision, detail["rows"], pending)
+        if anomaly.cause is not None and anomaly.cause.cause is Cause.DATA_CHANGE and decision.trains:
+            return self.level_shift(anomaly.cause, read)
         replayed = f"; replay: {diagnosis.describe()}" if diagnosis is not None else ""
         message = f"{kind} anomaly: {summary(kind, detail)}{replayed} -> {action} ({decision.reason})"
-        payload = {**event_payload(detail, diagnosis), "rung": decision.rung}
+        payload = {**payload_of(detail, diagnosis), "rung": decision.rung}
         if not decision.trains:  # not applied: the step's buffer updates go too
             payload = self._put_back(payload)
         events: List[Event] = [self.emit(AnomalyFound, kind, action, message, payload, at=place_of(detail, diagnosis))]
@@ -146,6 +149,24 @@ class Recovery:
         if action is Action.ABORT:
             self.abort(kind, with_hint(decision.reason, kind, diagnosis, self.masked_targets, self.counters.steps))
         return Outcome(action, tuple(events))
+
+    def level_shift(self, verdict: CauseVerdict, read: Any) -> Outcome:
+        """The data changed (the cause test's verdict): the step trains, and one ``level_shift``
+        event says where the loss level went (the loss references are re-based by the caller)."""
+        old, new = verdict.level, verdict.current
+        event = self.emit(
+            AnomalyFound,
+            "level_shift",
+            Action.WARN,
+            f"level shift: the loss level moved from {old:.4g} to {new:.4g} and the snapshots' models do as badly "
+            "on the new data: the data changed, not the model; training on, the spike, divergence and end-of-run "
+            "references re-based at the new level",
+            {"step": self.counters.steps, "old_level": old, "new_level": new},
+        )
+        total = read.total_norm
+        return Outcome(
+            Action.WARN, (event,), apply=True, total_norm=total if total is not None and math.isfinite(total) else None
+        )
 
     def abort(self, kind: str, reason: str) -> NoReturn:
         """Journal the abort and raise; the state is already at the last good snapshot.
@@ -196,10 +217,18 @@ class Recovery:
             reason = with_hint(reason, Kind.TARGET, None, self.masked_targets, seen)
         elif seen > 0 and (worse := self.state.ended_worse(self.cfg.guard.end_margin)):
             kind = "run"
-            reason = (
-                f"run: {worse}; fix: a smaller learning rate (or LR warmup), targets and inputs in the units "
-                "the model expects; for a run whose loss may rise by design (a GAN, RL), guard.end_margin: null"
-            ) + self._failed_lr()
+            fix = (
+                "a smaller learning rate (or LR warmup), targets and inputs in the units the model expects; for a "
+                "run whose loss may rise by design (a GAN, RL), guard.end_margin: null"
+            )
+            if self.state.damage is not None:  # the cause test found the model damaged on the way
+                began, sound = self.state.damage
+                fix = (
+                    f"the model was damaged: its loss jumped at step {began} where the snapshot of step {sound} did "
+                    "well on the same data; find what changed the weights or buffers then (a bad batch through "
+                    "running statistics, an observer or an EMA; code outside the step)"
+                )
+            reason = f"run: {worse}; fix: {fix}" + (self._failed_lr() if self.state.damage is None else "")
         else:
             self._settle_last_step(seen)
             at_start = self._ended_at_start(seen)
@@ -303,7 +332,7 @@ class Recovery:
         """Non-finite input or target rows: skip the step, replace (already done before the
         forward: judge the rest), or drop them and run the step again on what is left."""
         action = decision.action
-        n_rows = len({(micro_batch(f.path), r) for f in rows for r in f.rows})
+        n_rows = len({(micro_batch_of(f.path), r) for f in rows for r in f.rows})
         kept: List[Any] = []
         places: List[Tuple[int, int]] = []
         if action is Action.DROP_ROWS:  # each micro-batch without its bad rows, to run the step again
@@ -350,6 +379,11 @@ class Recovery:
                 ``SnapshotError`` out of the step; the reason lists why each one was not usable.
         """
         passed = None
+        for _ in range(decision.older):  # damage: the newer snapshots' models do badly (the cause test)
+            more = self.store.pass_over_newest()
+            if more is None:
+                break
+            passed = more if passed is None else f"{passed}, {more}"
         # Every rank passes over the newest or none does (a rank's diagnosis may differ: its own rows).
         if self.sync.total(int(decision.pass_over_newest)):
             # No healthy step has run since the newest snapshot and the fault implicates the weights:
@@ -385,7 +419,16 @@ class Recovery:
             decision.kind,
             decision.action,
             f"restored the snapshot of step {info.step} after {why or decision.kind}"
-            + (f", passing over the newest ({passed}): no healthy step vouched for it" if passed else "")
+            + (
+                f", passing over the newest ({passed}): "
+                + (
+                    "its model does badly where an older one does well"
+                    if decision.older
+                    else "no healthy step vouched for it"
+                )
+                if passed
+                else ""
+            )
             + "".join(f"; {c}" for c in changed),
             {**detail, "changed_since": changed} if changed else detail,
         )
@@ -427,23 +470,3 @@ class Recovery:
             f" by optimizer {each}" if each else ""
         )
         return self.emit(LRChanged, "lr", Action.SCALE_LR, message, detail)
-
-
-def with_hint(reason: str, kind: str, diagnosis: Any, masked_targets: int, steps: int) -> str:
-    """An abort's ``reason`` with what it adds about the cause and its fix: NaN targets a finite
-    loss masks (in most of the ``steps`` so far), or a known optimizer numerics fault not yet named.
-
-    Example::
-
-        >>> with_hint("target: 8 of the first 8 steps were not trained", "target", None, 8, 8)[:60]
-        'target: 8 of the first 8 steps were not trained; the targets'
-    """
-    if kind == Kind.TARGET and masked_targets * 2 > steps:
-        return reason + (
-            f"; the targets held NaN in {masked_targets} of {steps} steps while the loss on them was finite: NaN "
-            "looks like a missing-value marker the loss masks (its gradient is still NaN through torch.where); "
-            "fix: sanitize.targets: replace (sanitize.nan sets the value the loss then sees), or mask the NaN "
-            "targets out before the loss is computed (select the valid rows, or torch.where on the targets)"
-        )
-    known = str(getattr(diagnosis, "numerics", "") or "")
-    return f"{reason}; {known}" if known and known not in reason else reason

@@ -47,6 +47,8 @@ class RecoveryState:
             loop stops the run).
         restored_updates: the optimizer steps applied when the last restore was carried out (a run
             that has applied none since a restore to its start ends there: it is never "done").
+        damage: ``(step the loss jumped, snapshot step restored)`` of the last damage the cause
+            test found (the end-of-run check names it), else ``None``.
     """
 
     recovery: RecoveryConfig
@@ -59,6 +61,7 @@ class RecoveryState:
     clean_reads: Deque[int] = field(default_factory=lambda: deque(maxlen=VOUCH_READS))  # their steps
     returns: Returns = field(default_factory=Returns)
     restored_updates: int = -1
+    damage: Optional[Tuple[int, int]] = None
     _history: History = History()
     _healthy_run: int = 0  # healthy steps not yet applied to the history
 
@@ -97,6 +100,12 @@ class RecoveryState:
             self.last_losses.append(loss)
             if len(self.first_losses) < _LAST:
                 self.first_losses.append(loss)
+
+    def rebase(self) -> None:
+        """The data changed: the end-of-run check takes its start from the next trained losses (the
+        new level), not from the run's first."""
+        self.first_losses, self.start_losses = [], []
+        self.last_losses.clear()
 
     def ended_worse(self, margin: Optional[float]) -> Optional[str]:
         """Whether the run ends worse than it started; a sentence saying so, else ``None``.

@@ -1,14 +1,34 @@
-"""How an anomaly's evidence reads in the journal: one line of it, the batch it names, its JSON payload.
-
-The recovery executor (:mod:`.recovery`) writes each anomaly's event with these: :func:`summary`
-says what was found in words, :func:`place_of` which ``(epoch, batch index)`` the event names.
+"""How the recovery executor words an anomaly for the journal: its evidence in one line, the
+micro-batch it is about, its payload, and an abort's hint at the cause and fix. No effects.
 """
 
 from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-__all__ = ["summary", "place_of", "event_payload", "micro_batch"]
+from ..kinds import Kind
+
+__all__ = ["with_hint", "place_of", "summary", "payload_of", "micro_batch_of"]
+
+
+def with_hint(reason: str, kind: str, diagnosis: Any, masked_targets: int, steps: int) -> str:
+    """An abort's ``reason`` with what it adds about the cause and its fix: NaN targets a finite
+    loss masks (in most of the ``steps`` so far), or a known optimizer numerics fault not yet named.
+
+    Example::
+
+        >>> with_hint("target: 8 of the first 8 steps were not trained", "target", None, 8, 8)[:60]
+        'target: 8 of the first 8 steps were not trained; the targets'
+    """
+    if kind == Kind.TARGET and masked_targets * 2 > steps:
+        return reason + (
+            f"; the targets held NaN in {masked_targets} of {steps} steps while the loss on them was finite: NaN "
+            "looks like a missing-value marker the loss masks (its gradient is still NaN through torch.where); "
+            "fix: sanitize.targets: replace (sanitize.nan sets the value the loss then sees), or mask the NaN "
+            "targets out before the loss is computed (select the valid rows, or torch.where on the targets)"
+        )
+    known = str(getattr(diagnosis, "numerics", "") or "")
+    return f"{reason}; {known}" if known and known not in reason else reason
 
 
 def place_of(detail: Mapping[str, Any], diagnosis: Any = None) -> Optional[Tuple[int, int]]:
@@ -22,14 +42,13 @@ def place_of(detail: Mapping[str, Any], diagnosis: Any = None) -> Optional[Tuple
     return None
 
 
-def micro_batch(path: str) -> str:
+def micro_batch_of(path: str) -> str:
     """Which micro-batch a row finding's path is in: ``micro[i]`` of an accumulated step, else
     ``batch`` (a row bad in several tensors of one batch, ``batch["x"]`` and ``batch["z"]``, is one row)."""
     return path.split("]")[0] if path.startswith("micro[") else "batch"
 
 
-def event_payload(detail: Mapping[str, Any], diagnosis: Any) -> Dict[str, Any]:
-    """An anomaly's evidence (and its diagnosis, when one ran) as the event's JSON-ready detail."""
+def payload_of(detail: Mapping[str, Any], diagnosis: Any) -> Dict[str, Any]:
     out = {k: (v.to_dict() if hasattr(v, "to_dict") else v) for k, v in detail.items()}
     if diagnosis is not None:
         out["diagnosis"] = diagnosis.to_dict()

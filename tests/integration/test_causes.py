@@ -1,0 +1,184 @@
+"""Issue 32: the cause test tells a bad batch, a damaged model and data that changed apart.
+
+Point 1 of the issue: a classifier on a stream whose classes change (class-incremental continual
+learning: "Catastrophic forgetting when training on new classes",
+https://discuss.pytorch.org/t/catastrophic-forgetting/36163) has its loss jump by an order of
+magnitude at the switch and stay high while it learns the new classes; before, the first new batch
+was skipped as a spike, the second restored the snapshot of step 100, and the run went on
+restoring until it aborted. Point 2: finite garbage in state that is not a parameter (a running
+normaliser's statistics, as an observer fed a bad calibration batch leaves them) makes the loss
+jump to a plateau with nothing non-finite; the model is damaged, the data is not.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Tuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from safetrain import SafeTrainer, TrainingAborted, load_config
+
+BASE = ["log.progress=false"]
+ROWS = 32
+
+
+class RunningNorm(torch.nn.Module):
+    """Inputs minus a running mean kept in a buffer, read in the forward (train mode too)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.tanh(x - self.mean)
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.99).add_(0.01 * x.mean(0))
+        return out
+
+
+def _fit(model: torch.nn.Module, x, y, loss_fn, overrides=()) -> Tuple[Any, List[float]]:
+    losses: List[float] = []
+
+    def recorded(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(out, target)
+        if torch.is_grad_enabled():
+            losses.append(loss.item())
+        return loss
+
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    cfg = load_config(None, [*BASE, *overrides])
+    try:
+        result = SafeTrainer(model, opt, cfg, loss_fn=recorded).fit(DataLoader(TensorDataset(x, y), batch_size=ROWS))
+    except TrainingAborted as e:
+        result = e.result
+    return result, losses
+
+
+def class_change(seed: int = 0, steps: int = 220, switch: int = 150, overrides=()) -> Tuple[Any, List[float]]:
+    """4 classes, then 4 new ones from batch ``switch`` on."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(ROWS * steps, 8, generator=g)
+    old, new = torch.randn(8, 4, generator=g), torch.randn(8, 4, generator=g)
+    y = (x @ old).argmax(1)
+    y[switch * ROWS :] = (x[switch * ROWS :] @ new).argmax(1) + 4
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    return _fit(model, x, y, F.cross_entropy, overrides)
+
+
+def damaged(
+    seed: int = 0, steps: int = 220, at: int = 150, shift: float = 3.0, overrides=()
+) -> Tuple[Any, List[float]]:
+    """Regression through a running normaliser; at trained step ``at`` (0: never) a calibration pass
+    on a garbage batch leaves ``shift`` in its buffer: finite, and no batch's own loss shows it."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(ROWS * steps, 8, generator=g)
+    y = x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(ROWS * steps, 1, generator=g)
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(RunningNorm(8), torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    calls = [0]
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(out, target)
+        if torch.is_grad_enabled():
+            calls[0] += 1
+            if calls[0] == at:
+                with torch.no_grad():
+                    model[0].mean.add_(shift)
+        return loss
+
+    return _fit(model, x, y, loss_fn, overrides)
+
+
+def mixture_change(
+    seed: int = 0, steps: int = 160, switch: int = 100, jump: float = 10.0, overrides=()
+) -> Tuple[Any, List[float]]:
+    """Regression whose mapping moves at batch ``switch`` so that the loss jumps about ``jump`` x."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(ROWS * steps, 8, generator=g)
+    w = torch.randn(8, 1, generator=g)
+    u = torch.randn(8, 1, generator=g)
+    moved = w + u / u.norm() * ((jump - 1.0) * 0.1) ** 0.5  # the extra MSE is the shift's squared norm
+    y = torch.cat([x[: switch * ROWS] @ w, x[switch * ROWS :] @ moved]) + 0.3 * torch.randn(
+        ROWS * steps, 1, generator=g
+    )
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    return _fit(model, x, y, F.mse_loss, overrides)
+
+
+def bad_batch(seed: int = 0, steps: int = 160, at: int = 100, overrides=()) -> Tuple[Any, List[float]]:
+    """Regression; the targets of batch ``at`` are x1000 (finite)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(ROWS * steps, 8, generator=g)
+    y = x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(ROWS * steps, 1, generator=g)
+    y[at * ROWS : (at + 1) * ROWS] *= 1000.0
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    return _fit(model, x, y, F.mse_loss, overrides)
+
+
+def named(result: Any, *names: str) -> List[Any]:
+    return [e for e in result.events if e.name in names]
+
+
+def end_level(losses: List[float]) -> float:
+    tail = sorted(losses[-16:])
+    return tail[len(tail) // 4]
+
+
+def test_a_change_of_classes_is_a_level_shift_not_a_fault():
+    result, losses = class_change()
+    assert result.ended == "done" and result.restores == 0 and result.lr_backoffs == 0, named(result, "anomaly")
+    shifts = [e for e in named(result, "anomaly") if e.kind == "level_shift"]
+    assert len(shifts) == 1, named(result, "anomaly")
+    assert shifts[0].detail["old_level"] < 1.0 < shifts[0].detail["new_level"]
+    assert result.skipped_batches <= 1  # the first new batch, before the next one told the cause
+    assert end_level(losses) < shifts[0].detail["new_level"]
+
+
+def test_before_a_change_of_classes_was_restored_away():
+    result, _ = class_change(overrides=("recovery.cause_test=false",))
+    assert result.restores >= 1 or result.ended != "done"
+
+
+@pytest.mark.parametrize("shift", [3.0, 1.0])  # a spike then a plateau; a plateau no step of which is a spike
+def test_damage_through_a_buffer_restores_the_snapshot_before_it(shift):
+    result, losses = damaged(shift=shift)
+    _, clean_losses = damaged(at=0)
+    found = [e for e in named(result, "anomaly") if e.detail.get("cause") == "damage"]
+    assert found and found[0].detail["sound_snapshot"] <= 150 <= found[0].detail["jump_began"], found
+    assert found[0].step <= 150 + 5  # within a few steps of the jump
+    assert result.ended == "done" and result.restores == 1
+    assert end_level(losses) < 1.2 * end_level(clean_losses) + 0.02, (end_level(losses), end_level(clean_losses))
+
+
+def test_before_a_plateau_of_damage_went_unseen_to_the_end():
+    result, losses = damaged(shift=1.0, overrides=("recovery.cause_test=false",))
+    _, clean_losses = damaged(at=0)
+    assert result.restores == 0 and end_level(losses) > 1.2 * end_level(clean_losses) + 0.02
+
+
+def test_the_cause_test_leaves_the_live_state_exactly_as_it_was():
+    """Weights, buffers, optimizer state and the RNG are put back after the test's forwards."""
+    from safetrain import Guard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(RunningNorm(4), torch.nn.Linear(4, 2), torch.nn.Dropout(0.5))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    guard = Guard(model, opt, load_config(None, [*BASE, "snapshot.every=3"]), loss_fn=F.mse_loss)
+    batch = (torch.randn(8, 4), torch.randn(8, 2))
+    for _ in range(7):
+        guard.step(batch)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [s["exp_avg"].clone() for s in opt.state.values()]
+    rng = torch.get_rng_state()
+    verdict = guard.diagnoser.cause_test.run([batch], guard.store, lambda step: True, level=0.0)
+    assert verdict.cause is not None
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(torch.equal(m, s["exp_avg"]) for m, s in zip(moments, opt.state.values()))
+    assert torch.equal(rng, torch.get_rng_state()) and model.training
