@@ -18,11 +18,14 @@ A **bad batch** needs no test: the next fresh batch is normal, so the ladder nev
 its first action (one skip).
 
 A snapshot's **level** is the median of the last losses its spike window held when it was taken,
-its **rise** the loss of its model on the batch minus that level; the current model's **jump** is
-its loss on the batch minus the level before the jump (the spike's median). Only differences are
-compared, so the verdict is the same for ``loss``, ``loss + c`` and ``a * loss`` (``a > 0``). An
-untrained model (the run's first snapshot, with no level) is no witness: it can do better than a
-trained, confident model on new classes without the trained one being damaged.
+its **rise** the loss of its model on the batch minus the lower of that level and the run's level
+before the jump; the current model's **jump** is its loss on the batch minus the level before the
+jump (the spike's median). Only differences are compared, so the verdict is the same for ``loss``,
+``loss + c`` and ``a * loss`` (``a > 0``). An untrained model (the run's first snapshot, with no
+level) is no witness: it can do better than a trained, confident model on new classes without the
+trained one being damaged. For the same reason a snapshot from early training (taken every few
+steps under ``snapshot.every: auto``) does not do well merely by staying near its own high level:
+it must also come near where the run stood before the jump.
 
 Under DDP every rank tests its own batch and :func:`agree` gives one verdict: damage when any rank
 saw it (going back as far as the rank that needs it most), a data change only when every rank did.
@@ -36,7 +39,17 @@ from typing import List, Optional, Sequence
 
 from .kinds import Cause
 
-__all__ = ["Witness", "Verdict", "cause_of", "agree", "level_of", "DAMAGE_SHARE", "CHANGE_SHARE", "LEVEL_LOSSES"]
+__all__ = [
+    "Witness",
+    "Verdict",
+    "cause_of",
+    "agree",
+    "level_of",
+    "DAMAGE_SHARE",
+    "CHANGE_SHARE",
+    "LEVEL_LOSSES",
+    "MATURE_SIGMAS",
+]
 
 #: A snapshot whose rise on the batch is below this share of the current model's jump does well.
 DAMAGE_SHARE = 0.25
@@ -46,6 +59,9 @@ CHANGE_SHARE = 0.5
 LEVEL_LOSSES = 16
 #: A snapshot needs this many window losses to have a level (else it is no witness).
 MIN_LEVEL_LOSSES = 3
+#: A snapshot whose own level stands more than this many robust sigmas of the window before the
+#: jump above the run's level was taken in another regime (early training): it is no witness.
+MATURE_SIGMAS = 6.0
 
 
 @dataclass(frozen=True)
@@ -91,9 +107,11 @@ def level_of(window: Sequence[float]) -> Optional[float]:
     return statistics.median(last) if len(last) >= MIN_LEVEL_LOSSES else None
 
 
-def cause_of(current: float, level: float, witnesses: Sequence[Witness]) -> Verdict:
+def cause_of(current: float, level: float, witnesses: Sequence[Witness], spread: Optional[float] = None) -> Verdict:
     """The cause of a loss ``current`` far above ``level``, from the snapshots' ``witnesses``
-    (newest first).
+    (newest first). With ``spread`` (the robust sigma of the losses before the jump), a snapshot
+    whose own level stands more than :data:`MATURE_SIGMAS` of it above ``level`` is no witness: a
+    barely trained model does "well" on new classes only because it never learned the old ones.
 
     Example::
 
@@ -104,14 +122,22 @@ def cause_of(current: float, level: float, witnesses: Sequence[Witness]) -> Verd
     """
     jump = current - level
     judged = [w for w in witnesses if w.level is not None]
+    if spread is not None and spread > 0.0:  # (a zero or NaN spread says nothing of maturity)
+        judged = [w for w in judged if w.level - level <= MATURE_SIGMAS * spread]  # type: ignore[operator]
     if not judged or not jump > 0.0:  # (NaN too)
         return Verdict(Cause.UNKNOWN, current=current, level=level)
     for w in judged:
-        if w.loss - w.level < DAMAGE_SHARE * jump:  # type: ignore[operator]
+        if _rise(w, level) < DAMAGE_SHARE * jump:
             return Verdict(Cause.DAMAGE, w.older, w.step, current, level)
-    if all(w.loss - w.level >= CHANGE_SHARE * jump for w in judged):  # type: ignore[operator]
+    if all(_rise(w, level) >= CHANGE_SHARE * jump for w in judged):
         return Verdict(Cause.DATA_CHANGE, current=current, level=level)
     return Verdict(Cause.UNKNOWN, current=current, level=level)
+
+
+def _rise(w: Witness, level: float) -> float:
+    """How far a witness's loss on the batch stands above the lower of its own level and the
+    run's before the jump (an early snapshot near its own high level has not done well)."""
+    return w.loss - min(w.level, level)  # type: ignore[type-var]
 
 
 def agree(verdicts: List[Verdict]) -> Verdict:

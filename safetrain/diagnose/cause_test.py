@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
@@ -50,7 +50,14 @@ class CauseTest:
     ) -> None:
         self.state, self.loss_of, self.autocast, self.prepare, self.sync = state, loss_of, autocast, prepare, sync
 
-    def run(self, micro: Sequence[Any], store: Any, vouched: Callable[[int], bool], level: float) -> Verdict:
+    def run(
+        self,
+        micro: Sequence[Any],
+        store: Any,
+        vouched: Callable[[int], bool],
+        level: float,
+        spread: Optional[float] = None,
+    ) -> Verdict:
         """The agreed verdict on the step's ``micro``-batches, whose loss stands far above ``level``.
 
         Args:
@@ -58,15 +65,19 @@ class CauseTest:
             store: the guard's snapshot store (each usable snapshot, newest first, is a witness).
             vouched: whether the snapshot of a step is vouched for (an unvouched one is no witness).
             level: the loss level before the jump (the spike's median).
+            spread: the robust sigma of the losses before the jump (snapshots from another regime
+                are no witnesses), or ``None``.
         """
         try:
-            verdict = self._test(micro, store, vouched, level)
+            verdict = self._test(micro, store, vouched, level, spread)
         except Exception as exc:  # diagnosis only: the ladder decides as before
             logger.warning("cause test failed: %s: %s", type(exc).__name__, exc)
             verdict = Verdict(Cause.UNKNOWN, level=level)
         return agree(self.sync.gather_object(verdict))
 
-    def _test(self, micro: Sequence[Any], store: Any, vouched: Callable[[int], bool], level: float) -> Verdict:
+    def _test(
+        self, micro: Sequence[Any], store: Any, vouched: Callable[[int], bool], level: float, spread: Optional[float]
+    ) -> Verdict:
         captured = self.state.capture({"step": 0})
         homes = {n: t.device for n, t in captured.tensors.items()}
         live = {n: t.detach().clone() for n, t in captured.tensors.items()}
@@ -81,7 +92,7 @@ class CauseTest:
                     witnesses.append(Witness(older, info.step, self._loss(micro), level_of(window)))
         finally:
             self.state.apply(live, meta, owned=False, where="the live state before the cause test", homes=homes)
-        verdict = cause_of(current, level, witnesses)
+        verdict = cause_of(current, level, witnesses, spread)
         logger.info(
             "cause test: %s (current model %.4g on the batch, level %.4g; snapshots: %s)",
             verdict.cause,

@@ -120,7 +120,11 @@ class Decisions:
         """The cause test's verdict on the step's batch, in the anomaly; damage names the step the
         loss jumped at (the first of the anomalous steps in a row)."""
         rs = self.recovery_state
-        verdict = self.diagnoser.cause_test.run(p.micro, self.store, rs.vouched, float(anomaly.detail["median"]))
+        sigma = anomaly.detail.get("sigma")
+        spread = float(sigma) if sigma is not None else None
+        verdict = self.diagnoser.cause_test.run(
+            p.micro, self.store, rs.vouched, float(anomaly.detail["median"]), spread
+        )
         detail = {**anomaly.detail, "cause": str(verdict.cause)}
         if verdict.cause is Cause.DAMAGE:
             rise = int(anomaly.detail.get("steps", 1))  # a level rise: its first loss; else the first in a row

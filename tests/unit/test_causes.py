@@ -128,3 +128,22 @@ def test_noise_makes_no_level_rise():
     rng = random.Random(1)
     found = _detector_after([1.0 + 0.1 * rng.gauss(0, 1) for _ in range(3000)])
     assert [f for f in found if f is not None] == []
+
+
+def test_a_snapshot_from_early_training_is_no_witness():
+    """Found when ``snapshot.every: auto`` took a snapshot at step 5: on new classes that barely
+    trained model stays near its own high level (it never learned the old classes), which read as
+    "does well": a class change was restored as damage. A witness must be of the run's regime."""
+    early = Witness(0, 5, 2.5, 2.0)  # level 2.0, where the run stands at 0.18 with sigma 0.08
+    assert cause_of(13.6, 0.18, [early]).cause is Cause.DAMAGE, "without the spread: the old reading"
+    assert cause_of(13.6, 0.18, [early], spread=0.08).cause is Cause.UNKNOWN
+    trained = Witness(1, 100, 13.0, 0.2)
+    assert cause_of(13.6, 0.18, [trained, early], spread=0.08).cause is Cause.DATA_CHANGE
+    sound = Witness(1, 100, 0.25, 0.2)
+    assert cause_of(13.6, 0.18, [sound, early], spread=0.08).cause is Cause.DAMAGE
+    assert cause_of(13.6 * 3 + 1, 0.18 * 3 + 1, [Witness(0, 5, 8.5, 7.0)], spread=0.24).cause is Cause.UNKNOWN
+
+
+def test_a_rise_counts_from_the_lower_of_the_witness_level_and_the_runs():
+    """A snapshot whose own level was high does not do well merely by staying near it."""
+    assert cause_of(10.0, 1.0, [Witness(0, 50, 4.0, 3.9)]).cause is not Cause.DAMAGE  # (4.0 - 3.9 read as well)
