@@ -436,6 +436,8 @@ class Recovery:
         trained = self.counters.optimizer_steps > self.state.restored_updates
         self.state.restored_updates = self.counters.optimizer_steps
         loops = self.state.returns.arrive(info.step, self.counters.steps, self.backoff.scale, trained)
+        if loops >= MAX_RETURNS and decision.action is not Action.ABORT and self._backs_off_a_loop():
+            return event  # a restore loop, with the LR backoff still to try: this return is a new try
         if loops >= MAX_RETURNS and decision.action is not Action.ABORT:  # a restore loop: it stops here
             b = self.backoff
             restored = [lr * b.failed_scale for lr in info.extra["lr"]["unscaled"]]  # (as the failed update's)
@@ -443,6 +445,17 @@ class Recovery:
             why = loop_reason(kind, self.state.returns, failed_lr=b.failed, snapshot_lr=restored, scheduler=b.scheduler)
             self.abort(decision.kind, why)
         return event
+
+    def _backs_off_a_loop(self) -> bool:
+        """A restore loop under a policy that escalates to ``scale_lr``: scale the LR down once more
+        (journaled) while that still lowers some group's LR above ``recovery.min_lr``, and say so;
+        the next return, under the lower LR, is a new try. Without that remedy left, the loop stops."""
+        r = self.cfg.recovery
+        scale = self.backoff.scale * r.lr_factor
+        if Action.SCALE_LR not in r.escalate or not any(lr * scale > r.min_lr for lr in self.backoff.unscaled):
+            return False
+        self.lr_changed(scale, "restore loop: the run keeps failing at the same point under this LR")
+        return True
 
     def skip_data(self, step_scheduler: Callable[[], None]) -> Event:
         """Skip the data that led into a restore, a whole step (its micro-batches) at a time; returns its event."""
