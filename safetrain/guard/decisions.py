@@ -111,10 +111,17 @@ class Decisions:
             and rules.recovery.cause_test
             and rules.reruns
             and not anomaly.again
-            and (self.recovery_state.history.consecutive >= 1 or anomaly.detail.get("rule") == "level")
+            and (self._follows_an_anomaly() or anomaly.detail.get("rule") == "level")
             and "median" in anomaly.detail
             and bool(len(self.store))
         )
+
+    def _follows_an_anomaly(self) -> bool:
+        """Whether the step before this one was anomalous too (this batch is the fresh one after a
+        jump). Not merely a second anomaly on the ladder: one bad batch a few healthy steps after
+        another is a bad batch again, and the snapshots doing badly on it says nothing of the data."""
+        history = self.recovery_state.history
+        return history.consecutive >= 1 and history.healthy_streak == 0
 
     def _cause(self, anomaly: Anomaly, p: Pending) -> Anomaly:
         """The cause test's verdict on the step's batch, in the anomaly; damage names the step the
