@@ -143,7 +143,10 @@ def test_a_model_defined_in_an_installed_package_is_named_at_its_forward():
     batches = [(torch.randn(8, 8), torch.randn(8, 1)), (x, torch.randn(8, 1))]
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     cfg = load_config(None, [*BASE, "detect.mode=lazy", "sanitize.inputs=off"])
-    result = SafeTrainer(model, opt, cfg, loss_fn=F.mse_loss).fit(batches)
+    try:
+        result = SafeTrainer(model, opt, cfg, loss_fn=F.mse_loss).fit(batches)
+    except TrainingAborted as stop:  # its one trained step given back: a run left at its start (issue 32)
+        result = stop.result
     d = next(e for e in result.events if e.name == "anomaly").detail["diagnosis"]
     line = inspect.getsourcelines(LogNormFeatures.forward)[1] + 1  # the line of the log
     assert d["op"] == "aten.log.default", d
