@@ -181,6 +181,7 @@ def _quarantine(tmp: Path, path: Path) -> None:
 
 def _report(tmp: Path, path: Path) -> None:
     """`safetrain report RUN` (the plot's error is a note on stderr, exit 0)."""
+    pytest.importorskip("matplotlib")  # the plot extra (in dev); without it no report.png is written
     assert main(["report", str(path.parent)]) == 0
     if not (path.is_file() and not path.is_symlink()):
         raise SafetrainError("report.png not written")
@@ -361,6 +362,7 @@ def test_a_link_at_the_lock_path_leaves_its_target_whole_and_the_run_is_refused(
 
 def test_report_png_through_a_link_is_replaced_not_written_through(tmp_path, finished_run, capsys):
     """Issue 36, reproduction 2: `safetrain report DIR` wrote report.png through a link."""
+    pytest.importorskip("matplotlib")
     run = tmp_path / "run"
     run.mkdir()
     for f in ("events.jsonl", "metrics.csv"):
