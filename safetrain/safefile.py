@@ -59,7 +59,7 @@ __all__ = [
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 #: Mode of created files before the umask: read-write for the user and group, never for others.
 FILE_MODE = 0o664

@@ -25,7 +25,7 @@ from ..kinds import Cause
 
 __all__ = ["CauseTest"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 
 class CauseTest:

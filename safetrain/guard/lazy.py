@@ -36,7 +36,7 @@ from .plumbing import Plumbing
 
 __all__ = ["uninitialized", "dry_run", "LazyParams"]
 
-logger = logging.getLogger("safetrain")
+logger = logging.getLogger(__name__)
 
 
 def uninitialized(model: torch.nn.Module) -> List[str]:
