@@ -66,12 +66,16 @@ class RunHook:
 
     Example::
 
-        class PrintSkips(RunHook):
+        class Skips(RunHook):
+            def __init__(self):
+                self.steps = []
+
             def on_event(self, event):
                 if event.action == "skip_batch":
-                    print(event.step, event.message)
+                    self.steps.append(event.step)
 
-        SafeTrainer(model, optimizer, cfg, loss_fn=loss_fn).fit(loader, hooks=[PrintSkips()])
+        skips = Skips()
+        SafeTrainer(model, optimizer, cfg, loss_fn=loss_fn).fit(loader, hooks=[skips])
     """
 
     def on_event(self, event: "Event") -> None:

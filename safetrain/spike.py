@@ -71,6 +71,13 @@ LEVEL_STEPS = 4
 LEVEL_REFRESH = 32
 
 
+def robust_level(losses: Sequence[float]) -> Tuple[float, float]:
+    """``(median, robust sigma)`` of ``losses``: sigma is 1.4826 x the median absolute deviation,
+    never below :func:`spread_floor` of the median."""
+    median = statistics.median(losses)
+    return median, max(1.4826 * statistics.median(abs(x - median) for x in losses), spread_floor(median))
+
+
 def spread_floor(level: float) -> float:
     """The smallest spread the rules take as real at a loss ``level``: float rounding (``RESOLUTION``)."""
     return max(RESOLUTION * abs(level), 1e-12)
@@ -149,9 +156,7 @@ class SpikeDetector:
             floor = self._lows[0][1]  # the cheap test first (the window's largest excess): most steps end here
             if loss - floor < self.min_ratio * self._excess[0][1] or loss <= floor:
                 return None
-        median = statistics.median(self._losses)
-        mad = statistics.median(abs(x - median) for x in self._losses)
-        sigma = max(1.4826 * mad, spread_floor(median))
+        median, sigma = robust_level(self._losses)
         z = (loss - median) / sigma
         evidence = {"loss": loss, "median": median, "sigma": sigma, "z": z, "threshold": self.zscore}
         if hard:
@@ -182,8 +187,7 @@ class SpikeDetector:
         before, rise = losses[:-streak], [*losses[-streak:], loss]
         if len(before) < self.min_history:
             return None
-        median = statistics.median(before)
-        sigma = max(1.4826 * statistics.median(abs(x - median) for x in before), spread_floor(median))
+        median, sigma = robust_level(before)
         z = (min(rise) - median) / sigma
         if z <= self.zscore / 2:
             return None
@@ -204,8 +208,7 @@ class SpikeDetector:
 
     def _level_gate(self) -> float:
         """The window's median plus ``zscore / 2`` robust sigmas: a loss above it counts toward a level rise."""
-        median = statistics.median(self._losses)
-        sigma = max(1.4826 * statistics.median(abs(x - median) for x in self._losses), spread_floor(median))
+        median, sigma = robust_level(self._losses)
         return median + self.zscore / 2 * sigma
 
     def begin(self, losses: Sequence[float]) -> None:
