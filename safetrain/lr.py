@@ -54,9 +54,17 @@ class LRBackoff:
 
     Example::
 
+        >>> model = torch.nn.Linear(2, 2)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
         >>> backoff = LRBackoff(optimizer, min_lr=1e-6)
         >>> backoff.set_scale(0.5)            # LR halves now...
+        >>> optimizer.param_groups[0]["lr"]
+        0.05
+        >>> optimizer.step()
         >>> backoff.step(scheduler)           # ...and stays half of the schedule's at every step
+        >>> round(optimizer.param_groups[0]["lr"], 6)  # 0.5 x (0.1 x 0.9)
+        0.045
     """
 
     def __init__(

@@ -106,8 +106,10 @@ def count_host_syncs() -> Iterator[SyncCounter]:
 
     Example::
 
+        >>> loss = torch.ones(3).sum()
         >>> with count_host_syncs() as syncs:
-        ...     read = flags.read()
+        ...     value = loss.item()           # one host sync
+        ...     total = loss + 1              # device work: none
         >>> syncs.count
         1
     """

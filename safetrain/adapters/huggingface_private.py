@@ -105,7 +105,7 @@ def unscale_once(scaler: torch.amp.GradScaler) -> Callable[[], None]:
     Example::
 
         >>> undo = unscale_once(accelerator.scaler)  # doctest: +SKIP
-        >>> ...                                      # the guard, then the Trainer's clip, unscale
+        >>> # the guard, then the Trainer's clip, unscale: only the first one unscales
         >>> undo()                                   # doctest: +SKIP
     """
     original = scaler.unscale_

@@ -140,12 +140,11 @@ class StepFlags:
     Example::
 
         >>> flags = StepFlags()
-        >>> flags.put("input", scan.values)
-        >>> flags.put("forward", monitor.records)
-        >>> flags.put("loss", loss)
-        >>> flags.put("grad_norms", grads.norm_list)
-        >>> read = flags.read()          # one host sync
-        >>> read.healthy, read.loss
+        >>> flags.put("loss", torch.tensor(0.5))          # device values, no host sync yet
+        >>> flags.put("total_norm", torch.tensor(2.0))
+        >>> read = flags.read()                           # one host sync
+        >>> read.healthy, read.loss, read.total_norm
+        (True, 0.5, 2.0)
     """
 
     def __init__(self, reduce: Optional[Reduce] = None) -> None:

@@ -77,8 +77,8 @@ def broken_start_reason(bad: Sequence[str], names: Dict[str, str], modules: Opti
 
     Example::
 
-        >>> broken_start_reason(["model/fc.weight"], {"model/fc.weight": "fc.weight"}, ["fc (Linear)"])[:62]
-        'weights: non-finite before training started, in fc.weight; th'
+        >>> broken_start_reason(["model/fc.weight"], {"model/fc.weight": "fc.weight"}, ["fc (Linear)"]).split(";")[0]
+        'weights: non-finite before training started, in fc.weight'
     """
     what = [names.get(n, n) for n in bad]
     more = f" and {len(what) - 6} more" if len(what) > 6 else ""

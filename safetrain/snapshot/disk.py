@@ -416,7 +416,7 @@ def load_snapshot(path: Union[str, os.PathLike], state: TrainState) -> SnapshotI
     Example::
 
         >>> info = load_snapshot("runs/a/snapshots", state)   # doctest: +SKIP
-        >>> start_step = info.step
+        >>> start_step = info.step                            # doctest: +SKIP
     """
     path = os.fspath(path)
     if not os.path.isdir(path):

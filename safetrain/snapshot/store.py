@@ -124,6 +124,8 @@ class SnapshotStore(abc.ABC):
     Example::
 
         >>> import torch
+        >>> from safetrain.snapshot.memory import MemoryStore
+        >>> from safetrain.snapshot.state import TrainState
         >>> model = torch.nn.Linear(4, 2)
         >>> opt = torch.optim.Adam(model.parameters())
         >>> state = TrainState(model, opt)
