@@ -6,7 +6,7 @@ the row ``metrics.csv`` gets, with the LR in force and the counters) and the run
 :class:`~safetrain.run.FitResult` once the journal's last word is written (:meth:`RunHook.on_end`).
 A hook only observes: it cannot change what the guard decides. A hook that raises is logged and
 called no more, so a tracker's outage never stops a run. :class:`TensorBoardHook` is the sink
-``log.tensorboard: true`` adds; W&B and MLflow take a few lines on the same hook (see the README).
+``log.tensorboard: true`` adds; W&B and MLflow take a few lines on the same hook (docs/hooks.md).
 Nothing is built per step unless a hook is there.
 """
 

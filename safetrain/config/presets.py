@@ -20,7 +20,7 @@ from typing import Optional, Tuple, Union
 
 __all__ = ["PRESETS", "preset_path"]
 
-#: The presets' names, in the order the README shows them.
+#: The presets' names, in the order the documentation (docs/configuration.md) shows them.
 PRESETS: Tuple[str, ...] = ("default", "lenient", "strict", "fp16", "bf16")
 
 

@@ -2,7 +2,8 @@
 
 Every field carries its documentation in ``metadata["doc"]`` and, where it has one, its allowed
 range (``ge``, ``gt``, ``le``, ``lt``, ``finite``); closed choices are ``Literal``. The validator,
-``safetrain check-config`` and the README's reference are all read off these fields. Defaults
+``safetrain check-config`` and the site's configuration reference (docs/configuration.md, generated
+at build time) are all read off these fields. Defaults
 for the recovery policy come from :mod:`safetrain.kinds`. No torch, no I/O beyond YAML text.
 """
 

@@ -192,7 +192,7 @@ class SafeTraining(Callback):
                 "several optimizers). Drop the callback and guard the steps in training_step with a "
                 "safetrain.Guard built once over the networks and optimizers: for a GAN, "
                 "Guard(self, {'d': opt_d, 'g': opt_g}, step_fn={'d': d_loss, 'g': g_loss}) and "
-                "guard.step(batch, name='d') then name='g' (README: alternating objectives)"
+                "guard.step(batch, name='d') then name='g' (docs/own-loop.md: alternating objectives)"
             )
         if len(trainer.optimizers) != 1:
             raise ValueError(f"SafeTraining: got {len(trainer.optimizers)} optimizers; expected exactly one")

@@ -4,8 +4,8 @@ Cost: per call, one or two extra elementwise kernels (or at most one extra reduc
 sync. A leaf layer, for the user's model (safetrain's engine does not call it). The functions live
 by concept in :mod:`~safetrain.numerics.elementwise`, :mod:`~safetrain.numerics.reductions` and
 :mod:`~safetrain.numerics.limits` (``default_eps`` and its table); this package's ``__all__`` is
-the public surface. Why the plain ops fail, and the rules every helper shares: README.md,
-"Numerically safe functions".
+the public surface. Why the plain ops fail, and the rules every helper shares: the documentation's
+"Numerically safe functions" (docs/numerics.md).
 """
 
 from __future__ import annotations
