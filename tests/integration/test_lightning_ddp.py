@@ -248,7 +248,7 @@ def test_a_persistent_fault_on_rank_1_aborts_both_ranks_at_the_same_step_without
 
 
 def test_csv_logger_keeps_its_metrics_file_and_gets_the_lr_and_the_counters(tmp_path):
-    """The README's snippet with Lightning's CSV logger (no tensorboard installed): the callback's
+    """docs/lightning.md's snippet with Lightning's CSV logger (no tensorboard installed): the callback's
     journal and metrics go to ``<log_dir>/safetrain/``, Lightning's ``metrics.csv`` stays Lightning's
     alone, carries the LR in force and the intervention counters, and ``safetrain report`` reads
     the run from the logger's directory."""
