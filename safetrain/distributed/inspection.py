@@ -24,7 +24,7 @@ from ..snapshot.store import CorruptSnapshotError
 from ..snapshot.tensors import nonfinite
 from .layout import shard_layout
 from .snapdir import MARK, rank_path, read_json, sharded_snapshots, step_of
-from .verify import bad_files
+from .verify import bad_files, mark_algorithm
 
 __all__ = ["is_sharded", "inspect_sharded", "inspect_sharded_directory"]
 
@@ -62,7 +62,8 @@ def inspect_sharded(path: Union[str, os.PathLike]) -> Dict[str, Any]:
         raise CorruptSnapshotError(f"{snap}: {INCOMPLETE}")
     mark, meta = read_json(os.path.join(snap, MARK)), read_json(rank_path(snap, 0))
     recorded = mark.get("files") if isinstance(mark, dict) else None
-    bad = None if recorded is None else bad_files(snap, recorded)  # names checked: nothing outside snap is read
+    # names checked: nothing outside snap is read; the mark's own algorithm (0.1.0 wrote blocksum64)
+    bad = None if recorded is None else bad_files(snap, recorded, algorithm=mark_algorithm(snap, mark))
     try:
         full = {k: torch.zeros(size, dtype=dtype) for k, (size, dtype) in shard_layout(snap).items()}
         with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process, on purpose

@@ -3,9 +3,11 @@
 When a sharded snapshot is saved, its files (the ``shard-*.safetensors`` tensors and the
 ``rank-*.json`` parts) are checksummed once every rank's are on disk: the files are shared out
 among the ranks (file ``i`` of the sorted list to rank ``i % world``), each rank reads its share
-back and checksums it with the single-file store's ``blocksum64`` (:func:`safetrain.snapshot.
-fileformat.checksum`, at memory speed), and rank 0 gathers the ``{file: checksum}`` tables (one
-small all-gather of their JSON bytes) into the mark (``"files"``, ``"checksum": "blocksum64"``).
+back and checksums it with the single-file store's ``xxh3_64`` (:mod:`safetrain.snapshot.checksums`,
+at memory speed, the whole file in one digest), and rank 0 gathers the ``{file: checksum}`` tables
+(one small all-gather of their JSON bytes) into the mark (``"files"``, ``"checksum": "xxh3_64"``).
+A mark of 0.1.0 says ``"checksum": "blocksum64"`` (of each 64 MiB piece, joined by ``:``) and is
+checked with that; a mark naming an algorithm this version does not know is refused.
 
 Before a load, the files are shared out again among the loading ranks (any number) and checked;
 the verdict is agreed (one ``gather_int``), so every rank refuses a damaged snapshot together, and
@@ -22,35 +24,80 @@ import os
 from typing import Any, Dict, List, Mapping, Optional
 
 import torch
+import xxhash
 
 from ..errors import SnapshotError
-from ..snapshot.fileformat import checksum
+from ..snapshot.checksums import ALGORITHM, ALGORITHMS, blocksum64
 from ..snapshot.header import open_regular
 from ..snapshot.store import CorruptSnapshotError
 from .snapdir import is_snapshot_file, snapshot_files
 
-__all__ = ["ALGORITHM", "file_checksum", "checksum_files", "check_recorded", "verify_files", "bad_files"]
+__all__ = [
+    "ALGORITHM",
+    "file_checksum",
+    "checksum_files",
+    "check_recorded",
+    "mark_algorithm",
+    "verify_files",
+    "bad_files",
+]
 
-ALGORITHM = "blocksum64"
 _CHUNK = 64 * 2**20  # bytes read and checksummed at a time
 
 
-def file_checksum(path: str) -> str:
-    """A file's checksum: ``blocksum64`` of each 64 MiB piece, joined by ``:`` (one piece for most files).
+def file_checksum(path: str, algorithm: str = ALGORITHM) -> str:
+    """A file's checksum: ``xxh3_64`` of its bytes (16 hex digits), or, for ``algorithm="blocksum64"``
+    (marks of 0.1.0), ``blocksum64`` of each 64 MiB piece, joined by ``:``.
 
     Raises:
         SnapshotError: ``path`` is a link, a FIFO, a device or missing: a snapshot's files are
             regular files in its directory (never followed out of it, never waited on).
+        ValueError: ``algorithm`` is not one of :data:`~safetrain.snapshot.checksums.ALGORITHMS`.
     """
-    parts = []
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown checksum algorithm {algorithm!r}; expected one of {sorted(ALGORITHMS)}")
+    hasher, parts = xxhash.xxh3_64(), []
+    buf = bytearray(_CHUNK)
     fd, _ = open_regular(path, follow=False)
-    with os.fdopen(fd, "rb") as f:
+    with os.fdopen(fd, "rb", buffering=0) as f:
         while True:
-            data = f.read(_CHUNK)
-            parts.append(checksum(torch.frombuffer(bytearray(data), dtype=torch.uint8)) if data else "")
-            if len(data) < _CHUNK:
+            n = _read_into(f, memoryview(buf))
+            if algorithm == "xxh3_64":
+                hasher.update(memoryview(buf)[:n])  # (releases the GIL while it hashes)
+            elif n:
+                parts.append(blocksum64(torch.frombuffer(buf, dtype=torch.uint8)[:n]))
+            if n < _CHUNK:
                 break
-    return ":".join(p for p in parts if p) or checksum(torch.empty(0, dtype=torch.uint8))
+    if algorithm == "xxh3_64":
+        return hasher.hexdigest()
+    return ":".join(parts) or blocksum64(torch.empty(0, dtype=torch.uint8))
+
+
+def _read_into(f: Any, view: memoryview) -> int:
+    """Fill ``view`` from ``f``: the bytes read, fewer only at the end of the file."""
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
+def mark_algorithm(snap: str, mark: Mapping[str, Any]) -> str:
+    """The algorithm of the checksums a completion mark records (``"checksum"``; ``blocksum64`` when
+    the mark does not say, as no mark with checksums did before 0.1.0 wrote the key).
+
+    Raises:
+        CorruptSnapshotError: the mark names an algorithm this version does not read.
+    """
+    algorithm = mark.get("checksum", "blocksum64")
+    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
+        raise CorruptSnapshotError(
+            f"{snap}: the completion mark's checksums are {str(algorithm)!r:.40}, which this safetrain does not read "
+            f"(it reads {', '.join(sorted(ALGORITHMS))}): written by a newer safetrain, or corrupted"
+        )
+    return algorithm
 
 
 def _share(names: List[str], rank: int, world: int) -> List[str]:
@@ -87,9 +134,12 @@ def check_recorded(snap: str, recorded: Any) -> Dict[str, str]:
     return recorded
 
 
-def bad_files(snap: str, recorded: Mapping[str, str], names: Optional[List[str]] = None) -> List[str]:
+def bad_files(
+    snap: str, recorded: Mapping[str, str], names: Optional[List[str]] = None, algorithm: str = ALGORITHM
+) -> List[str]:
     """The files of ``snap`` (of ``names``, default every file listed or present) that are missing,
-    not listed in ``recorded``, not regular files (a link, a FIFO), or fail their checksum.
+    not listed in ``recorded``, not regular files (a link, a FIFO), or fail their ``algorithm``
+    checksum (the mark's: :func:`mark_algorithm`).
 
     Raises:
         CorruptSnapshotError: ``recorded`` is malformed or names a file outside ``snap`` (:func:`check_recorded`).
@@ -98,14 +148,14 @@ def bad_files(snap: str, recorded: Mapping[str, str], names: Optional[List[str]]
     names = sorted(set(recorded) | set(snapshot_files(snap))) if names is None else names
     bad = []
     for name in names:
-        if name not in recorded or _checksum_or_none(os.path.join(snap, name)) != recorded[name]:
+        if name not in recorded or _checksum_or_none(os.path.join(snap, name), algorithm) != recorded[name]:
             bad.append(name)
     return bad
 
 
-def _checksum_or_none(path: str) -> Optional[str]:
+def _checksum_or_none(path: str, algorithm: str) -> Optional[str]:
     try:
-        return file_checksum(path)
+        return file_checksum(path, algorithm)
     except SnapshotError:  # missing, a link, a FIFO: it fails (every rank must reach the vote)
         return None
 
@@ -116,15 +166,16 @@ def verify_files(snap: str, mark: Mapping[str, Any], sync: Any = None) -> bool:
 
     Raises:
         CorruptSnapshotError: a file is missing, unlisted, or fails its checksum, on any rank;
-            the message names the first such file.
+            the message names the first such file; or the mark names an unknown algorithm.
     """
     recorded = mark.get("files")
     if recorded is None:
         return False
     recorded = check_recorded(snap, recorded)
+    algorithm = mark_algorithm(snap, mark)
     rank, world = getattr(sync, "rank", 0), getattr(sync, "world", 1)
     names = sorted(set(recorded) | set(snapshot_files(snap)))
-    bad = bad_files(snap, recorded, _share(names, rank, world))
+    bad = bad_files(snap, recorded, _share(names, rank, world), algorithm)
     gather = getattr(sync, "gather_int", None)
     firsts = gather(names.index(bad[0]) if bad else -1) if gather is not None else [names.index(bad[0]) if bad else -1]
     failed = sorted(i for i in firsts if i >= 0)

@@ -3,9 +3,10 @@
 A snapshot file is a plain safetensors file (``safetensors.safe_open`` reads it): an 8-byte little-endian
 header length, a JSON header describing each tensor, then the tensor bytes. Its ``__metadata__`` holds two
 strings: ``safetrain.state`` (the JSON part of the training state) and ``safetrain.checksum`` (a checksum of
-that string, of every tensor's bytes (:func:`checksum`) and of the header itself: dtypes, shapes, offsets,
-metadata; :mod:`.header` reads and validates headers). Cost: the checksum runs at memory speed, on one
-thread while another writes or reads the bytes. Part of ``snapshot``, under :mod:`.disk` and :mod:`.inspection`.
+that string, of every tensor's bytes (:func:`checksum`, ``xxh3_64``; files of 0.1.0 carry ``blocksum64``,
+still read: :mod:`.checksums`) and of the header itself: dtypes, shapes, offsets, metadata; :mod:`.header`
+reads and validates headers). Cost: the checksum runs at memory speed, on one thread while another writes
+or reads the bytes. Part of ``snapshot``, under :mod:`.disk` and :mod:`.inspection`.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import torch
 
 from ..errors import SnapshotError
 from ..safefile import create_new
+from .checksums import ALGORITHM, WIDTH, checksum
 from .header import (
-    ALGORITHM,
     CHECKSUM_KEY,
     DTYPES,
     STATE_KEY,
@@ -39,37 +40,6 @@ from .tensors import byte_view
 __all__ = ["Entry", "Header", "FileWriter", "read_header", "read_tensors", "checksum", "DTYPES", "ALGORITHM"]
 
 _CHUNK = 256 * 2**20  # bytes per read or write call (Linux caps one call just under 2 GiB)
-
-
-_BLOCK_WORDS = 4096
-_MASK = 2**64 - 1
-
-
-def checksum(t: torch.Tensor) -> str:
-    """The ``blocksum64`` checksum of a contiguous CPU tensor's bytes.
-
-    Chosen for speed: CRC32 through zlib was the bottleneck of both save and load (figures in
-    ``benchmarks/README.md``), while this one runs at memory speed through torch's reductions. Over a
-    tensor's bytes it is, with blocks of 4096 little-endian 64-bit words (32 KiB) and all sums modulo
-    2**64: ``c_j`` = sum of the words of block j (full blocks only), ``s1`` = sum of ``c_j``, ``s2`` =
-    sum of ``(j + 1) * c_j``, and ``crc32`` of the remaining bytes; written as
-    ``f"{s1:016x}{s2:016x}{crc:08x}"``. It catches flipped bits and bytes, zeroed or duplicated pages,
-    truncation and swapped blocks; modular sums make it independent of the order torch reduces in (and
-    easy to recompute with numpy). The state string uses plain CRC32.
-    """
-    data = t.reshape(-1).view(torch.uint8)
-    n_blocks = data.numel() // (8 * _BLOCK_WORDS)
-    head = n_blocks * 8 * _BLOCK_WORDS
-    s1 = s2 = 0
-    if n_blocks:
-        words = data[:head]
-        if words.data_ptr() % 8:  # int64 views need 8-byte alignment; a param inside a flat buffer may lack it
-            words = words.clone()
-        blocks = words.view(torch.int64).view(n_blocks, _BLOCK_WORDS).sum(1)  # int64 wraps: sums mod 2**64
-        s1 = int(blocks.sum()) & _MASK
-        s2 = int((blocks * torch.arange(1, n_blocks + 1)).sum()) & _MASK
-    crc = zlib.crc32(byte_view(data[head:])) if head < data.numel() else 0
-    return f"{s1:016x}{s2:016x}{crc:08x}"
 
 
 def _header_bytes(entries: List[Entry], metadata: Mapping[str, str]) -> bytes:
@@ -106,7 +76,7 @@ class FileWriter:
             nbytes = t.numel() * t.element_size()
             self.entries.append(Entry(name, t.dtype, tuple(t.shape), offset, offset + nbytes))
             offset += nbytes
-        self._header_len = len(self._header({n: "0" * 40 for n in tensors}))
+        self._header_len = len(self._header({n: "0" * WIDTH[ALGORITHM] for n in tensors}))
         self._cancel = threading.Event()
         self._error: Optional[BaseException] = None
         self._fd = create_new(path)  # new (O_EXCL | O_NOFOLLOW): nothing planted there is opened; 0o664 - umask
@@ -142,7 +112,7 @@ class FileWriter:
             if self._error is not None:
                 raise self._error
             header = self._header(sums)
-            if len(header) != self._header_len:  # cannot happen: every checksum has 40 hex digits
+            if len(header) != self._header_len:  # cannot happen: every checksum has WIDTH[ALGORITHM] hex digits
                 raise SnapshotError(f"{self.path}: internal error: header changed length while writing")
             _pwrite_all(self._fd, memoryview(header), 0)
             os.fsync(self._fd)
@@ -193,7 +163,8 @@ def read_tensors(
         SnapshotError: the file changed size, cannot be read, or (with ``verify``) a tensor's
             bytes do not match its checksum.
     """
-    expected = header.checksums()["tensors"]
+    table = header.checksums()  # validated: the algorithm is the one its table version names
+    expected, algorithm = table["tensors"], table["algorithm"]
     entries = [e for e in header.entries if only is None or e.name in only]
     fd, size = open_regular(header.path)
     if size != header.size:
@@ -222,7 +193,7 @@ def read_tensors(
                 raise item
             name, t = item
             tensors[name] = t
-            if checksum(t) != expected[name]:
+            if checksum(t, algorithm) != expected[name]:
                 bad.append(name)
     except OSError as exc:
         raise SnapshotError(f"{header.path}: cannot read: {exc.strerror or exc}") from None

@@ -3,13 +3,15 @@
 The header is JSON (``{name: {dtype, shape, data_offsets}, "__metadata__": {...}}``). Its
 ``safetrain.checksum`` metadata entry is the checksum table (JSON):
 
-* version 2 (written since the header is covered): ``{"version": 2, "algorithm": "blocksum64",
-  "state": crc32 of the training-state string, "tensors": {name: blocksum64}, "header": sha256}``,
-  where ``header`` is the SHA-256 of :func:`header_digest_input`: every tensor's name, dtype,
-  shape and byte range, every other metadata entry, and the rest of the table. So a changed
-  dtype (``F32`` read as ``I32``), shape, offset or metadata value is refused, not misread.
-* version 1 (older files: no ``version`` key, no ``header``): only the bytes and the state string
-  are covered; such files still load.
+* version 3 (written since 0.2.0): ``{"version": 3, "algorithm": "xxh3_64", "state": crc32 of the
+  training-state string, "tensors": {name: xxh3_64 of its bytes}, "header": sha256}``, where
+  ``header`` is the SHA-256 of :func:`header_digest`'s input: every tensor's name, dtype, shape and
+  byte range, every other metadata entry, and the rest of the table. So a changed dtype (``F32``
+  read as ``I32``), shape, offset or metadata value is refused, not misread.
+* version 2 (written by 0.1.0): the same with ``"algorithm": "blocksum64"``; still read, and its
+  tensors checked with that algorithm (:mod:`.checksums`).
+* version 1 (older files: no ``version`` key, no ``header``, ``blocksum64``): only the bytes and
+  the state string are covered; such files still load.
 
 Every way a file can be malformed raises :class:`CorruptSnapshotError` naming the file: a
 non-regular file (a FIFO would block ``open`` forever) is refused before it is opened for
@@ -76,9 +78,13 @@ _CODES = {code: dtype for dtype, code in DTYPES.items()}
 
 STATE_KEY = "safetrain.state"
 CHECKSUM_KEY = "safetrain.checksum"
-TABLE_VERSION = 2  # the checksum table's version; 1: before the header was covered
-ALGORITHM = "blocksum64"
-_TABLE_KEYS = {1: {"algorithm", "state", "tensors"}, 2: {"version", "algorithm", "state", "tensors", "header"}}
+TABLE_VERSION = 3  # the checksum table's version; 2: blocksum64; 1: before the header was covered
+_TABLE_KEYS = {
+    1: {"algorithm", "state", "tensors"},
+    2: {"version", "algorithm", "state", "tensors", "header"},
+    3: {"version", "algorithm", "state", "tensors", "header"},
+}
+_TABLE_ALGORITHM = {1: "blocksum64", 2: "blocksum64", 3: "xxh3_64"}  # each version's one algorithm
 _HEADER_LIMIT = 100 * 2**20  # the safetensors library's own limit
 #: The most dimensions a tensor in a file may have (NumPy's own limit; no model tensor comes close).
 MAX_DIMS = 64
@@ -350,7 +356,7 @@ def _nonneg_int(x: Any) -> int:
 
 
 def _checksums(path: str, metadata: Mapping[str, str]) -> Dict[str, Any]:
-    """The checksum table, every key and type checked (version 1 or 2)."""
+    """The checksum table, every key and type checked (version 1, 2 or 3, each with its algorithm)."""
     data = parse_json(metadata[CHECKSUM_KEY], path, "the checksum metadata")
     malformed = CorruptSnapshotError(f"{path}: the checksum metadata is malformed: corrupted")
     if not isinstance(data, dict):
@@ -364,7 +370,7 @@ def _checksums(path: str, metadata: Mapping[str, str]) -> Dict[str, Any]:
     tensors = data.get("tensors")
     if (
         set(data) != _TABLE_KEYS[version]
-        or data["algorithm"] != ALGORITHM
+        or data["algorithm"] != _TABLE_ALGORITHM[version]
         or not isinstance(data["state"], str)
         or not isinstance(data.get("header", ""), str)
         or not isinstance(tensors, dict)

@@ -85,7 +85,7 @@ def runs(tmp_path_factory: Any) -> Dict[str, Any]:
     old = tmp / "old" / "step-0000000003"  # a snapshot as written before checksums: none in its mark
     shutil.copytree(tmp / "cut" / "step-0000000003", old)
     mark = json.loads((old / "safetrain.json").read_text())
-    assert mark["checksum"] == "blocksum64" and len(mark["files"]) == 4, mark  # 2 shards, 2 rank parts
+    assert mark["checksum"] == "xxh3_64" and len(mark["files"]) == 4, mark  # 2 shards, 2 rank parts
     (old / "safetrain.json").write_text(json.dumps({k: v for k, v in mark.items() if k not in ("files", "checksum")}))
     damaged = flip_tensor_byte(tmp / "cut" / "step-0000000006")
     inspected = {}  # before the resume: it rotates step 3 out

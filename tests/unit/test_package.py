@@ -65,6 +65,9 @@ def test_the_wheel_is_typed_licensed_and_versioned_once(wheel):
     meta = email.message_from_bytes(wheel.read(next(n for n in names if n.endswith(".dist-info/METADATA"))))
     assert meta["License-Expression"] == "Apache-2.0"
     assert "Typing :: Typed" in meta.get_all("Classifier")
+    urls = {u.split(",")[0] for u in meta.get_all("Project-URL") or []}
+    assert {"Homepage", "Documentation", "Source", "Changelog"} <= urls, urls
+    assert meta["Keywords"], "keywords"
     import safetrain
 
     assert meta["Version"] == safetrain.__version__, "the version has one source: safetrain.__version__"

@@ -9,6 +9,7 @@ import os
 import threading
 
 import pytest
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,6 +18,7 @@ from safetrain.cli import main
 from safetrain.config import load_config
 from safetrain.errors import SnapshotError
 from safetrain.snapshot import SafetensorsStore, TrainState, inspect_snapshot, load_snapshot
+from safetrain.snapshot.checksums import blocksum64
 from safetrain.snapshot.fileformat import CHECKSUM_KEY, FileWriter, checksum, read_header
 from safetrain.trainer import SafeTrainer
 from tests.conftest import regression_data
@@ -105,10 +107,12 @@ def test_a_header_edit_is_refused_by_load_and_inspect(edit, tmp_path, capsys):
 
 
 def _as_version_1(path):
-    """Rewrite a file the way safetrain wrote it before header checksums (checksum table v1)."""
+    """Rewrite a file the way safetrain wrote it before header checksums (checksum table v1, blocksum64)."""
     header, body = _header_json(path)
     table = json.loads(header["__metadata__"][CHECKSUM_KEY])
     del table["version"], table["header"]
+    table["algorithm"] = "blocksum64"
+    table["tensors"] = {n: blocksum64(t) for n, t in safetensors.torch.load_file(path).items()}
     header["__metadata__"][CHECKSUM_KEY] = json.dumps(table)
     _write_header(path, header, body)
 
@@ -168,7 +172,7 @@ def test_resume_journals_the_file_used_and_the_ones_passed_over(tmp_path):
     run(max_steps=12)
     paths = sorted(str(p) for p in snaps.iterdir() if p.name.startswith("snapshot-"))
     newest = paths[-1]
-    _replace(newest, b'\\"algorithm\\": \\"blocksum64', b'\\"algorithm\\": \\"blocksum65')
+    _replace(newest, b'\\"algorithm\\": \\"xxh3_64', b'\\"algorithm\\": \\"xxh3_65')
     result = run(resume=snaps)
     started = result.events[0]
     assert started.detail["resumed_from"] == paths[-2]
