@@ -1,5 +1,5 @@
 """Overhead of the Lightning callback under DDP: ``Trainer(strategy="ddp", devices=2)`` on 2 gloo
-ranks with ``SafeTraining`` against the same ``Trainer`` without it.
+ranks with ``SafeTrainingCallback`` against the same ``Trainer`` without it.
 
 The script starts itself under ``torch.distributed.run`` (2 processes, one torch thread each), so
 Lightning finds its processes made for it and every fit of every round runs in the same two
@@ -14,7 +14,7 @@ After the timed rounds one more fit of each variant counts the host syncs of its
 every rank (:func:`safetrain.testing.count_host_syncs`, not timed: it patches ``torch.Tensor``):
 the callback must add one per healthy step, the read that carries the ranks' agreement.
 
-Variants: ``plain`` (Lightning DDP alone), ``safe`` (``SafeTraining()``, default config: scan,
+Variants: ``plain`` (Lightning DDP alone), ``safe`` (``SafeTrainingCallback()``, default config: scan,
 activation hooks, fused gradient check, the step's flags gathered from both ranks inside the one
 read, a memory snapshot every 100 healthy steps). No logger (``logger=False``).
 
@@ -44,7 +44,7 @@ import torch.distributed as dist  # noqa: E402
 from lightning_overhead import CNN, MODELS, Clock  # noqa: E402  (this directory: the same model as there)
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from safetrain.integrations.lightning import SafeTraining  # noqa: E402
+from safetrain.integrations.lightning import SafeTrainingCallback  # noqa: E402
 from safetrain.testing import count_host_syncs  # noqa: E402
 
 VARIANTS = ("plain", "safe")
@@ -72,7 +72,7 @@ def one_fit(variant: str, spec: Dict[str, int], loader: DataLoader, steps: int, 
     """Wall and CPU seconds per step of one fit of ``variant`` on this rank (or, with ``count``,
     the host syncs per step)."""
     probe: pl.Callback = SyncCount(warm) if count else Clock(warm)
-    callbacks = [probe] + ([SafeTraining({"log": {"level": "WARNING"}})] if variant == "safe" else [])
+    callbacks = [probe] + ([SafeTrainingCallback({"log": {"level": "WARNING"}})] if variant == "safe" else [])
     trainer = pl.Trainer(
         max_steps=steps,
         accelerator="cpu",

@@ -1,4 +1,4 @@
-"""Overhead of the Lightning callback: ``Trainer.fit`` with ``SafeTraining`` against the same
+"""Overhead of the Lightning callback: ``Trainer.fit`` with ``SafeTrainingCallback`` against the same
 ``Trainer.fit`` without it, on the same model, data and settings (default safetrain config:
 sanitizer, activation hooks, fused gradient check, spike detector, a memory snapshot every 100
 healthy steps, one host sync per step).
@@ -10,7 +10,7 @@ A variant's ratio in a round is its step time over the plain fit's; the table gi
 over the rounds, the min-max of the per-round ratios, and the median ratio of process CPU time
 per step (less moved by other processes on a shared machine than wall time).
 
-Variants: ``plain`` (Lightning alone), ``safe`` (``SafeTraining()``, default config),
+Variants: ``plain`` (Lightning alone), ``safe`` (``SafeTrainingCallback()``, default config),
 ``safe_lazy`` (``detect.mode=lazy``: no forward hooks on the healthy path). The trainers have no
 logger (``logger=False``), so the callback's logging (every ``log_every_n_steps``) costs nothing here.
 
@@ -37,7 +37,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from safetrain.integrations.lightning import SafeTraining  # noqa: E402
+from safetrain.integrations.lightning import SafeTrainingCallback  # noqa: E402
 
 MODELS: Dict[str, Dict[str, int]] = {
     # name: conv channels, image side, batch size
@@ -90,8 +90,8 @@ class Clock(pl.Callback):
 
 VARIANTS: Dict[str, Callable[[], Optional[pl.Callback]]] = {
     "plain": lambda: None,
-    "safe": lambda: SafeTraining({"log": {"level": "WARNING"}}),
-    "safe_lazy": lambda: SafeTraining({"log": {"level": "WARNING"}, "detect": {"mode": "lazy"}}),
+    "safe": lambda: SafeTrainingCallback({"log": {"level": "WARNING"}}),
+    "safe_lazy": lambda: SafeTrainingCallback({"log": {"level": "WARNING"}, "detect": {"mode": "lazy"}}),
 }
 
 

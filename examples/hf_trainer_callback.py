@@ -53,8 +53,7 @@ def main(output_dir: str) -> None:
         save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,
     )  # fmt: skip
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[callback])
-    trainer.train()
-    callback.raise_if_aborted()  # TrainingAborted, if the guard had to stop training
+    trainer.train()  # raises TrainingAborted, naming cause and fix, if the guard had to stop training
 
     result = callback.result
     for event in result.events:

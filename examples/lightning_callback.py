@@ -1,4 +1,4 @@
-"""PyTorch Lightning: the SafeTraining callback on a small CNN with BatchNorm, faults injected.
+"""PyTorch Lightning: SafeTrainingCallback on a small CNN with BatchNorm, faults injected.
 
 A Lightning user adds one callback; the LightningModule, the optimizer, the LR schedule and the
 Trainer's loop stay as they are. Three faults are injected into a run on synthetic images:
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from safetrain.integrations.lightning import SafeTraining
+from safetrain.integrations.lightning import SafeTrainingCallback
 from safetrain.testing import GradFault, OutputFault
 
 
@@ -88,7 +88,7 @@ def main() -> None:
     GradFault(model.classifier.weight, calls=[50, 51])  # Inf gradients at 2 backward passes in a row
 
     # What a user adds: one callback (a config path, dict or None for the defaults).
-    safe = SafeTraining({"snapshot": {"every": 10}, "log": {"level": "ERROR"}}, run_dir=str(run_dir))
+    safe = SafeTrainingCallback({"snapshot": {"every": 10}, "log": {"level": "ERROR"}}, run_dir=str(run_dir))
     trainer = pl.Trainer(
         max_steps=steps,
         callbacks=[safe],

@@ -13,12 +13,12 @@ Nothing is built per step unless a hook is there.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .errors import ConfigError
+from .metrics import PREFIX, step_metrics
 from .safefile import real_dir
 
 if TYPE_CHECKING:
@@ -119,7 +119,8 @@ class HookCaller:
 
 class TensorBoardHook(RunHook):
     """Writes a run to TensorBoard (``torch.utils.tensorboard``): loss, LR in force, gradient norm,
-    the norm after clipping, the LR scale, the counters when they change, and every event as text.
+    the norm after clipping, the LR scale, the counters when they change (the keys of
+    :func:`~safetrain.metrics.step_metrics`, as the callbacks log them), and every event as text.
 
     ``log.tensorboard: true`` adds one writing to ``<log.dir>/tensorboard``; pass your own to
     ``fit(hooks=...)`` to choose the folder. Scalars are under ``safetrain/``, events under the
@@ -143,22 +144,18 @@ class TensorBoardHook(RunHook):
             ) from exc
         self.log_dir = Path(real_dir(log_dir))  # a link planted in its place is refused, not written through
         self.writer = SummaryWriter(log_dir=str(self.log_dir))
-        self._counts: Dict[str, int] = {}
+        self._counts: Dict[str, float] = {}
 
     def on_step(self, record: StepRecord) -> None:
-        """Scalars of the step: loss, grad norm, LR scale, each group's LR, clip, changed counters."""
-        scalar, step = self.writer.add_scalar, record.step
-        for tag, value in (("loss", record.loss), ("grad_norm", record.grad_norm), ("lr_scale", record.lr_scale)):
-            if math.isfinite(value):  # TensorBoard draws no NaN; the event text says what happened
-                scalar(f"safetrain/{tag}", value, step)
-        for i, lr in enumerate(record.lrs):
-            scalar("safetrain/lr" if len(record.lrs) == 1 else f"safetrain/lr/group{i}", lr, step)
-        if math.isfinite(record.clipped_to):
-            scalar("safetrain/clipped_to", record.clipped_to, step)
-        for name, value in record.counts.items():
-            if self._counts.get(name) != value:
-                scalar(f"safetrain/counts/{name}", value, step)
-        self._counts = dict(record.counts)
+        """The step's :func:`~safetrain.metrics.step_metrics` (the keys the Lightning and Hugging
+        Face callbacks log too), each counter only when it changed."""
+        for tag, value in step_metrics(record).items():
+            name = tag[len(PREFIX) :]
+            if name in record.counts:  # a counter: a point where it moves
+                if self._counts.get(name) == value:
+                    continue
+                self._counts[name] = value
+            self.writer.add_scalar(tag, value, record.step)
 
     def on_event(self, event: "Event") -> None:
         """The event as a line of text at its step."""

@@ -222,7 +222,7 @@ class Run:
         if step.trained:  # the last trained step's loss, non-finite too (a run of `warn` steps)
             self.result.final_loss = step.loss
         if self.hooks:  # nothing is built per step without a hook
-            self.hooks.call("on_step", self._step_record(step, epoch, batch))
+            self.hooks.call("on_step", self.step_record(step))
         if self.bar is not None:
             counts = guard.counts
             self.bar.update(1)
@@ -234,8 +234,16 @@ class Run:
                 refresh=False,
             )
 
-    def _step_record(self, step: StepResult, epoch: int, batch: int) -> StepRecord:
+    def step_record(self, step: StepResult, lrs: Optional[Sequence[float]] = None) -> StepRecord:
+        """A decided step as hooks and trackers receive it (:func:`~safetrain.metrics.step_metrics`).
+
+        Args:
+            step: the step's result (from ``decide`` or ``finish_step``).
+            lrs: the LRs its update used, when the optimizer's have moved on since (a scheduler
+                stepped after it); default the guard's now.
+        """
         guard = self.guard
+        epoch, batch = guard.position
         return StepRecord(
             step=step.step,
             epoch=epoch,
@@ -243,7 +251,7 @@ class Run:
             loss=step.loss,
             grad_norm=step.grad_norm,
             lr_scale=guard.lr_scale,
-            lrs=guard.lrs,
+            lrs=tuple(lrs) if lrs is not None else guard.lrs,
             trained=step.trained,
             action=step.action,
             clipped_to=step.clipped_to,

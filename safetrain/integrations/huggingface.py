@@ -18,9 +18,12 @@ The Trainer owns the loop; the callback drives the guard's step verbs at its poi
   whose update was not applied, and an LR backoff stays a scale on top of it.
 
 The guard's own forwards (re-runs through ``step_fn`` and replays) pass through the hooks, as do
-evaluation forwards. An abort sets ``control.should_training_stop``, logs one line and keeps the
-:class:`~safetrain.errors.TrainingAborted` on :attr:`SafeTrainingCallback.aborted`; the model is
-at the last good snapshot. The guard's state goes into the Trainer's checkpoints
+evaluation forwards. An abort (``on_abort="raise"``, the default) raises
+:class:`~safetrain.errors.TrainingAborted` out of ``trainer.train()`` at the step's
+``on_pre_optimizer_step``, before the Trainer's ``optimizer.step()``, with the journal closed
+``aborted``; ``on_abort="stop"`` sets ``control.should_training_stop`` instead, logs one line and
+keeps the exception on :attr:`SafeTrainingCallback.aborted` (:meth:`~SafeTrainingCallback.raise_if_aborted`
+raises it). Either way the model is at the last good snapshot. The guard's state goes into the Trainer's checkpoints
 (``TrainerState.stateful_callbacks``) and ``trainer.train(resume_from_checkpoint=...)`` puts it
 back. The journal (``events.jsonl``, ``metrics.csv``) lands in ``log.dir`` or ``args.output_dir``.
 
@@ -35,6 +38,10 @@ every other final callback of the backward). Each rank journals (rank 0 ``events
 (accelerate runs it on accelerators only, so it is untested here); DeepSpeed is refused: its
 engine owns the backward, the partitioned gradients and the step.
 
+It agrees with the Lightning callback (:mod:`safetrain.integrations.lightning`): the same name,
+the same ``on_abort``, the same metric keys (:func:`~safetrain.metrics.step_metrics`, added to the
+Trainer's logs at its logging steps and at every step the guard acted on).
+
 Supported: transformers >= 4.46 (``on_pre_optimizer_step``, ``ExportableState``) with accelerate;
 tested with transformers 5.24 and accelerate 1.15.
 """
@@ -43,7 +50,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Literal, Optional, Sequence
 
 import torch
 
@@ -60,6 +67,7 @@ from ..adapters.torch_private import after_backward_end
 from ..config import ConfigLike, as_config, to_dict
 from ..errors import SafetrainError, TrainingAborted
 from ..guard import Guard, StepResult
+from ..metrics import step_metrics
 from ..run import FitResult, Run
 from .huggingface_logs import TrainerLogs
 from .huggingface_setup import guarded_model, loss_of, model_loss, with_accumulation
@@ -104,7 +112,18 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
         restored: set by the Trainer when ``restore_callback_states_from_checkpoint=True`` rebuilds
             the callback from a checkpoint (``state()``'s args): the new instance takes the place
             of the last one made in this process, whose :attr:`aborted`, :attr:`result` and
-            :meth:`raise_if_aborted` then answer for it (and whose ``step_fn`` it keeps).
+            :meth:`raise_if_aborted` then answer for it (and whose ``step_fn``, ``on_abort`` and
+            ``log_metrics`` it keeps).
+        on_abort: ``"raise"`` (default): :class:`~safetrain.TrainingAborted` propagates out of
+            ``trainer.train()`` (raised at the step's ``on_pre_optimizer_step``, the journal closed
+            ``aborted``); ``"stop"``: ``control.should_training_stop`` is set, ``train()`` returns,
+            and :meth:`raise_if_aborted` raises it. Either way it is kept in :attr:`aborted` and the
+            model is at the last good snapshot. The Lightning callback takes the same argument.
+        log_metrics: add :func:`~safetrain.metrics.step_metrics` of the last step (``safetrain/loss``,
+            ``safetrain/grad_norm``, ``safetrain/lr``, ``safetrain/lr_scale``, ``safetrain/trained``,
+            every intervention counter: the Lightning callback's keys) to the Trainer's training
+            logs, at its logging steps and at every step the guard acted on (``control.should_log``).
+            The Trainer's own ``loss``, ``learning_rate`` and ``grad_norm`` are corrected either way.
 
     Attributes:
         guard: the :class:`~safetrain.Guard` while training (made in ``on_train_begin``).
@@ -115,8 +134,7 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
 
         callback = SafeTrainingCallback({"snapshot": {"every": 50}})
         trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
-        trainer.train()
-        callback.raise_if_aborted()
+        trainer.train()  # raises TrainingAborted if the guard had to stop the run
     """
 
     _latest: "Optional[weakref.ref[SafeTrainingCallback]]" = None  # the last instance a user made
@@ -127,7 +145,13 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
         step_fn: Optional[Callable[[torch.nn.Module, Any], torch.Tensor]] = None,
         resume_state: Optional[Dict[str, Any]] = None,
         restored: bool = False,
+        *,
+        on_abort: Literal["raise", "stop"] = "raise",
+        log_metrics: bool = True,
     ) -> None:
+        if on_abort not in ("raise", "stop"):
+            raise ValueError(f"SafeTrainingCallback(on_abort={on_abort!r}): expected 'raise' or 'stop'")
+        self.on_abort, self.log_metrics = on_abort, log_metrics
         self.cfg = as_config(cfg)
         self.step_fn = step_fn if step_fn is not None else model_loss
         self.resume_state = resume_state
@@ -143,6 +167,7 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
         self._gradient_state: Any = None
         self._optimizer: Optional[torch.optim.Optimizer] = None  # the torch optimizer inside accelerate's wrapper
         self._lr: Optional[float] = None  # the LR in force at the last update
+        self._lrs: Optional[Sequence[float]] = None  # ... of every parameter group
         self._busy = False  # the guard runs forwards of its own: the hooks pass through
         self._open = False  # a micro-batch begun, its loss not yet seen
         self._undecided = False  # the step's last micro-batch seen, its decision not yet made
@@ -162,6 +187,7 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
         origin = cls._latest() if cls._latest is not None else None
         if origin is not None and origin is not self:  # (a later resume's instance replaces an earlier one)
             origin._survivor = self
+            self.on_abort, self.log_metrics = origin.on_abort, origin.log_metrics  # the user's, not the checkpoint's
             if step_fn is None:
                 self.step_fn = origin.step_fn
 
@@ -199,7 +225,7 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
         self.close()
         self._survivor = None  # this instance trains: it answers for itself
         self.aborted, self.result, self.last = None, None, None
-        self._logs, self._lr = TrainerLogs(), None
+        self._logs, self._lr, self._lrs = TrainerLogs(), None, None
         if getattr(args, "deepspeed", None):
             raise SafetrainError(
                 "SafeTrainingCallback cannot guard a DeepSpeed Trainer: DeepSpeed's engine owns the backward, "
@@ -269,15 +295,21 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
             self.guard.begin_epoch(epoch, resumed=state.epoch != epoch)  # a checkpoint's mid-epoch: its losses kept
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        """Decide now if the backward's end did not (no loss hook fired); on an abort, stop training
-        and make the optimizer step that follows change nothing."""
+        """Decide now if the backward's end did not (no loss hook fired); on an abort, raise it out
+        of ``train()`` (``on_abort="raise"``, the journal closed first) or stop training and make
+        the optimizer step that follows change nothing (``"stop"``)."""
         if self._undecided:  # (the loss did not require grad: decided after the Trainer's clipping)
             self._decide()
-        if self._optimizer is not None and self._optimizer.param_groups:
-            self._lr = float(self._optimizer.param_groups[0]["lr"])  # the LR this step's update uses
-        if self.aborted is not None and self.guard is not None:
+        if self.guard is not None:
+            self._lrs = self.guard.lrs  # the LRs this step's update uses (the scheduler moves them after)
+            self._lr = self._lrs[0] if self._lrs else None
+        aborted = self.aborted
+        if aborted is not None and self.guard is not None:
             self.guard.stop()  # no gradient: the Trainer's optimizer.step() moves nothing, nor its scheduler.step()
             control.should_training_stop = True
+            if self.on_abort == "raise":
+                self.close(error=aborted)  # the journal ends `aborted`; the hooks come off the model
+                raise aborted
         return control
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
@@ -289,16 +321,23 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
         self._logs.step(self.last.trained, self.last.loss, self._lr)
         if self._run is not None:
             self._run.record(self.last)
+        if self.log_metrics and self.last.action:  # the guard acted: the step's figures logged now (as Lightning's)
+            control.should_log = True
         return control
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Optional[Dict[str, Any]] = None, **kwargs: Any) -> None:
-        """The guard's figures into the Trainer's training logs and ``state.log_history`` (see
-        :mod:`.huggingface_logs`): the LR in force, the loss of the applied steps, the gradient norm
-        it read, the LR scale and its counts of skipped batches, restores and LR backoffs. The
-        callback runs before the Trainer's reporters (W&B, TensorBoard), so they log the same."""
+        """The guard's figures into the Trainer's training logs and ``state.log_history``: the
+        Trainer's own keys corrected (the LR in force, the loss of the applied steps, the gradient
+        norm it read: :mod:`.huggingface_logs`) and, with ``log_metrics``, the last step's
+        :func:`~safetrain.metrics.step_metrics`. The callback runs before the Trainer's reporters
+        (W&B, TensorBoard), so they log the same."""
         if self.guard is None or logs is None or "loss" not in logs:
             return
         changed = self._logs.fill(logs, self.guard)
+        if self.log_metrics and self.last is not None and self._run is not None:
+            metrics = step_metrics(self._run.step_record(self.last, lrs=self._lrs))
+            logs.update(metrics)
+            changed.update(metrics)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             entry = state.log_history[-1]
             for key, value in changed.items():
@@ -317,13 +356,19 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
         self.result = run.result
         if self.aborted is None and isinstance(ended, TrainingAborted):
             self._abort(ended)
+            if self.on_abort == "raise":
+                raise ended  # the journal already says so
 
     # ----------------------------------------------------------------- checkpoints
     def state(self) -> Dict[str, Any]:
         """What the Trainer's checkpoint keeps (``TrainerState.stateful_callbacks``): the config and
         the guard's state (counters, LR backoff, spike and divergence windows, policy history)."""
         guard_state = self.guard.state_dict() if self.guard is not None else self.resume_state
-        return {"args": {"cfg": to_dict(self.cfg), "restored": True}, "attributes": {"resume_state": guard_state}}
+        settings = {"on_abort": self.on_abort, "log_metrics": self.log_metrics}
+        return {
+            "args": {"cfg": to_dict(self.cfg), "restored": True, **settings},
+            "attributes": {"resume_state": guard_state},
+        }
 
     def _saved_state(self, state: Any) -> Optional[Dict[str, Any]]:
         """The guard's state of the checkpoint being resumed (``global_step`` > 0), if it has one."""
@@ -338,7 +383,8 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
 
     # ----------------------------------------------------------------- the caller
     def raise_if_aborted(self) -> None:
-        """Raise the :class:`~safetrain.TrainingAborted` that stopped training, if any."""
+        """Raise the :class:`~safetrain.TrainingAborted` that stopped training, if any (after a
+        ``train()`` with ``on_abort="stop"``; with ``"raise"``, ``train()`` raised it already)."""
         if self.aborted is not None:
             raise self.aborted
 
@@ -416,5 +462,6 @@ class SafeTrainingCallback(TrainerCallback, ExportableState):
 
     def _abort(self, exc: TrainingAborted) -> None:
         self.aborted = exc
-        steps = self.guard.steps if self.guard is not None else 0
-        logger.error("safetrain: training stopped at step %d, the model at the last good snapshot: %s", steps, exc)
+        if self.on_abort == "stop":  # (raised, it says so itself)
+            steps = self.guard.steps if self.guard is not None else 0
+            logger.error("safetrain: training stopped at step %d, the model at the last good snapshot: %s", steps, exc)

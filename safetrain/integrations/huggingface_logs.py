@@ -12,9 +12,11 @@ itself, which a guarded run contradicts in three places; :class:`TrainerLogs` pu
   applied steps (the guard's loss, the mean over ranks and micro-batches, as the Trainer's), and
   no ``loss`` when no step of the window was applied. The Trainer's final ``train_loss`` (its
   ``TrainOutput``) still counts the skipped steps: it is computed outside any callback.
-* The guard's interventions: ``safetrain/skipped_batches``, ``safetrain/restores`` and
-  ``safetrain/lr_backoffs`` (totals so far), with ``grad_norm`` (the guard's read, before any
-  clipping) and ``lr_scale``.
+* ``grad_norm`` is the norm the Trainer's clipping measured: NaN on a step the guard skipped for
+  a non-finite gradient. Logged: the guard's read, before any clipping.
+
+The guard's own figures (``safetrain/...``, the Lightning callback's keys) are added beside them
+by the callback, from :func:`safetrain.metrics.step_metrics`.
 """
 
 from __future__ import annotations
@@ -40,14 +42,7 @@ class TrainerLogs:
     def fill(self, logs: Dict[str, Any], guard: Any) -> Dict[str, Any]:
         """Put the guard's figures into a training log (one with ``loss``); returns what changed
         (``loss`` mapped to ``None`` when it was taken out)."""
-        counts = guard.counts
-        out: Dict[str, Any] = {
-            "grad_norm": guard.last_grad_norm,
-            "lr_scale": guard.lr_scale,
-            "safetrain/skipped_batches": counts.skipped_batches,
-            "safetrain/restores": counts.restores,
-            "safetrain/lr_backoffs": counts.lr_backoffs,
-        }
+        out: Dict[str, Any] = {"grad_norm": guard.last_grad_norm}
         if self.lr is not None:
             out["learning_rate"] = self.lr
         window, self._window = self._window, []

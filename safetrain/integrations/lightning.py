@@ -1,4 +1,4 @@
-"""PyTorch Lightning: :class:`SafeTraining`, a callback that guards a ``Trainer``'s own steps.
+"""PyTorch Lightning: :class:`SafeTrainingCallback`, a callback that guards a ``Trainer``'s own steps.
 
 Lightning keeps its loop (automatic optimization, gradient accumulation, clipping, precision
 plugins, LR schedulers, checkpoints); the callback drives the guard's step verbs at the hooks
@@ -13,11 +13,16 @@ Lightning offers, and a :class:`~safetrain.run.Run` around them::
     on_train_batch_end        -> guard.finish_step (counters, the periodic snapshot), the metrics row
 
 The guard's state (counters, LR backoff, spike and divergence windows, policy history) travels in
-Lightning's checkpoint through :meth:`SafeTraining.state_dict`, so ``trainer.fit(ckpt_path=...)``
+Lightning's checkpoint through :meth:`SafeTrainingCallback.state_dict`, so ``trainer.fit(ckpt_path=...)``
 resumes it. Under ``strategy="ddp"`` the guard wraps the strategy's ``DistributedDataParallel``:
 its sync combines every rank's read in the step's one collective, so every rank takes the same
 action at the same step and restores the same snapshot; rank 0 journals to ``events.jsonl``, rank
 r to ``events-rank{r}.jsonl``. Requires ``lightning>=2.2`` (``pip install safetrain[lightning]``).
+
+It agrees with the Hugging Face callback (:mod:`safetrain.integrations.huggingface`): the same name,
+the same ``on_abort`` (by default :class:`~safetrain.TrainingAborted` out of ``fit``), the same
+metric keys (:func:`~safetrain.metrics.step_metrics`). ``SafeTraining``, its name before 0.2, still
+works and warns once.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any, Dict, Literal, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Dict, Literal, Mapping, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -35,41 +40,37 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from .. import distributed
 from ..adapters.lightning_private import precision_scaler, silenced_logging
 from ..config import ConfigLike, TrainConfig, as_config, to_dict
+from ..deprecation import warn_once
 from ..distributed import FSDP2, layout_of
 from ..errors import TrainingAborted
 from ..guard import Guard
+from ..metrics import COUNTERS, step_metrics
 from ..run import FitResult, Run
 from ..runlog import OWN_SUBDIR
 
-__all__ = ["SafeTraining"]
+__all__ = ["SafeTrainingCallback"]
 
 logger = logging.getLogger(__name__)
 
-#: The guard's counters sent to Lightning's loggers as ``safetrain/<name>`` (see ``FitResult``).
-LOGGED_COUNTS = (
-    "skipped_batches",
-    "dropped_rows",
-    "replaced_rows",
-    "zeroed_grads",
-    "retries",
-    "restores",
-    "lr_backoffs",
-    "scaler_skips",
-    "warnings",
-)
+#: The guard's counters sent to Lightning's loggers as ``safetrain/<name>`` (kept for code that
+#: read it: :data:`safetrain.metrics.COUNTERS`, which both callbacks log).
+LOGGED_COUNTS = COUNTERS
+
+#: The checkpoint key (``Callback.state_key``: the class's name) of the callback's state before 0.2.
+_OLD_STATE_KEY = "SafeTraining"
 
 #: Lightning's mixed-precision settings -> the autocast dtype the guard's re-runs and replays use.
 AMP_DTYPES = {"16-mixed": "float16", "bf16-mixed": "bfloat16"}
 
 
-class SafeTraining(Callback):
+class SafeTrainingCallback(Callback):
     """Detect, diagnose and recover from NaN/Inf and loss spikes inside a Lightning ``Trainer``.
 
     Add it to the trainer's callbacks; the ``LightningModule`` is unchanged, in one process or
     under DDP::
 
-        trainer = Trainer(callbacks=[SafeTraining("configs/default.yaml")], max_steps=1000)
-        trainer = Trainer(callbacks=[SafeTraining()], accelerator="cpu", devices=2, strategy="ddp")
+        trainer = Trainer(callbacks=[SafeTrainingCallback("configs/default.yaml")], max_steps=1000)
+        trainer = Trainer(callbacks=[SafeTrainingCallback()], accelerator="cpu", devices=2, strategy="ddp")
         trainer.fit(model, loader)
 
     When training starts it builds a :class:`~safetrain.Guard` on the module and
@@ -86,20 +87,22 @@ class SafeTraining(Callback):
             writes, such as the CSV logger's ``metrics.csv``); also the snapshot directory when
             ``snapshot.store`` is ``safetensors`` and ``snapshot.dir`` is unset.
         on_abort: ``"raise"`` (default): :class:`~safetrain.TrainingAborted` propagates out of
-            ``trainer.fit`` (Lightning tears down and re-raises it); ``"stop"``: the exception is
-            kept in :attr:`aborted`, ``trainer.should_stop`` is set and ``fit`` returns. Either way
-            the model and optimizer are at the last good snapshot.
-        log_grad_norm: send ``safetrain/grad_norm``, ``safetrain/lr`` (the LR in force: the
-            schedule's times the backoff), ``safetrain/lr_scale``, ``safetrain/trained`` and the
-            intervention counters (``safetrain/skipped_batches``, ``restores``, ``lr_backoffs``,
-            ... see :data:`LOGGED_COUNTS`) to the trainer's loggers every ``log_every_n_steps``
-            steps and at every step the guard acted on (straight to the loggers: not in
-            ``callback_metrics``; host values, no sync).
+            ``trainer.fit`` (Lightning tears down and re-raises it); ``"stop"``: ``trainer.should_stop``
+            is set, ``fit`` returns, and :meth:`raise_if_aborted` raises it. Either way it is kept in
+            :attr:`aborted`, the model and optimizer are at the last good snapshot and the journal
+            ends ``aborted``. The Hugging Face callback takes the same argument.
+        log_metrics: send :func:`~safetrain.metrics.step_metrics` (``safetrain/loss``,
+            ``safetrain/grad_norm``, ``safetrain/lr``: the LR in force, ``safetrain/lr_scale``,
+            ``safetrain/trained``, ``safetrain/clipped_to`` and every intervention counter,
+            ``safetrain/skipped_batches``, ``safetrain/restores``, ...: the Hugging Face callback's
+            keys) to the trainer's loggers every ``log_every_n_steps`` steps and at every step the
+            guard acted on (straight to the loggers: not in ``callback_metrics``; host values, no sync).
+        log_grad_norm: the old name of ``log_metrics`` (deprecated).
 
     Attributes:
         guard: the :class:`~safetrain.Guard` of the current (or last) ``fit``.
         result: a :class:`~safetrain.FitResult` with the guard's counters and how the run ended.
-        aborted: the :class:`~safetrain.TrainingAborted` of a run stopped with ``on_abort="stop"``.
+        aborted: the :class:`~safetrain.TrainingAborted` that stopped the run, or ``None``.
 
     Raises:
         ValueError: (when training starts) manual optimization, several optimizers, several
@@ -113,12 +116,19 @@ class SafeTraining(Callback):
         run_dir: Optional[str] = None,
         *,
         on_abort: Literal["raise", "stop"] = "raise",
-        log_grad_norm: bool = True,
+        log_metrics: bool = True,
+        log_grad_norm: Optional[bool] = None,
     ) -> None:
         if on_abort not in ("raise", "stop"):
-            raise ValueError(f"SafeTraining(on_abort={on_abort!r}): expected 'raise' or 'stop'")
+            raise ValueError(f"SafeTrainingCallback(on_abort={on_abort!r}): expected 'raise' or 'stop'")
+        if log_grad_norm is not None:
+            warn_once(
+                "SafeTrainingCallback(log_grad_norm=)",
+                "SafeTrainingCallback(log_grad_norm=...) is deprecated: use log_metrics=... (the same switch)",
+            )
+            log_metrics = log_grad_norm
         self.cfg: TrainConfig = as_config(cfg)
-        self.run_dir, self.on_abort, self.log_grad_norm = run_dir, on_abort, log_grad_norm
+        self.run_dir, self.on_abort, self.log_metrics = run_dir, on_abort, log_metrics
         self.guard: Optional[Guard] = None
         self.result: Optional[FitResult] = None
         self.aborted: Optional[TrainingAborted] = None
@@ -187,7 +197,7 @@ class SafeTraining(Callback):
         ``LightningModule`` under DDP, so that the ranks agree), the optimizer and the scheduler."""
         if not pl_module.automatic_optimization:
             raise ValueError(
-                "SafeTraining guards Lightning's automatic optimization; this module sets "
+                "SafeTrainingCallback guards Lightning's automatic optimization; this module sets "
                 "automatic_optimization = False (manual optimization: Lightning's way to write a GAN or "
                 "several optimizers). Drop the callback and guard the steps in training_step with a "
                 "safetrain.Guard built once over the networks and optimizers: for a GAN, "
@@ -195,11 +205,13 @@ class SafeTraining(Callback):
                 "guard.step(batch, name='d') then name='g' (docs/own-loop.md: alternating objectives)"
             )
         if len(trainer.optimizers) != 1:
-            raise ValueError(f"SafeTraining: got {len(trainer.optimizers)} optimizers; expected exactly one")
+            raise ValueError(f"SafeTrainingCallback: got {len(trainer.optimizers)} optimizers; expected exactly one")
         model = _guarded_module(trainer, pl_module)
         per_step = [c.scheduler for c in trainer.lr_scheduler_configs if c.interval == "step"]
         if len(per_step) > 1:
-            raise ValueError(f"SafeTraining: got {len(per_step)} step-interval LR schedulers; expected at most one")
+            raise ValueError(
+                f"SafeTrainingCallback: got {len(per_step)} step-interval LR schedulers; expected at most one"
+            )
         return model, trainer.optimizers[0], (per_step[0] if per_step else None)
 
     def _run_dir(self, trainer: Trainer, cfg: TrainConfig) -> Optional[str]:
@@ -271,21 +283,24 @@ class SafeTraining(Callback):
         try:
             result = guard.decide()
         except TrainingAborted as exc:
+            self.aborted = exc
             if self.on_abort == "raise":
-                raise
+                raise  # Lightning calls on_exception (the journal ends `aborted`), tears down, re-raises
             logger.error(
                 "safetrain aborted the run; trainer.should_stop set, the model at the last good state: %s", exc
             )
-            self.aborted, trainer.should_stop = exc, True
+            trainer.should_stop = True
             guard.stop()
             return
         self._decided = True
         if result.restored:
             self._keep_epoch_lr(trainer)
-        if self.log_grad_norm and trainer.loggers:
+        if self.log_metrics and trainer.loggers and self._run is not None:
             step = trainer.global_step
             if result.action or (step + 1) % max(trainer.log_every_n_steps, 1) == 0:
-                self._log(trainer, step, result.grad_norm, guard, result.trained)
+                metrics = step_metrics(self._run.step_record(result))
+                for lg in trainer.loggers:  # (Lightning's loggers write on rank 0 only)
+                    lg.log_metrics(metrics, step=step)
 
     def _keep_epoch_lr(self, trainer: Trainer) -> None:
         """A restore put the snapshot's LR back; an epoch-interval scheduler is not in the snapshot
@@ -295,25 +310,6 @@ class SafeTraining(Callback):
         epoch = [c.scheduler for c in trainer.lr_scheduler_configs if c.interval != "step"]
         if guard is not None and guard.scheduler is None and len(epoch) == 1 and hasattr(epoch[0], "get_last_lr"):
             guard.keep_schedule(epoch[0].get_last_lr())
-
-    @staticmethod
-    def _log(trainer: Trainer, step: int, grad_norm: float, guard: Guard, trained: bool) -> None:
-        """The guard's values to Lightning's loggers, directly (``pl_module.log`` costs ~0.7 ms a
-        call in Lightning's result collection, a third of a small model's step): the gradient norm,
-        the LR in force (the schedule's times the backoff, as the optimizer holds it; one per param
-        group when there are several), the backoff's scale, whether the step trained, and the
-        intervention counters. All host values: no sync. Lightning's loggers write on rank 0 only."""
-        metrics = {"safetrain/lr_scale": guard.lr_scale, "safetrain/trained": float(trained)}
-        if grad_norm == grad_norm:  # (NaN: a step with no norm)
-            metrics["safetrain/grad_norm"] = grad_norm
-        groups = trainer.optimizers[0].param_groups
-        for i, group in enumerate(groups):
-            metrics["safetrain/lr" if len(groups) == 1 else f"safetrain/lr-pg{i}"] = float(group["lr"])
-        counts = guard.counts
-        for name in LOGGED_COUNTS:
-            metrics[f"safetrain/{name}"] = float(getattr(counts, name))
-        for lg in trainer.loggers:
-            lg.log_metrics(metrics, step=step)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -331,9 +327,15 @@ class SafeTraining(Callback):
             return
         ended = run.end(self.aborted)
         if self.aborted is None and isinstance(ended, TrainingAborted):
+            self.aborted = ended
             if self.on_abort == "raise":
                 raise ended  # the journal already says so
-            self.aborted = ended
+
+    def raise_if_aborted(self) -> None:
+        """Raise the :class:`~safetrain.TrainingAborted` that stopped training, if any (after a
+        ``fit`` with ``on_abort="stop"``; with ``"raise"``, ``fit`` raised it already)."""
+        if self.aborted is not None:
+            raise self.aborted
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._close(exception)
@@ -352,6 +354,13 @@ class SafeTraining(Callback):
         if self.guard is not None:
             return {"guard": self.guard.state_dict()}
         return {"guard": self._loaded} if self._loaded is not None else {}
+
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: Dict[str, Any]) -> None:
+        """A checkpoint written before 0.2 keeps the guard's state under the old class name
+        (``SafeTraining``): take it from there (Lightning looks up :attr:`state_key` only)."""
+        states = checkpoint.get("callbacks") or {}
+        if self.state_key not in states and isinstance(states.get(_OLD_STATE_KEY), Mapping):
+            self.load_state_dict(dict(states[_OLD_STATE_KEY]))
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Take the guard's state from a checkpoint; applied when the guard is built (training starts)."""
@@ -379,7 +388,7 @@ def _guarded_module(trainer: Trainer, pl_module: LightningModule) -> torch.nn.Mo
     strategy = type(trainer.strategy).__name__
     if isinstance(trainer.strategy, FSDPStrategy):
         raise ValueError(
-            "SafeTraining: strategy='fsdp' is Lightning's FSDPStrategy, which wraps the module in "
+            "SafeTrainingCallback: strategy='fsdp' is Lightning's FSDPStrategy, which wraps the module in "
             "FullyShardedDataParallel (FSDP1): its flattened parameters cannot be checked, named or "
             "snapshotted per layer. Use strategy='ddp', or FSDP2: strategy=ModelParallelStrategy("
             "data_parallel_size=N, tensor_parallel_size=1) with fully_shard(...) in configure_model"
@@ -387,7 +396,7 @@ def _guarded_module(trainer: Trainer, pl_module: LightningModule) -> torch.nn.Mo
     if model is pl_module and layout_of(pl_module) == FSDP2:
         return pl_module
     raise ValueError(
-        f"SafeTraining: strategy {strategy} with world_size={trainer.world_size} is not supported; "
+        f"SafeTrainingCallback: strategy {strategy} with world_size={trainer.world_size} is not supported; "
         "supported: one process, strategy='ddp' (or DDPStrategy), and FSDP2 through ModelParallelStrategy "
         "with fully_shard(...) on the LightningModule in configure_model"
     )
@@ -415,3 +424,18 @@ def _point_at(dst: Any, src: Any) -> None:
     elif dataclasses.is_dataclass(dst) and not isinstance(dst, type):
         for f in dataclasses.fields(dst):
             _point_at(getattr(dst, f.name), getattr(src, f.name))
+
+
+if TYPE_CHECKING:  # the old name, for type checkers (at run time through __getattr__, which warns)
+    SafeTraining = SafeTrainingCallback
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SafeTraining":
+        warn_once(
+            "SafeTraining",
+            "safetrain.integrations.lightning.SafeTraining is now SafeTrainingCallback (the Hugging Face "
+            "callback's name); the old name still works, and will be removed in a later version",
+        )
+        return SafeTrainingCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -164,14 +164,14 @@ def test_the_lightning_callback_stops_a_broken_start_too(tmp_path):
     """The integrations share the guard's first batch: a NaN weight loaded into a LightningModule
     before ``trainer.fit`` aborts at its first batch, journaled, the run ending ``aborted``."""
     pytest.importorskip("lightning")
-    from safetrain.integrations.lightning import SafeTraining
+    from safetrain.integrations.lightning import SafeTrainingCallback
     from tests.integration.test_lightning import CFG, Net, trainer
     from tests.integration.test_lightning import loader as images
 
     model = Net()
     with torch.no_grad():
         model.head.weight[1, 2] = math.nan
-    cb = SafeTraining(CFG)
+    cb = SafeTrainingCallback(CFG)
     with pytest.raises(TrainingAborted, match=r"in head\.weight; the first batch's output goes non-finite at head"):
         trainer(cb, tmp_path).fit(model, images())
     assert cb.result.ended == "aborted" and cb.result.optimizer_steps == 0

@@ -119,7 +119,7 @@ def test_tensorboard_event_files_hold_the_scalars_and_the_events(tmp_path):
     assert [s.value for s in loss] == pytest.approx([r.loss for r in finite], rel=1e-6)
     lrs = reader.Scalars("safetrain/lr")
     assert len(lrs) == len(hook.steps) and all(s.value == pytest.approx(0.02) for s in lrs)
-    restores = reader.Scalars("safetrain/counts/restores")
+    restores = reader.Scalars("safetrain/restores")
     assert [s.value for s in restores] == [0, 1], "written when it changes"
     texts = [t.tensor_proto.string_val[0].decode() for t in reader.Tensors("safetrain/events/text_summary")]
     assert len(texts) == len(result.events) and any(t.startswith("restored") for t in texts), tags

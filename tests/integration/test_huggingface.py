@@ -101,8 +101,8 @@ class Moves(TrainerCallback):
 
 
 def train(model: torch.nn.Module, out: Path, steps: int, cfg: Optional[dict] = None, data: Any = None,
-          extra: List[Any] = (), resume: Optional[str] = None, **kw: Any):  # fmt: skip
-    cb = SafeTrainingCallback({**QUIET, **(cfg or {})})
+          extra: List[Any] = (), resume: Optional[str] = None, on_abort: str = "raise", **kw: Any):  # fmt: skip
+    cb = SafeTrainingCallback({**QUIET, **(cfg or {})}, on_abort=on_abort)
     moves = Moves(model)
     trainer = Trainer(model=model, args=args(out, steps, **kw), train_dataset=data or Tokens(),
                       callbacks=[cb, moves, *extra])  # fmt: skip
@@ -138,7 +138,7 @@ def test_a_healthy_run_of_104_steps_with_padding_and_attention_masks_raises_no_a
     assert all(moves.moved.values()) and finite(model) and cb.aborted is None
     assert cb.result.ended == "done" and ended(tmp_path)["action"] == "done"
     logged = [h for h in trainer.state.log_history if "loss" in h]
-    assert logged and all(h["grad_norm"] > 0 and h["lr_scale"] == 1.0 for h in logged)
+    assert logged and all(h["grad_norm"] > 0 and h["safetrain/lr_scale"] == 1.0 for h in logged)
 
 
 class Embeds(Tokens):
@@ -230,9 +230,11 @@ def test_a_loss_spike_is_skipped(tmp_path):
 
 
 def test_an_unfixable_fault_stops_training_cleanly_with_the_exception_kept(tmp_path, caplog):
+    """``on_abort="stop"``: ``train()`` returns, the exception kept (the default raises it: see
+    tests/integration/test_callbacks_agree.py)."""
     model = gpt2()
     OutputFault(model.transformer.h[0].attn.c_proj, calls=range(5, 10**9))
-    cb, moves, trainer = train(model, tmp_path, 30, {"recovery": {"max_retries": 2}})
+    cb, moves, trainer = train(model, tmp_path, 30, {"recovery": {"max_retries": 2}}, on_abort="stop")
     assert isinstance(cb.aborted, TrainingAborted) and trainer.state.global_step < 30
     with pytest.raises(TrainingAborted):
         cb.raise_if_aborted()

@@ -87,7 +87,7 @@ def _train(out: Path, steps: int, cfg: Dict[str, Any], fault: Any = None, resume
             syncs.append([self.seen.count, last.action if last is not None else "", snap])
             moved[state.global_step] = _digest(model) != self.before
 
-    cb = SafeTrainingCallback({**QUIET, **cfg})
+    cb = SafeTrainingCallback({**QUIET, **cfg}, on_abort="stop")  # its abort test: train() returns, then asserts
     base = dict(output_dir=str(out), per_device_train_batch_size=4, max_steps=steps, report_to="none",
                 save_strategy="no", use_cpu=True, logging_steps=1, learning_rate=1e-3, disable_tqdm=True,
                 dataloader_num_workers=0, seed=0, ddp_backend="gloo")  # fmt: skip

@@ -64,8 +64,9 @@ def test_a_skipped_step_is_not_logged_as_loss_0_and_the_reporters_get_the_guards
 
 
 def test_a_window_with_a_skipped_step_logs_the_mean_of_the_applied_steps(tmp_path):
+    """Step 5 is skipped: the window 4-5 (logged at 5, a step the guard acted on) shows step 4's loss."""
     model = gpt2()
-    OutputFault(model.transformer.h[1].mlp, calls=[4, 5, 6])
+    OutputFault(model.transformer.h[1].mlp, calls=[5, 6, 7])  # step 5's forward, its re-run and replay
     seen: Dict[int, float] = {}
 
     class Losses(TrainerCallback):
@@ -78,7 +79,9 @@ def test_a_window_with_a_skipped_step_logs_the_mean_of_the_applied_steps(tmp_pat
     reporter = _with_reporter(trainer)
     trainer.train()
     at = {h["step"]: h for h in reporter.logs}
-    assert at[6]["loss"] == pytest.approx((seen[5] + seen[6]) / 2, rel=1e-6), (at[6], seen)
+    assert sorted(at) == [3, 5, 6], "every logging step, and the step the guard acted on"
+    assert at[5]["loss"] == pytest.approx(seen[4], rel=1e-6), (at[5], seen)
+    assert at[6]["loss"] == pytest.approx(seen[6], rel=1e-6), (at[6], seen)
     assert at[3]["loss"] == pytest.approx(sum(seen[s] for s in (1, 2, 3)) / 3, rel=1e-5), "unchanged: no skip"
 
 
@@ -98,26 +101,34 @@ def test_the_logged_learning_rate_is_the_one_in_force_under_a_backoff(tmp_path):
     reporter = _with_reporter(trainer)
     trainer.train()
     at = {h["step"]: h for h in reporter.logs}
-    assert at[8]["safetrain/lr_backoffs"] == 1 and at[8]["lr_scale"] == 0.5, at[8]
+    assert at[8]["safetrain/lr_backoffs"] == 1 and at[8]["safetrain/lr_scale"] == 0.5, at[8]
     for step in range(1, 9):
         assert at[step]["learning_rate"] == pytest.approx(used[step]), (step, at[step], used[step])
     schedule = trainer.lr_scheduler.get_last_lr()[0]
     assert used[8] < schedule, "the backoff is in force: the schedule's LR is not what was used"
 
 
-def test_the_users_instance_raises_the_abort_after_restore_callback_states_from_checkpoint(tmp_path):
+@pytest.mark.parametrize("on_abort", ["raise", "stop"])
+def test_the_users_instance_raises_the_abort_after_restore_callback_states_from_checkpoint(tmp_path, on_abort):
     """``restore_callback_states_from_checkpoint=True`` makes the Trainer build a new callback from
     the checkpoint and drop the user's; before, ``cb.raise_if_aborted()`` on the user's instance
-    never raised and its ``result`` stayed ``None``."""
+    never raised and its ``result`` stayed ``None``. The instance the Trainer made keeps the
+    user's ``on_abort``."""
     train(gpt2(), tmp_path, 4, save_strategy="steps", save_steps=4)
     model = gpt2()
     OutputFault(model.transformer.h[0].attn.c_proj, calls=range(1, 10**9))
-    cb = SafeTrainingCallback(QUIET)
+    cb = SafeTrainingCallback(QUIET, on_abort=on_abort)
     kw = dict(restore_callback_states_from_checkpoint=True)
     trainer = Trainer(model=model, args=args(tmp_path, 30, **kw), train_dataset=Tokens(), callbacks=[cb])
-    trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    if on_abort == "raise":
+        with pytest.raises(TrainingAborted) as raised:
+            trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+        assert raised.value is cb.aborted
+    else:
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
     (survivor,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, SafeTrainingCallback)]
     assert survivor is not cb, "the Trainer replaced the user's instance"
+    assert survivor.on_abort == on_abort
     with pytest.raises(TrainingAborted):
         cb.raise_if_aborted()
     assert cb.aborted is survivor.aborted and cb.result.ended == "aborted" and trainer.state.global_step < 30

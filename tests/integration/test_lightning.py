@@ -23,7 +23,7 @@ import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.loggers import Logger  # noqa: E402
 
 from safetrain import Guard, TrainingAborted, load_config  # noqa: E402
-from safetrain.integrations.lightning import SafeTraining  # noqa: E402
+from safetrain.integrations.lightning import SafeTrainingCallback  # noqa: E402
 from safetrain.steps import Phase  # noqa: E402
 from safetrain.testing import GradFault, OutputFault, PoisonRows, WeightFault, count_host_syncs  # noqa: E402
 from tests.integration.test_gan import _gan, d_loss, g_loss  # noqa: E402
@@ -101,7 +101,7 @@ def loader(data: Any = None, batch_size: int = 8) -> DataLoader:
     return DataLoader(data if data is not None else images(), batch_size=batch_size, shuffle=False)
 
 
-def trainer(cb: Optional[SafeTraining], tmp: Path, max_steps: int = 8, **kw: Any) -> pl.Trainer:
+def trainer(cb: Optional[SafeTrainingCallback], tmp: Path, max_steps: int = 8, **kw: Any) -> pl.Trainer:
     opts = dict(enable_progress_bar=False, logger=False, enable_checkpointing=False, enable_model_summary=False)
     return pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, default_root_dir=str(tmp),
                       callbacks=[cb] if cb is not None else [], **{**opts, **kw})  # fmt: skip
@@ -147,8 +147,8 @@ class Moves(pl.Callback):
 
 
 def fit(model: Net, tmp: Path, cfg: Optional[dict] = None, data: Any = None, max_steps: int = 8,
-        extra: Optional[list] = None, **kw: Any) -> SafeTraining:  # fmt: skip
-    cb = SafeTraining({**CFG, **(cfg or {})})
+        extra: Optional[list] = None, **kw: Any) -> SafeTrainingCallback:  # fmt: skip
+    cb = SafeTrainingCallback({**CFG, **(cfg or {})})
     t = trainer(cb, tmp, max_steps=max_steps, **kw)
     for c in extra or []:
         t.callbacks.append(c)
@@ -158,7 +158,7 @@ def fit(model: Net, tmp: Path, cfg: Optional[dict] = None, data: Any = None, max
 
 def test_a_healthy_run_of_100_steps_with_batchnorm_has_no_false_positive(tmp_path):
     """Validation runs every epoch (its forwards pass through the guard's hooks) and changes nothing."""
-    model, cb, log = Net(), SafeTraining(CFG), Collect()
+    model, cb, log = Net(), SafeTrainingCallback(CFG), Collect()
     t = trainer(cb, tmp_path, max_steps=104, limit_val_batches=2, logger=log, log_every_n_steps=25)
     t.fit(model, loader(), loader())
     norms = [(step, m["safetrain/grad_norm"]) for step, m in log.rows if "safetrain/grad_norm" in m]
@@ -228,7 +228,7 @@ def test_persistent_inf_gradients_are_zeroed_and_the_step_takes_the_rest(tmp_pat
     start's, and the run ends there, none of its training kept: not "done" (issue #32)."""
     model = Net()
     GradFault(model.head.weight, calls=range(4, 10**9))
-    cb = SafeTraining({**CFG, "detect": {"replay": {"enabled": False}}})
+    cb = SafeTrainingCallback({**CFG, "detect": {"replay": {"enabled": False}}})
     with pytest.raises(TrainingAborted, match="the run ended restored to its start"):
         trainer(cb, tmp_path, max_steps=5).fit(model, loader())
     (found,) = anomalies(tmp_path)[:1]
@@ -323,7 +323,7 @@ def test_a_loss_spike_is_skipped(tmp_path):
 def test_an_unfixable_fault_aborts_cleanly_at_the_last_good_state(tmp_path, on_abort):
     model = Net()
     OutputFault(model.conv, calls=range(4, 10**9))
-    cb = SafeTraining({**CFG, "recovery": {"max_retries": 2}}, on_abort=on_abort)
+    cb = SafeTrainingCallback({**CFG, "recovery": {"max_retries": 2}}, on_abort=on_abort)
     t = trainer(cb, tmp_path, max_steps=20)
     if on_abort == "raise":
         with pytest.raises(TrainingAborted):
@@ -367,7 +367,7 @@ def test_gradient_accumulation_skips_the_whole_optimizer_step_of_a_bad_micro_bat
 class Backoff(pl.Callback):
     """An LR backoff of 0.5 before the given batch (as the policy's scale_lr sets it)."""
 
-    def __init__(self, cb: SafeTraining, at: int) -> None:
+    def __init__(self, cb: SafeTrainingCallback, at: int) -> None:
         self.cb, self.at = cb, at
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -379,7 +379,7 @@ def test_a_step_interval_scheduler_follows_optimizer_steps_and_keeps_the_lr_back
     model = Net(sched="step")
     GradFault(model.head.weight, calls=[3])
     cfg = {**CFG, "recovery": {"actions": {"gradient": "skip_batch"}}, "detect": {"replay": {"enabled": False}}}
-    cb = SafeTraining(cfg)
+    cb = SafeTrainingCallback(cfg)
     t = trainer(cb, tmp_path, max_steps=8)
     t.callbacks.append(Backoff(cb, at=5))
     t.fit(model, loader())
@@ -393,7 +393,7 @@ def test_resume_from_a_lightning_checkpoint_restores_the_guard_counters_and_lr_s
     model = Net(sched="step")
     GradFault(model.head.weight, calls=[3])
     cfg = {**CFG, "recovery": {"actions": {"gradient": "skip_batch"}}, "detect": {"replay": {"enabled": False}}}
-    cb = SafeTraining(cfg)
+    cb = SafeTrainingCallback(cfg)
     t = trainer(cb, tmp_path, max_steps=6)
     t.callbacks.append(Backoff(cb, at=4))
     t.fit(model, loader())
@@ -401,7 +401,7 @@ def test_resume_from_a_lightning_checkpoint_restores_the_guard_counters_and_lr_s
     assert cb.guard.counters.skipped_batches == 1 and cb.guard.backoff.scale == 0.5
     lr = t.optimizers[0].param_groups[0]["lr"]
 
-    again = SafeTraining(cfg)
+    again = SafeTrainingCallback(cfg)
     t2 = trainer(again, tmp_path / "2", max_steps=10)
     t2.fit(Net(sched="step"), loader(), ckpt_path=str(tmp_path / "last.ckpt"))
     c = again.guard.counters
@@ -432,7 +432,7 @@ def test_16_mixed_uses_lightnings_grad_scaler_and_judges_the_unscaled_loss(tmp_p
     model = Net()
     model.keep = True
     OutputFault(model.conv, calls=[3])
-    cb = SafeTraining(CFG)
+    cb = SafeTrainingCallback(CFG)
     fp16 = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
     t = trainer(cb, tmp_path, max_steps=6, plugins=[fp16])
     t.fit(model, loader())
@@ -447,7 +447,7 @@ def test_one_host_sync_per_healthy_step_inside_the_callback(tmp_path):
     """Counted around the callback's hooks only (Lightning syncs for its own logging and loop)."""
     syncs: List[int] = []
 
-    class Counted(SafeTraining):
+    class Counted(SafeTrainingCallback):
         pass
 
     def counting(hook: Any) -> Any:
@@ -462,7 +462,7 @@ def test_one_host_sync_per_healthy_step_inside_the_callback(tmp_path):
         return counted
 
     for name in ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step", "on_train_batch_end"):
-        setattr(Counted, name, counting(getattr(SafeTraining, name)))
+        setattr(Counted, name, counting(getattr(SafeTrainingCallback, name)))
     cb = Counted({**CFG, "snapshot": {"every": 1000}})
     trainer(cb, tmp_path, max_steps=12).fit(Net(), loader())
     assert anomalies(tmp_path) == [] and cb.guard.counters.healthy_steps == 12
@@ -479,13 +479,13 @@ def test_resume_from_a_model_checkpoint_saved_mid_run(tmp_path):
     GradFault(model.head.weight, calls=[2])
     cfg = {**CFG, "recovery": {"actions": {"gradient": "skip_batch"}}, "detect": {"replay": {"enabled": False}}}
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
-    t = trainer(SafeTraining(cfg), tmp_path, max_steps=8, enable_checkpointing=True)
+    t = trainer(SafeTrainingCallback(cfg), tmp_path, max_steps=8, enable_checkpointing=True)
     t.callbacks.append(saver)
     t.fit(model, loader())
     ckpt = torch.load(tmp_path / "ckpt" / "epoch=0-step=6.ckpt", weights_only=False)
-    (state,) = [v for k, v in ckpt["callbacks"].items() if "SafeTraining" in k]
+    (state,) = [v for k, v in ckpt["callbacks"].items() if "SafeTrainingCallback" in k]
     assert state["guard"]["counters"]["steps"] == 6 and state["guard"]["counters"]["skipped_batches"] == 1
-    again = SafeTraining(cfg)
+    again = SafeTrainingCallback(cfg)
     trainer(again, tmp_path / "2", max_steps=8).fit(
         Net(), loader(), ckpt_path=tmp_path / "ckpt" / "epoch=0-step=6.ckpt"
     )
@@ -502,7 +502,7 @@ def test_manual_optimization_is_refused_naming_what_to_use_instead(tmp_path):
     """Manual optimization (Lightning's way to write a GAN) is refused at start, and the sentence
     says what to do: a Guard with named steps in training_step."""
     with pytest.raises(ValueError, match=r"automatic_optimization = False.*safetrain\.Guard.*name='d'"):
-        trainer(SafeTraining(CFG), tmp_path, max_steps=2).fit(Manual(), loader())
+        trainer(SafeTrainingCallback(CFG), tmp_path, max_steps=2).fit(Manual(), loader())
 
 
 def test_import_safetrain_imports_no_lightning():
@@ -524,7 +524,7 @@ def test_the_readme_snippet_with_the_csv_logger_keeps_the_loggers_file_its_own(t
 
     model = Net()
     OutputFault(model.conv, calls=[3])
-    cb = SafeTraining(CFG)
+    cb = SafeTrainingCallback(CFG)
     trainer(cb, tmp_path, logger=CSVLogger(tmp_path), log_every_n_steps=4).fit(model, loader())
     version = tmp_path / "lightning_logs" / "version_0"
     rows = list(csv.DictReader((version / "metrics.csv").open()))

@@ -98,7 +98,7 @@ def main(tmp: str, scenario: str) -> None:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from safetrain import TrainingAborted
-    from safetrain.integrations.lightning import SafeTraining
+    from safetrain.integrations.lightning import SafeTrainingCallback
     from safetrain.testing import OutputFault, WeightFault
 
     torch.set_num_threads(1)
@@ -115,7 +115,7 @@ def main(tmp: str, scenario: str) -> None:
             OutputFault(model.body, calls=range(FAULT_STEP, 10**9))  # persistent, on rank 1 only
 
     class Probe(pl.Callback):
-        """Listed after SafeTraining: sees its guard as built (resumed) and as it ends."""
+        """Listed after SafeTrainingCallback: sees its guard as built (resumed) and as it ends."""
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             out["start"] = vars(cb.guard.counts)
@@ -128,7 +128,7 @@ def main(tmp: str, scenario: str) -> None:
                 with torch.no_grad():
                     pl_module.body.weight.to_local()[0, 0] = math.nan
 
-    cb = SafeTraining(cfg, run_dir=None if scenario == "output" else f"{tmp}/run")
+    cb = SafeTrainingCallback(cfg, run_dir=None if scenario == "output" else f"{tmp}/run")
     logger = CSVLogger(tmp) if scenario == "output" else False
     steps = {"resume": 12, "fsdp_resume": 12}.get(scenario, 8)
     strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if sharded else "ddp"

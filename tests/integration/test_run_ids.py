@@ -32,16 +32,18 @@ def test_the_guards_state_carries_the_run_id_and_a_resume_adopts_it():
 
 def test_lightning_runs_in_one_directory_are_told_apart_and_a_resume_is_the_same_run(tmp_path):
     pytest.importorskip("lightning")
-    from safetrain.integrations.lightning import SafeTraining
+    from safetrain.integrations.lightning import SafeTrainingCallback
     from tests.integration.test_lightning import CFG, Net, loader, trainer
 
     cfg = {**CFG, "log": {"dir": str(tmp_path / "run"), "level": "WARNING"}}
-    cb = SafeTraining(cfg)
+    cb = SafeTrainingCallback(cfg)
     t = trainer(cb, tmp_path, max_steps=4)
     t.fit(Net(), loader())
     t.save_checkpoint(tmp_path / "last.ckpt")
-    trainer(SafeTraining(cfg), tmp_path, max_steps=6).fit(Net(), loader(), ckpt_path=str(tmp_path / "last.ckpt"))
-    trainer(SafeTraining(cfg), tmp_path, max_steps=3).fit(Net(), loader())  # a new run, same directory
+    trainer(SafeTrainingCallback(cfg), tmp_path, max_steps=6).fit(
+        Net(), loader(), ckpt_path=str(tmp_path / "last.ckpt")
+    )
+    trainer(SafeTrainingCallback(cfg), tmp_path, max_steps=3).fit(Net(), loader())  # a new run, same directory
     run = read_run(tmp_path / "run")
     starts = [e for e in run.events if e["event"] == "run_started"]
     assert [s["action"] for s in starts] == ["start", "resume", "start"]
