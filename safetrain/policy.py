@@ -99,6 +99,7 @@ __all__ = [
     "History",
     "Decision",
     "decide",
+    "decide_end",
     "raises",
     "observe_healthy",
     "climb_pending",
@@ -396,6 +397,34 @@ def _climb(
         older=damage.older if damage is not None and restoring else 0,
     )
     return decision, new
+
+
+def decide_end(history: History) -> Optional[Decision]:
+    """The end of a run: a run whose last step was an anomaly on the ladder (no healthy step read
+    clean after it) ends on weights nothing vouched for (a skipped spike after an LR blow-up leaves
+    them ruined), so the last good snapshot goes back, passing over an unverified newest one.
+    ``None`` when the run ended on a healthy step, or there is no snapshot to go back to.
+
+    Example::
+
+        >>> decide_end(History(consecutive=1)).action
+        <Action.RESTORE: 'restore'>
+        >>> decide_end(History(consecutive=1, healthy_streak=3)) is None
+        True
+    """
+    if history.consecutive == 0 or history.healthy_streak > 0 or not history.has_snapshot:
+        return None
+    kind = Kind(history.fault.kind) if history.fault is not None else Kind.LOSS  # the last fault on the ladder
+    return Decision(
+        kind=kind,
+        action=Action.RESTORE,
+        rung=0,
+        restore=True,
+        lr_scale=history.lr_scale,
+        trains=False,
+        reason="the run ended on an anomalous step",
+        pass_over_newest=history.unverified > 0,
+    )
 
 
 def _divergence_limit(

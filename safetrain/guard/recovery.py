@@ -2,7 +2,8 @@
 
 Slow path only: skip the step, zero non-finite gradients, put bad rows right (skip, replace,
 drop and re-run), restore the last good snapshot (passing over the newest when the policy says
-so), scale the LR, abort. Applying an update and re-running a step are the protocol's: an
+so), scale the LR, abort. The end-of-run judgment is :mod:`.end_check`'s; this executor carries
+out what it asks. Applying an update and re-running a step are the protocol's: an
 :class:`Outcome` asks for them, so the executor never calls back into the step.
 """
 
@@ -19,7 +20,6 @@ from ..batches import without_rows
 from ..causes import Verdict as CauseVerdict
 from ..config import TrainConfig
 from ..detect import batch_error
-from ..diagnose.optim_numerics import explain_optimizer
 from ..errors import SnapshotError, TrainingAborted
 from ..events import Aborted, AnomalyFound, Event, LRChanged, Restored
 from ..kinds import DATA_KINDS, Action, Cause, Kind
@@ -27,10 +27,11 @@ from ..lr import LRBackoff
 from ..optimizers import lrs_by_name
 from ..policy import Anomaly, Decision, mark_last_skipped, record_step
 from ..steps import Counters, Pending
+from .end_check import check_end
 from .judge import micro_rows
 from .messages import micro_batch_of, payload_of, place_of, summary, with_hint
 from .outcomes import Outcome, Rerun, Verdict
-from .returns import MAX_RETURNS, cause_of, loop_reason
+from .returns import MAX_RETURNS, loop_reason
 from .state import RecoveryState
 
 __all__ = ["Recovery", "Outcome", "Rerun", "Verdict", "Emit", "with_hint"]
@@ -185,114 +186,12 @@ class Recovery:
         raise TrainingAborted(reason, result=None, event=aborted)
 
     def check_end(self, seen: int, trained: int) -> None:
-        """The end of ``fit``: a run never ends "done" with no trained step, with non-finite
-        parameters, or with its last trained losses ``guard.end_margin`` standard deviations above its first (slow
-        path: one host sync, once per run). Each aborts, the model put back at the last good snapshot.
-
-        Args:
-            seen: steps this ``fit`` decided.
-            trained: optimizer steps this ``fit`` applied.
+        """The end-of-run judgment (:func:`~.end_check.check_end`), carried out by this executor.
 
         Raises:
             TrainingAborted: naming the cause and the fix.
         """
-        names = list(self.params)
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.params.values()]  # FSDP2: own shard
-        finite = torch.stack([torch.isfinite(p).all() for p in local]).tolist() if names else []
-        broken = [n for n, ok in zip(names, finite) if not ok]  # host sync: once, at the end of the run
-        if self.sync.total(len(broken)) and not broken:  # another rank's shard is broken: every rank stops
-            broken = ["(on another rank)"]
-        if broken:
-            known = explain_optimizer(self.train_state.optimizer, [self.params[n] for n in broken if n in self.params])
-            kind = Kind.WEIGHTS
-            reason = (
-                f"weights: the run ended with non-finite parameters ({', '.join(broken[:5])}) that no check "
-                f"caught on the way (detect.check_weights_every={self.cfg.detect.check_weights_every} steps)"
-                + (f"; {known}" if known else "; lower detect.check_weights_every to find the step that broke them")
-            )
-        elif seen > 0 and trained == 0:
-            c = self.counters
-            kind = Kind.TARGET if self.masked_targets else "run"
-            reason = f"run: none of the {seen} steps trained ({c.skipped_batches} skipped, {c.restores} restores)"
-            reason = with_hint(reason, Kind.TARGET, None, self.masked_targets, seen)
-        elif seen > 0 and (worse := self.state.ended_worse(self.cfg.guard.end_margin)):
-            kind = "run"
-            fix = (
-                "a smaller learning rate (or LR warmup), targets and inputs in the units the model expects; for a "
-                "run whose loss may rise by design (a GAN, RL), guard.end_margin: null"
-            )
-            if self.state.damage is not None:  # the cause test found the model damaged on the way
-                began, sound = self.state.damage
-                fix = (
-                    f"the model was damaged: its loss jumped at step {began} where the snapshot of step {sound} did "
-                    "well on the same data; find what changed the weights or buffers then (a bad batch through "
-                    "running statistics, an observer or an EMA; code outside the step)"
-                )
-            reason = f"run: {worse}; fix: {fix}" + (self._failed_lr() if self.state.damage is None else "")
-        else:
-            self._settle_last_step(seen)
-            at_start = self._ended_at_start(seen)
-            if at_start is None:
-                return
-            self.abort("run", at_start)  # (the state is the start's already: nothing to restore)
-        if len(self.store):
-            try:
-                self.store.restore(self.train_state)
-                self.counters.restores += 1
-            except SnapshotError as exc:  # the abort below says why the run stops; this is why it stays put
-                logger.warning("the last good snapshot could not be put back: %s", exc)
-        self.abort(kind, reason)
-
-    def _settle_last_step(self, seen: int) -> None:
-        """A run whose last step was an anomaly on the ladder (no healthy step read clean after it)
-        ends on weights nothing vouched for (a skipped spike after an LR blow-up leaves them ruined):
-        the last good snapshot is put back, passing over an unverified newest one, and journaled."""
-        h = self.state.history
-        if seen == 0 or h.consecutive == 0 or h.healthy_streak > 0 or not len(self.store):
-            return
-        kind = Kind(h.fault.kind) if h.fault is not None else Kind.LOSS  # the last fault on the ladder
-        decision = Decision(
-            kind=kind,
-            action=Action.RESTORE,
-            rung=0,
-            restore=True,
-            lr_scale=h.lr_scale,
-            trains=False,
-            reason="the run ended on an anomalous step",
-            pass_over_newest=h.unverified > 0,
-        )
-        self.restore(decision, why=f"{kind}: the run ended on an anomalous step, on weights nothing vouched for")
-        self.state.skip_after_restore = 0  # nothing is left to skip
-
-    def _failed_lr(self) -> str:
-        """What an end-of-run abort adds when restores answered faults under an LR schedule: the LR
-        the failing update used, the schedule's peak to lower (``""`` without a schedule or a restore)."""
-        failed, name = self.backoff.failed, self.backoff.scheduler
-        if failed is None or not name or not self.counters.restores:
-            return ""
-        lr = max(failed)
-        return (
-            f"; {self.counters.restores} restores answered faults that came at lr {lr:.3g} under the LR scheduler "
-            f"{name}: lower the schedule's peak LR below {lr:.3g}"
-        )
-
-    def _ended_at_start(self, seen: int) -> Optional[str]:
-        """A run whose last restore put back the snapshot it started from, with no update applied
-        since, ends with the start's weights: none of its training was kept, so it is not "done".
-        The reason (the cause and the fix: a schedule that climbs back to the LR that failed, else
-        the last fault), or ``None``."""
-        s, start = self.state, self.counters.steps - seen
-        if s.returns.snapshot != start or s.restored_updates != self.counters.optimizer_steps:
-            return None
-        h = s.history
-        kind = h.fault.kind if h.fault is not None else "last"
-        b = self.backoff
-        now = [lr * b.failed_scale for lr in b.unscaled]  # the restored snapshot's LRs, as the failed update's
-        cause = cause_of(kind, failed_lr=b.failed, snapshot_lr=now, scheduler=b.scheduler)
-        return (
-            f"run: the run ended restored to its start (the snapshot of step {start}, put back at step "
-            f"{s.returns.restored_at} after {self.counters.restores} restores): none of its training was kept; {cause}"
-        )
+        check_end(self, seen, trained)
 
     def reject_rows(self, anomaly: Anomaly) -> None:
         """``sanitize.*: raise``: the step is not applied, the rows are journaled, then BatchError."""

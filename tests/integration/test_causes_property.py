@@ -6,8 +6,13 @@
   a few steps, and the run ends as good as the same run without it;
 * one bad batch (targets x1000) at a random step: exactly one skipped batch, nothing else.
 
-Healthy runs keep zero interventions: ``tests/integration/test_healthy_runs.py`` and
-``test_false_alarms.py`` run with the cause test on (the default).
+* healthy runs (the generator of ``test_healthy_runs.py``, drawn here under another name, so
+  other examples): no skip, no restore, no event of any intervention.
+
+Measured with ``benchmarks/healthy_interventions.py`` (the same generator, ``random.Random(i)``):
+1 of 360 healthy runs intervened (i=197: a Gaussian NLL under SGD with momentum, seed 595), and
+that one is no false alarm: unguarded, its loss jumps from 0.43 to 3.0 at step 43 and ends at 1.59;
+guarded, the jump is skipped, then restored to the snapshot of step 40, and it ends at 0.47.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import hypothesis
 from hypothesis import strategies as st
 
 from tests.integration.test_causes import bad_batch, class_change, damaged, end_level, mixture_change, named
+from tests.integration.test_healthy_runs import fit as healthy_fit
+from tests.integration.test_healthy_runs import interventions
 
 SETTINGS = hypothesis.settings(
     max_examples=4,
@@ -68,3 +75,22 @@ def test_one_bad_batch_costs_one_batch(seed, at):
     result, _ = bad_batch(seed, steps=at + 30, at=at, overrides=FAST)
     events = named(result, "anomaly", "restored", "aborted")
     assert (result.skipped_batches, result.restores, result.ended) == (1, 0, "done"), events
+
+
+@SETTINGS
+@hypothesis.given(
+    task=st.sampled_from(("mse", "ce", "nll")),
+    act=st.sampled_from(("tanh", "relu", "gelu")),
+    norm=st.sampled_from(("layer", "batch")),
+    optimizer=st.sampled_from(("sgd", "adam", "adamw")),
+    offset=st.sampled_from((0.0, -1.0, -100.0, 100.0, 3.0)),
+    schedule=st.sampled_from(("none", "cosine", "onecycle")),
+    noisy_every=st.sampled_from((0, 7, 10)),
+    seed=st.integers(100, 999),
+)
+def test_a_healthy_run_loses_no_batch(task, act, norm, optimizer, offset, schedule, noisy_every, seed):
+    """Point 5 of the issue: of 1000 healthy runs about 6 lost one batch as a spike. Other draws of
+    the healthy-run generator than its own property's: not one skip, restore or other event."""
+    result, _ = healthy_fit(task, act, norm, optimizer, offset, 1.0, schedule, 1, noisy_every, 60, seed)
+    found = interventions(result)
+    assert (result.skipped_batches, result.restores, found, result.ended) == (0, 0, [], "done"), found

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from safetrain import load_config
-from safetrain.policy import Anomaly, History, Rules, climb_pending, decide, observe_healthy
+from safetrain.kinds import Action
+from safetrain.policy import Anomaly, History, Rules, climb_pending, decide, decide_end, observe_healthy
 
 
 def run(outcomes, overrides=()):
@@ -511,3 +512,20 @@ def test_a_snapshot_is_vouched_for_only_once_an_update_used_its_state_and_read_c
     assert observe_healthy(taken, cfg.recovery)[0].unverified == 1
     assert observe_healthy(taken, cfg.recovery, 5)[0].unverified == 0, "healthy steps at once count as many reads"
     assert newest_taken(History(), 0).unverified == 0, "a forced snapshot (the run's start) is sound"
+
+
+@pytest.mark.parametrize(
+    "history, expected",
+    [
+        (History(), None),  # ended on a healthy step
+        (History(consecutive=2, healthy_streak=1), None),  # a healthy step read clean after the anomaly
+        (History(consecutive=1, has_snapshot=False), None),  # nothing to go back to
+        (History(consecutive=1), (Action.RESTORE, False)),
+        (History(consecutive=1, unverified=2), (Action.RESTORE, True)),  # the newest may hold the fault
+    ],
+)
+def test_the_end_of_a_run_is_the_policys_decision(history, expected):
+    """Issue 34: the end-of-run restore is decided by the policy, not built by the executor."""
+    decision = decide_end(history)
+    got = None if decision is None else (decision.action, decision.pass_over_newest)
+    assert got == expected and (decision is None or not decision.trains)
