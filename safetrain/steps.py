@@ -1,8 +1,10 @@
-"""What a step leaves behind: the guard's phase, a step's result, the counters, the pending step."""
+"""What a step leaves behind: a step's result, the counters, the pending step.
+
+(The guard's phase is :mod:`safetrain.guard.machine`'s.)
+"""
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
@@ -12,15 +14,7 @@ import torch
 from .events import Event
 from .kinds import Action
 
-__all__ = ["Phase", "StepResult", "Counters", "Pending", "COUNTED_BY"]
-
-
-class Phase(enum.Enum):
-    """Where the guard is between calls; illegal moves raise."""
-
-    READY = "ready"  # no micro-batch pending
-    ACCUMULATING = "accumulating"  # gradients of some micro-batches are summed, the step is not taken yet
-    CLOSED = "closed"  # hooks removed; no more steps
+__all__ = ["StepResult", "Counters", "Pending", "COUNTED_BY"]
 
 
 @dataclass(frozen=True)

@@ -29,13 +29,14 @@ from ..optimizers import as_optimizer, as_scheduler
 from ..policy import History, Rules
 from ..snapshot import SnapshotInfo
 from ..spike import SpikeDetector
-from ..steps import Counters, Pending, Phase
+from ..steps import Counters, Pending
 from ..wrappers import plain_namer, unwrap_compiled
 from .decisions import Decisions
 from .forward import Forward
 from .journal import StepJournal
 from .judge import Judge
 from .lazy import LazyParams
+from .machine import MID_STEP, Machine, Phase
 from .measure import measure
 from .plumbing import Plumbing
 from .recovery import Recovery
@@ -219,7 +220,7 @@ class Parts:
             backoff=backoff,
             counters=counters,
         )
-        self.phase = Phase.READY
+        self.machine = Machine()  # the step's phase, its driver, the facts of the step under way
         self._pending = Pending()
         self.epoch_rng: Optional[torch.Tensor] = None  # torch RNG at the start of the current epoch
         self.last_loss = math.nan
@@ -245,6 +246,11 @@ class Parts:
     @step_fn.setter
     def step_fn(self, fn: Optional[Callable[[torch.nn.Module, Any], torch.Tensor]]) -> None:
         self.forward.step_fn = fn
+
+    @property
+    def phase(self) -> Phase:
+        """Where the step stands (:class:`~safetrain.guard.machine.Phase`): ``READY`` between steps."""
+        return self.machine.phase
 
     @property
     def pending(self) -> Pending:
@@ -301,9 +307,9 @@ class Parts:
     def close(self) -> None:
         """Remove every hook and release the snapshot store; idempotent."""
         self.monitor.detach()
-        if self.phase is not Phase.CLOSED:
+        if self.machine.phase is not Phase.CLOSED:
             self.store.close()
-        self.phase = Phase.CLOSED
+        self.machine.phase = Phase.CLOSED
 
     def begin_epoch(self, epoch: int, resumed: bool = False, batch: int = 0) -> None:
         """Mark the start of an epoch: counters move, the RNG state that shuffles it is kept for
@@ -333,7 +339,7 @@ class Parts:
         step does not train on) becomes the first steps' reference (:mod:`.measure`); ``fit`` passes
         the two after the first step's. A no-op after the first step and under DDP or FSDP. Returns
         the finite losses measured."""
-        if self.counters.steps or self.phase is not Phase.READY or not self.sync.steps_alone:
+        if self.counters.steps or self.machine.phase is not Phase.READY or not self.sync.steps_alone:
             return []
         parts = self.forward, self.plumbing, self.monitor, self._named, self.spike, self.recovery_state, self.lazy
         return measure(*parts, batches)
@@ -361,7 +367,7 @@ class Parts:
         """After a stop signal: snapshot the step the run stopped at, unless a disk snapshot of it
         exists or a step is half accumulated (``snapshot.on_signal``, safetensors store only)."""
         snap = self.cfg.snapshot
-        if not snap.on_signal or snap.store != "safetensors" or self.phase is Phase.ACCUMULATING:
+        if not snap.on_signal or snap.store != "safetensors" or self.machine.phase in MID_STEP:
             return None
         latest = self.store.latest()
         if latest is not None and latest.step == self.counters.steps:

@@ -24,9 +24,10 @@ from ..batches import batch_rows
 from ..config import TrainConfig, without_replays
 from ..diagnose import Diagnosis
 from ..kinds import Kind
-from ..steps import Pending, Phase, StepResult
+from ..steps import Pending, StepResult
 from . import start
 from .decisions import nan_result
+from .machine import MOVES, Driver, Phase, Verb
 from .outcomes import Rerun, Verdict
 from .parts import Parts
 from .stepping import after_fault
@@ -34,9 +35,6 @@ from .stepping import after_fault
 __all__ = ["Guard", "without_reruns"]
 
 logger = logging.getLogger(__name__)
-
-#: Who drives the step: the guard itself (``Guard.step``), or the caller's loop through the verbs.
-GUARD, CALLER = "Guard.step", "the verbs"
 
 
 def without_reruns(cfg: TrainConfig) -> TrainConfig:
@@ -92,17 +90,6 @@ class Guard(Parts):
     #: sum, not their mean. Set by the caller; the guard's own re-runs keep the same convention.
     loss_shares = False
 
-    # The step being taken, as the verbs move it on (class-level: the state before the first verb).
-    _started = False  # the first batch checks that the run does not start broken
-    _driver: Optional[str] = None  # who drives the steps: GUARD or CALLER, fixed by the first verb
-    _stepping = False  # inside Guard.step: the verbs are the guard's own
-    _window = 0  # micro-batches begun in this step, skipped ones included (empty ones left out)
-    _skipping = False  # this step's data is skipped (it led into a restore)
-    _skip_forward = False  # the micro-batch begun last is not trained (skipped, or empty)
-    _loss_due = False  # a micro-batch begun, its loss not recorded yet
-    _forwarded = False  # a skipped micro-batch went forward (its buffer updates are put back)
-    _decided: Optional[Tuple[Optional[Verdict], StepResult]] = None  # decide()'s, while finish_step() is due
-
     # ----------------------------------------------------------------- the guard's own step
     def step(
         self, batch: Any, indices: Optional[Sequence[int]] = None, *, name: Optional[str] = None
@@ -125,28 +112,28 @@ class Guard(Parts):
             TrainingAborted: the policy aborted; the model and optimizer are at the last good snapshot.
             BatchError: the batch fits no convention, or ``sanitize.*: raise`` met a bad row.
         """
-        if self.phase is Phase.CLOSED:
+        m = self.machine
+        if m.phase is Phase.CLOSED:
             raise RuntimeError("Guard.step() after close(); make a new Guard")
         self.stepper.select(name)  # (named steps: that step's loss and optimizer)
-        self._stepping = True
+        m.stepping = True
         try:
             clean = self.begin_batch(batch, indices)
-            if not self._skip_forward:
+            if m.phase is Phase.BEGUN:  # (a skipped or empty micro-batch runs no forward)
                 try:
                     loss = self.forward.loss(clean, self._pending)
                 except BaseException:  # (a BatchError): the batch is no part of any step
                     self._leave_out_last()
-                    self._loss_due = False
-                    self.phase = Phase.ACCUMULATING if self._window else Phase.READY
+                    m.phase = Phase.RECORDED if m.facts.window else Phase.READY
                     raise
                 self.record_loss(loss)
                 self.forward.backward(loss)
-            k = self.cfg.guard.accumulate_steps
-            if k > 1 and (self._window if self._skipping else len(self._pending.micro)) < k:
+            k, facts = self.cfg.guard.accumulate_steps, m.facts
+            if k > 1 and (facts.window if facts.skipping else len(self._pending.micro)) < k:
                 return None  # (an empty micro-batch is left out of an accumulated step)
             return self._take_step()
         finally:
-            self._stepping = False
+            m.stepping = False
 
     def flush(self) -> Optional[StepResult]:
         """Take the step of a partial accumulation now (at the end of an epoch or of the data).
@@ -154,16 +141,17 @@ class Guard(Parts):
         With ``guard.accumulate_steps`` = k and fewer than k micro-batches pending, their summed
         gradients (each scaled by 1/k) make one step; returns ``None`` when nothing is pending.
         """
-        if self.phase is not Phase.ACCUMULATING:
+        m = self.machine
+        if m.phase is Phase.READY or m.phase is Phase.CLOSED:
             return None
-        if self._window == 0:  # only empty micro-batches, each journaled as left out
-            self.phase = Phase.READY
+        if m.facts.window == 0:  # only empty micro-batches, each journaled as left out
+            m.phase = Phase.READY
             return None
-        self._stepping = True
+        m.stepping = True
         try:
             return self._take_step()
         finally:
-            self._stepping = False
+            m.stepping = False
 
     def _take_step(self) -> StepResult:
         """Decide, step the optimizer when the verdict trains, and finish."""
@@ -171,8 +159,9 @@ class Guard(Parts):
         if decided.trained:
             fault = self.stepper.step(self._pending)  # (LBFGS: a closure; a named step: its optimizer)
             if fault is not None:
-                self._decided = after_fault(
-                    fault, self._decided, self.decisions, self._pending, self.rules, self.optimizer
+                facts = self.machine.facts
+                facts.decided = after_fault(
+                    fault, facts.decided, self.decisions, self._pending, self.rules, self.optimizer
                 )  # type: ignore[arg-type]
         self.plumbing.update_scaler()  # fp16: as after any step the scaler read (a skipped one lowers the scale)
         return self.finish_step()
@@ -190,30 +179,26 @@ class Guard(Parts):
             RuntimeError: out of order (after :meth:`decide` without :meth:`finish_step`), or closed.
             TrainingAborted: the run starts with non-finite parameters or optimizer state.
         """
-        self._check("begin_batch")
-        if self._decided is not None:
-            raise RuntimeError(
-                "Guard.begin_batch() after decide(): call finish_step() after the optimizer step (or where it "
-                "would have been) first, then begin the next batch"
-            )
-        if self._loss_due and not self._skip_forward:  # the last batch gave no loss (Lightning: training_step
+        m = self.machine
+        self._enter(Verb.BEGIN)
+        if m.phase is Phase.BEGUN:  # the last batch gave no loss (Lightning: training_step
             self._leave_out_last()  # returned None): it is no part of the step
         self._arrive(batch)
-        if self.phase is Phase.READY:  # a new step
-            self._window, self._skipping, self._forwarded = 0, self.recovery_state.skip_after_restore > 0, False
+        if m.phase is Phase.READY:  # a new step
+            m.new_step(skipping=self.recovery_state.skip_after_restore > 0)
             self._start_step()
-        self.phase, self._loss_due = Phase.ACCUMULATING, True
-        if self.plumbing.moves and not (self._skipping and self._stepping):  # (Guard.step runs no skipped batch)
+        m.phase, facts = Phase.BEGUN, m.facts
+        if self.plumbing.moves and not (facts.skipping and m.stepping):  # (Guard.step runs no skipped batch)
             batch = self.plumbing.move(batch)  # a CPU loader's batch to the model's accelerator
-        if not self._skipping and self.sync.steps_alone and batch_rows(batch) == 0:  # (under DDP every rank steps)
-            self._skip_forward = True
+        if not facts.skipping and self.sync.steps_alone and batch_rows(batch) == 0:  # (under DDP every rank steps)
+            m.phase = m.move(Verb.UNTRAINED)
             if self.cfg.guard.accumulate_steps > 1:  # left out; with one micro-batch a step, decide() skips the step
                 self.recovery.empty_batch(False, self._step_scheduler)
             return batch
-        self._window += 1
-        self._skip_forward = self._skipping
-        if self._skipping:  # the data that led into a restore: no gradient of it is used
-            if self._window == 1:  # a caller's forward on it leaves no buffer update behind
+        facts.window += 1
+        if facts.skipping:  # the data that led into a restore: no gradient of it is used
+            m.phase = m.move(Verb.UNTRAINED)
+            if facts.window == 1:  # a caller's forward on it leaves no buffer update behind
                 self.forward.buffers.keep()
             return batch
         p = self._pending
@@ -230,15 +215,10 @@ class Guard(Parts):
         Raises:
             RuntimeError: no batch begun since the last loss (call :meth:`begin_batch` first).
         """
-        self._check("record_loss")
-        if not self._loss_due:
-            raise RuntimeError(
-                "Guard.record_loss() without a batch begun: call begin_batch(batch) first, run the forward on "
-                "what it returns, then record_loss(loss) once for that batch"
-            )
-        self._loss_due = False
-        if self._skip_forward:  # a skipped or empty micro-batch: its loss is no part of the step
-            self._forwarded = self._forwarded or self._skipping
+        m = self.machine
+        m.phase, skipped = self._enter(Verb.RECORD), m.phase is Phase.SKIPPED
+        if skipped:  # a skipped or empty micro-batch: its loss is no part of the step
+            m.facts.forwarded = m.facts.forwarded or m.facts.skipping
             return
         if scaled:
             loss = self.plumbing.unscaled_loss(loss.detach())
@@ -262,19 +242,14 @@ class Guard(Parts):
             RuntimeError: out of order (no batch begun, a loss not recorded, or decided already).
             TrainingAborted: the policy aborted; the model and optimizer are at the last good snapshot.
         """
-        self._check("decide")
-        if self.phase is not Phase.ACCUMULATING:
-            raise RuntimeError("Guard.decide() without a batch begun: call begin_batch(batch) first")
-        if self._decided is not None:
-            raise RuntimeError("Guard.decide() twice for one step: call finish_step() after the optimizer step")
-        if self._loss_due and not self._skip_forward:
-            raise RuntimeError("Guard.decide() before the last batch's loss: call record_loss(loss) first")
+        m = self.machine
+        after = self._enter(Verb.DECIDE)
         try:
             verdict, result = self._decide(window)
         except BaseException:
-            self.phase = Phase.READY
+            m.phase = Phase.READY
             raise
-        self._decided = verdict, result
+        m.facts.decided, m.phase = (verdict, result), after
         return result
 
     def finish_step(self) -> StepResult:
@@ -285,13 +260,9 @@ class Guard(Parts):
         Raises:
             RuntimeError: no step decided (call :meth:`decide` first).
         """
-        self._check("finish_step")
-        if self._decided is None:
-            raise RuntimeError(
-                "Guard.finish_step() without decide(): call decide() after the step's backward, then step the "
-                "optimizer, then finish_step()"
-            )
-        (verdict, result), self._decided = self._decided, None
+        m = self.machine
+        after = self._enter(Verb.FINISH)
+        (verdict, result), m.facts.decided = m.facts.decided, None  # type: ignore[misc]
         try:
             if verdict is None:  # the step's data was skipped, or it was empty: nothing more to do
                 return result
@@ -299,26 +270,23 @@ class Guard(Parts):
                 self.updates.applied(self.last_loss)
             return self.decisions.close(verdict, result, self.snapshots.cadence, self.snapshot)
         finally:
-            self.phase = Phase.READY
+            m.phase = after
 
     # ----------------------------------------------------------------- the step, inside
-    def _check(self, verb: str) -> None:
-        """A verb is legal now: the guard is open, and one driver uses it (``Guard.step`` or the caller)."""
-        who = GUARD if self._stepping else CALLER
-        if self._driver is who and self.phase is not Phase.CLOSED:  # (the healthy path: one test)
-            return
-        if self.phase is Phase.CLOSED:
-            raise RuntimeError(f"Guard.{verb}() after close(); make a new Guard")
-        if self._driver is None:
-            self._driver = who
-            if who is CALLER:
-                self._caller_drives()
-        elif self._driver is not who:
-            raise RuntimeError(
-                f"Guard.{verb}(): this guard's steps are driven by {self._driver}; use one of them for a run "
-                "(Guard.step(batch) runs forward, backward and the optimizer step itself; begin_batch, record_loss, "
-                "decide and finish_step are for a loop that runs them)"
-            )
+    def _enter(self, verb: Verb) -> Phase:
+        """The phase ``verb`` moves the step to (:mod:`.machine`'s table); the verb sets it once
+        its work is done. The first verb fixes the driver (``Guard.step`` or the caller's loop).
+
+        Raises:
+            RuntimeError: closed, another driver's guard, or the move illegal now (the fix named).
+        """
+        m = self.machine
+        after = MOVES[m.phase, verb]
+        if after.__class__ is Phase and m.driver is (Driver.GUARD if m.stepping else Driver.CALLER):
+            return after  # type: ignore[return-value]  # (the healthy path: one lookup, two tests)
+        if m.claim(verb) and m.driver is Driver.CALLER:
+            self._caller_drives()
+        return m.move(verb)
 
     def _caller_drives(self) -> None:
         """The caller's loop runs forward, backward, the optimizer step and the scheduler: the guard
@@ -334,7 +302,7 @@ class Guard(Parts):
         if not p.micro:  # (it never joined: the forward failed before)
             return
         del p.micro[-1], p.indices[-1], p.places[-1]
-        self._window -= 1
+        self.machine.facts.window -= 1
         logger.debug("a batch begun without a loss recorded is left out of step %d", self.counters.steps + 1)
 
     def _arrive(self, batch: Any) -> None:
@@ -342,11 +310,11 @@ class Guard(Parts):
         and a run whose parameters or optimizer state are non-finite already stops (:mod:`.start`):
         the snapshot's own check says so (no read of its own). A resumed run's state comes from a
         snapshot, which is never taken of a non-finite state."""
-        first = not self._started
-        self._started = True
+        m = self.machine
+        first, m.started = not m.started, True
         if self.lazy.pending:  # a lazy model's parameters exist before its first snapshot (a dry run: :mod:`.lazy`)
             self.lazy.make(batch)
-        if self.counters.steps == 0 and self.phase is Phase.READY and len(self.store) == 0:
+        if self.counters.steps == 0 and m.phase is Phase.READY and len(self.store) == 0:
             if self.snapshot(force=True).action == "refused" and first and self.store.refused:
                 self._broken_start(list(self.store.refused), batch)
         self.counters.batch += 1
@@ -370,13 +338,15 @@ class Guard(Parts):
         self.monitor.reset()
         self.diagnoser.begin_step()
         steps = self.counters.optimizer_steps
-        self._pending.weights = self.weights.maybe_run(steps) if steps > 0 and not self._skipping else None
+        skipping = self.machine.facts.skipping
+        self._pending.weights = self.weights.maybe_run(steps) if steps > 0 and not skipping else None
 
     def _decide(self, window: Optional[int]) -> Tuple[Optional[Verdict], StepResult]:
         """The step's read and decision loop; a step of skipped data or of empty batches has neither."""
-        if self._skipping:  # the data that led into a restore: the window is one whole step skipped
+        facts = self.machine.facts
+        if facts.skipping:  # the data that led into a restore: the window is one whole step skipped
             self.plumbing.drop_grads()
-            if self._forwarded:  # the caller's forward ran on it: its buffer updates go
+            if facts.forwarded:  # the caller's forward ran on it: its buffer updates go
                 self.forward.buffers.put_back()
             event = self.recovery.skip_data(self._step_scheduler)
             return None, nan_result(self.counters.steps, "skip_batch", (event,))

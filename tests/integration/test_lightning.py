@@ -23,8 +23,8 @@ import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.loggers import Logger  # noqa: E402
 
 from safetrain import Guard, TrainingAborted, load_config  # noqa: E402
+from safetrain.guard import Phase  # noqa: E402
 from safetrain.integrations.lightning import SafeTrainingCallback  # noqa: E402
-from safetrain.steps import Phase  # noqa: E402
 from safetrain.testing import GradFault, OutputFault, PoisonRows, WeightFault, count_host_syncs  # noqa: E402
 from tests.integration.test_gan import _gan, d_loss, g_loss  # noqa: E402
 

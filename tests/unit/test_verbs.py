@@ -19,6 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from safetrain import Guard, TrainingAborted
+from safetrain.guard import machine
+from safetrain.guard.machine import Phase, Verb
 from safetrain.testing import OutputFault
 from tests.conftest import loader, mlp, regression_data
 
@@ -45,6 +47,22 @@ MOVES = {
     ("decided", "finish"): "ready",
 }
 STATES = {"ready", "begun", "recorded", "decided"}
+VERBS = {"begin": Verb.BEGIN, "record": Verb.RECORD, "decide": Verb.DECIDE, "finish": Verb.FINISH}
+
+
+def test_the_model_of_the_moves_is_the_guards_own_table():
+    """The state machine the verbs consult (:data:`safetrain.guard.machine.MOVES`) is the one
+    this test's model spells out: each legal move goes where the model says, each illegal one
+    raises the model's fix; every phase has a move or a refusal for every verb, and a closed
+    guard refuses every verb."""
+    for (state, verb), after in MOVES.items():
+        move = machine.MOVES[Phase(state), VERBS[verb]]
+        if after in STATES:
+            assert move is Phase(after), (state, verb, move)
+        else:
+            assert isinstance(move, str) and after in move, (state, verb, move)
+    assert set(machine.MOVES) == {(p, v) for p in Phase for v in Verb}
+    assert all(isinstance(machine.MOVES[Phase.CLOSED, v], str) for v in Verb)
 
 
 class Loop:
