@@ -105,8 +105,16 @@ def data() -> TensorDataset:
 
 def run_torchrun(name: str, *args: str, timeout: float = 120) -> str:
     """Run an example on 2 ranks under torchrun (offline, gloo), killed with its ranks on the timeout."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(_ROOT / "examples" / name), *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(_ROOT / "examples" / name),
+        *args,
+    ]
     path = os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)  # keep the caller's
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(

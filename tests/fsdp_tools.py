@@ -26,8 +26,9 @@ Body = Callable[[int, str, str], Dict[str, Any]]  # (rank, tmp, phase) -> the ra
 def mlp() -> torch.nn.Module:
     """The unsharded 4-8-6-1 tanh MLP, seeded (what ``fsdp_mlp`` shards)."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 6), torch.nn.Tanh(),
-                               torch.nn.Linear(6, 1))  # fmt: skip
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1)
+    )
 
 
 def fsdp_mlp() -> torch.nn.Module:
@@ -63,9 +64,12 @@ def run_rank(rank: int, world: int, tmp: str, phase: str, body: Body, timeout: f
 
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/rendezvous-{phase}", rank=rank, world_size=world,
+        "gloo",
+        init_method=f"file://{tmp}/rendezvous-{phase}",
+        rank=rank,
+        world_size=world,
         timeout=datetime.timedelta(seconds=timeout),
-    )  # fmt: skip
+    )
     out = body(rank, tmp, phase)
     with open(os.path.join(tmp, f"{phase}-rank{rank}.json"), "w") as f:
         json.dump(out, f)

@@ -75,8 +75,13 @@ def run_huggingface(tmp: Path, calls: Any, cfg: Dict[str, Any], **cb_kw: Any) ->
     OutputFault(model.transformer.h[1].mlp, calls=calls)
     cb, logs = HFCallback({**QUIET, **cfg}, **cb_kw), _HFLogs()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)  # one parameter group, as the Lightning module's
-    t = Trainer(model=model, args=args(tmp, 10, logging_steps=1), train_dataset=Tokens(), callbacks=[cb, logs],
-                optimizers=(opt, None))  # fmt: skip
+    t = Trainer(
+        model=model,
+        args=args(tmp, 10, logging_steps=1),
+        train_dataset=Tokens(),
+        callbacks=[cb, logs],
+        optimizers=(opt, None),
+    )
     out: Dict[str, Any] = {"cb": cb, "model": model, "error": None}
     try:
         t.train()

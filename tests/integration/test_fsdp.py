@@ -54,9 +54,14 @@ def _model() -> torch.nn.Module:
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(
-        Spike(), torch.nn.Linear(4, 8), torch.nn.Tanh(), GradBomb(), torch.nn.Linear(8, 6), torch.nn.Tanh(),
+        Spike(),
+        torch.nn.Linear(4, 8),
+        torch.nn.Tanh(),
+        GradBomb(),
+        torch.nn.Linear(8, 6),
+        torch.nn.Tanh(),
         torch.nn.Linear(6, 1),
-    )  # fmt: skip
+    )
     for layer in (net[1], net[4], net[6]):
         fully_shard(layer)
     fully_shard(net)
@@ -134,9 +139,14 @@ def _reference(steps: int, clip: float) -> Dict[str, torch.Tensor]:
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(
-        Spike(), torch.nn.Linear(4, 8), torch.nn.Tanh(), GradBomb(), torch.nn.Linear(8, 6), torch.nn.Tanh(),
+        Spike(),
+        torch.nn.Linear(4, 8),
+        torch.nn.Tanh(),
+        GradBomb(),
+        torch.nn.Linear(8, 6),
+        torch.nn.Tanh(),
         torch.nn.Linear(6, 1),
-    )  # fmt: skip
+    )
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     for (x0, y0), (x1, y1) in zip(_batches(0, steps, lambda s, x: None), _batches(1, steps, lambda s, x: None)):
         opt.zero_grad()
@@ -225,8 +235,7 @@ def _spike(rank: int, tmp: str) -> Dict[str, Any]:
         if step == 7 and rank == 1:
             batches[6][1].mul_(1e4)
 
-    return _run(rank, ["guard.spike.hard_ratio=100"], before=before, steps=9,
-                batches=batches)  # fmt: skip
+    return _run(rank, ["guard.spike.hard_ratio=100"], before=before, steps=9, batches=batches)
 
 
 def _refused(rank: int, tmp: str) -> Dict[str, str]:
@@ -277,8 +286,14 @@ def _refused(rank: int, tmp: str) -> Dict[str, str]:
     }
 
 
-SCENARIOS = {"healthy": _healthy, "faults": _faults, "restore": _restore, "poisoned": _poisoned, "spike": _spike,
-             "refused": _refused}  # fmt: skip
+SCENARIOS = {
+    "healthy": _healthy,
+    "faults": _faults,
+    "restore": _restore,
+    "poisoned": _poisoned,
+    "spike": _spike,
+    "refused": _refused,
+}
 
 
 def _scenarios(rank: int, tmp: str, phase: str) -> Dict[str, Any]:
@@ -316,8 +331,11 @@ def test_faults_on_one_rank_are_detected_on_both_at_the_same_step_with_the_same_
     assert _decisions(r0) == _decisions(r1), (r0["steps"], r1["steps"])
     assert [s[2] for s in r0["steps"]] == ["", "", "skip_batch", "", "skip_batch", "", "zero_grads", "", ""]
     for run in (r0, r1):
-        assert [a[:3] for a in run["anomalies"]] == [[3, "input", "skip_batch"], [5, "forward", "skip_batch"],
-                                                      [7, "gradient", "zero_grads"]], run["anomalies"]  # fmt: skip
+        assert [a[:3] for a in run["anomalies"]] == [
+            [3, "input", "skip_batch"],
+            [5, "forward", "skip_batch"],
+            [7, "gradient", "zero_grads"],
+        ], run["anomalies"]
     assert r0["anomalies"][0][3] == {"input": [1]} and r0["anomalies"][1][3] == {"forward": [1]}
     # The layer is named as in the user's code (no FSDP prefix), on both ranks.
     assert r0["anomalies"][1][4]["module"] == r1["anomalies"][1][4]["module"] == "0", r0["anomalies"][1][4]

@@ -70,8 +70,9 @@ def _restore_after_async_save(rank: int, directory: str) -> List[Any]:
 
     model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    cfg = load_config(None, [*_cfg(directory), "snapshot.async_save=true", "sanitize.targets=off",
-                             "recovery.actions.loss=restore"])  # fmt: skip
+    cfg = load_config(
+        None, [*_cfg(directory), "snapshot.async_save=true", "sanitize.targets=off", "recovery.actions.loss=restore"]
+    )
     restored: List[Any] = []
     with Guard(model, opt, cfg, loss_fn=F.mse_loss) as guard:
         guard.bus.subscribe(lambda e: restored.append(e.detail.get("snapshot_step")) if e.name == "restored" else None)

@@ -51,8 +51,16 @@ def _fit(rank: int, directory: str) -> Dict[str, Any]:
         forwards.append(1)  # one forward per step (replays are off under FSDP2)
         return F.mse_loss(out, y)
 
-    cfg = load_config(None, ["log.progress=false", "snapshot.every=3", "snapshot.keep=2",
-                             "snapshot.store=safetensors", f"snapshot.dir={directory}"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "log.progress=false",
+            "snapshot.every=3",
+            "snapshot.keep=2",
+            "snapshot.store=safetensors",
+            f"snapshot.dir={directory}",
+        ],
+    )
     result = SafeTrainer(model, opt, cfg, loss_fn=loss_fn).fit(batches(rank, STEPS), epochs=1, resume="auto")
     return {
         "steps": result.steps,
@@ -97,9 +105,14 @@ def _launch(tmp: Path, phase: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", SAFETRAIN_TEST_PHASE=phase)
     env.setdefault("GOMP_SPINCOUNT", "10000")
     return subprocess.Popen(
-        [sys.executable, __file__, str(tmp)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
+        [sys.executable, __file__, str(tmp)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -171,9 +184,15 @@ def test_safetrain_inspect_reads_the_sharded_snapshots_the_kill_left(job, tmp_pa
 
     assert main(["inspect", str(at_kill / "step-0000000003")]) == 0
     out = capsys.readouterr().out
-    needles = ["step       3  (epoch 0, batch 3)", "sharded    2 rank(s)", "(32 tensors, 6 in the model)",
-               "finite     ok", "optimizer  torch.optim.adam.Adam", "checksum   ok",
-               "'healthy_steps': 3"]  # fmt: skip
+    needles = [
+        "step       3  (epoch 0, batch 3)",
+        "sharded    2 rank(s)",
+        "(32 tensors, 6 in the model)",
+        "finite     ok",
+        "optimizer  torch.optim.adam.Adam",
+        "checksum   ok",
+        "'healthy_steps': 3",
+    ]
     for needle in needles:
         assert needle in out, (needle, out)
 

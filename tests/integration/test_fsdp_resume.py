@@ -37,8 +37,13 @@ def _full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
 
 
 def _cfg(directory: str) -> List[str]:
-    return ["log.progress=false", "snapshot.every=3", "snapshot.keep=2", "snapshot.store=safetensors",
-            f"snapshot.dir={directory}"]  # fmt: skip
+    return [
+        "log.progress=false",
+        "snapshot.every=3",
+        "snapshot.keep=2",
+        "snapshot.store=safetensors",
+        f"snapshot.dir={directory}",
+    ]
 
 
 def _fit(rank: int, directory: str, max_steps: int, resume: Any = None) -> Dict[str, Any]:
@@ -58,8 +63,13 @@ def _fit(rank: int, directory: str, max_steps: int, resume: Any = None) -> Dict[
     result = trainer.fit(_batches(rank), epochs=1, max_steps=max_steps, resume=resume)
     trained = len(calls)
     finite = all(bool(torch.isfinite(p.full_tensor()).all()) for p in model.parameters())
-    return {"digest": _full(model, opt), "steps": result.steps, "events": trained, "run": trainer.guard.store.run_id,
-            "finite": finite}  # fmt: skip
+    return {
+        "digest": _full(model, opt),
+        "steps": result.steps,
+        "events": trained,
+        "run": trainer.guard.store.run_id,
+        "finite": finite,
+    }
 
 
 def _loaded(rank: int, directory: str) -> Dict[str, Any]:

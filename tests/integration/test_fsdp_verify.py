@@ -92,8 +92,7 @@ def runs(tmp_path_factory: Any) -> Dict[str, Any]:
     for key, path in (("dir", tmp / "cut"), ("one", tmp / "cut" / "step-0000000003"), ("old", old)):
         with contextlib.redirect_stdout(io.StringIO()) as out:
             inspected[key] = (main(["inspect", str(path)]), out.getvalue())
-    return {"train": train, "resume": _launch(tmp, "resume"), "damaged": damaged, "inspected": inspected,
-            "tmp": tmp}  # fmt: skip
+    return {"train": train, "resume": _launch(tmp, "resume"), "damaged": damaged, "inspected": inspected, "tmp": tmp}
 
 
 def test_resume_auto_refuses_the_damaged_newest_snapshot_and_resumes_the_one_before(runs):

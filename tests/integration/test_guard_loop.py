@@ -19,8 +19,9 @@ def test_an_abort_leaves_the_guard_ready_and_flush_decides_nothing():
     """With accumulation, an abort used to leave the phase ACCUMULATING: a later flush() judged
     and restored a phantom step."""
     model = mlp()
-    cfg = load_config(None, [*BASE, "guard.accumulate_steps=2", "recovery.actions.forward=abort",
-                             "detect.replay.enabled=false"])  # fmt: skip
+    cfg = load_config(
+        None, [*BASE, "guard.accumulate_steps=2", "recovery.actions.forward=abort", "detect.replay.enabled=false"]
+    )
     batches = list(loader(regression_data()))
     with Guard(model, torch.optim.SGD(model.parameters(), lr=0.02), cfg, loss_fn=F.mse_loss) as guard:
         OutputFault(model[0], calls=[5])  # the 6th forward: the 3rd step's first micro-batch

@@ -72,15 +72,32 @@ def gpt2() -> GPT2LMHeadModel:
 
 def bert() -> BertForSequenceClassification:
     torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                     intermediate_size=64, max_position_embeddings=16, num_labels=2)  # fmt: skip
+    cfg = BertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=16,
+        num_labels=2,
+    )
     return BertForSequenceClassification(cfg)
 
 
 def args(out: Path, steps: int, **kw: Any) -> TrainingArguments:
-    base = dict(output_dir=str(out), per_device_train_batch_size=8, max_steps=steps, report_to="none",
-                save_strategy="no", use_cpu=True, logging_steps=5, learning_rate=1e-3, disable_tqdm=True,
-                dataloader_num_workers=0, seed=0)  # fmt: skip
+    base = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=8,
+        max_steps=steps,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        logging_steps=5,
+        learning_rate=1e-3,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
     return TrainingArguments(**{**base, **kw})
 
 
@@ -100,12 +117,22 @@ class Moves(TrainerCallback):
         self.moved[state.global_step] = not torch.equal(self.flat(), self.before)
 
 
-def train(model: torch.nn.Module, out: Path, steps: int, cfg: Optional[dict] = None, data: Any = None,
-          extra: List[Any] = (), resume: Optional[str] = None, on_abort: str = "raise", **kw: Any):  # fmt: skip
+def train(
+    model: torch.nn.Module,
+    out: Path,
+    steps: int,
+    cfg: Optional[dict] = None,
+    data: Any = None,
+    extra: List[Any] = (),
+    resume: Optional[str] = None,
+    on_abort: str = "raise",
+    **kw: Any,
+):
     cb = SafeTrainingCallback({**QUIET, **(cfg or {})}, on_abort=on_abort)
     moves = Moves(model)
-    trainer = Trainer(model=model, args=args(out, steps, **kw), train_dataset=data or Tokens(),
-                      callbacks=[cb, moves, *extra])  # fmt: skip
+    trainer = Trainer(
+        model=model, args=args(out, steps, **kw), train_dataset=data or Tokens(), callbacks=[cb, moves, *extra]
+    )
     trainer.train(resume_from_checkpoint=resume)
     return cb, moves, trainer
 
@@ -211,8 +238,9 @@ def test_poisoned_weights_are_restored_from_the_last_snapshot(tmp_path):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     WeightFault(opt, model.transformer.h[0].mlp.c_fc.weight, (0, 0), steps=[6])
     cb = SafeTrainingCallback({**QUIET, "snapshot": {"every": 3}})
-    trainer = Trainer(model=model, args=args(tmp_path, 10), train_dataset=Tokens(), callbacks=[cb],
-                      optimizers=(opt, None))  # fmt: skip
+    trainer = Trainer(
+        model=model, args=args(tmp_path, 10), train_dataset=Tokens(), callbacks=[cb], optimizers=(opt, None)
+    )
     trainer.train()
     (found,) = anomalies(cb)
     assert found.step == 7 and found.kind == "weights" and found.action == "restore"
@@ -391,8 +419,12 @@ def test_resume_from_the_trainers_checkpoint_restores_the_guards_state(tmp_path,
                 first.guard.recovery.lr_changed(0.5, "test: a backoff")
 
     first = SafeTrainingCallback(QUIET)
-    kw = dict(save_strategy="steps", save_steps=8, lr_scheduler_type="constant",
-              restore_callback_states_from_checkpoint=restore_callbacks)  # fmt: skip
+    kw = dict(
+        save_strategy="steps",
+        save_steps=8,
+        lr_scheduler_type="constant",
+        restore_callback_states_from_checkpoint=restore_callbacks,
+    )
     Trainer(model=model, args=args(tmp_path, 8, **kw), train_dataset=Tokens(), callbacks=[first, Backoff()]).train()
     assert (tmp_path / "checkpoint-8").is_dir()
     saved = first.result
@@ -471,8 +503,13 @@ def test_one_host_sync_per_healthy_step_inside_the_callback(tmp_path):
 def test_eval_forwards_pass_through_and_the_hooks_come_off(tmp_path):
     model = gpt2()
     cb = SafeTrainingCallback(QUIET)
-    trainer = Trainer(model=model, args=args(tmp_path, 4, eval_strategy="steps", eval_steps=2),
-                      train_dataset=Tokens(), eval_dataset=Tokens(n=16, seed=2), callbacks=[cb])  # fmt: skip
+    trainer = Trainer(
+        model=model,
+        args=args(tmp_path, 4, eval_strategy="steps", eval_steps=2),
+        train_dataset=Tokens(),
+        eval_dataset=Tokens(n=16, seed=2),
+        callbacks=[cb],
+    )
     trainer.train()
     assert cb.result.steps == 4 and anomalies(cb) == []
     assert not model._forward_pre_hooks and not model._forward_hooks
@@ -482,8 +519,13 @@ def test_a_loss_computed_outside_the_model_is_refused_clearly_and_close_ends_the
     """A compute_loss_func takes the labels away from the model: no output.loss to guard."""
     model = gpt2()
     cb = SafeTrainingCallback(QUIET)
-    trainer = Trainer(model=model, args=args(tmp_path, 3), train_dataset=Tokens(), callbacks=[cb],
-                      compute_loss_func=lambda out, labels, num_items_in_batch=None: out.logits.mean())  # fmt: skip
+    trainer = Trainer(
+        model=model,
+        args=args(tmp_path, 3),
+        train_dataset=Tokens(),
+        callbacks=[cb],
+        compute_loss_func=lambda out, labels, num_items_in_batch=None: out.logits.mean(),
+    )
     with pytest.raises(RuntimeError, match="no loss; expected the model to compute it") as caught:
         trainer.train()
     cb.close(error=caught.value)
@@ -501,8 +543,14 @@ def test_import_safetrain_imports_no_framework_and_old_transformers_is_refused(m
 
 def test_the_example_runs(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_trainer_callback.py"), str(tmp_path)],
-                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "hf_trainer_callback.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "recovered" in out.stdout, out.stdout
 

@@ -57,8 +57,9 @@ def _digest(model: torch.nn.Module) -> str:
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
 
 
-def _train(out: Path, steps: int, cfg: Dict[str, Any], fault: Any = None, resume: Any = None, guarded: bool = True,
-           **kw: Any) -> Dict:  # fmt: skip
+def _train(
+    out: Path, steps: int, cfg: Dict[str, Any], fault: Any = None, resume: Any = None, guarded: bool = True, **kw: Any
+) -> Dict:
     """One Trainer run on this rank; ``fault(model, optimizer)`` injects (rank 1 only); each step's
     host syncs are counted (``[count, the step's action, whether it took a snapshot]``)."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -88,11 +89,27 @@ def _train(out: Path, steps: int, cfg: Dict[str, Any], fault: Any = None, resume
             moved[state.global_step] = _digest(model) != self.before
 
     cb = SafeTrainingCallback({**QUIET, **cfg}, on_abort="stop")  # its abort test: train() returns, then asserts
-    base = dict(output_dir=str(out), per_device_train_batch_size=4, max_steps=steps, report_to="none",
-                save_strategy="no", use_cpu=True, logging_steps=1, learning_rate=1e-3, disable_tqdm=True,
-                dataloader_num_workers=0, seed=0, ddp_backend="gloo")  # fmt: skip
-    trainer = Trainer(model=model, args=TrainingArguments(**{**base, **kw}), train_dataset=_Tokens(),
-                      callbacks=[cb, Moves()] if guarded else [Moves()], optimizers=(opt, None))  # fmt: skip
+    base = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        max_steps=steps,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        logging_steps=1,
+        learning_rate=1e-3,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+        ddp_backend="gloo",
+    )
+    trainer = Trainer(
+        model=model,
+        args=TrainingArguments(**{**base, **kw}),
+        train_dataset=_Tokens(),
+        callbacks=[cb, Moves()] if guarded else [Moves()],
+        optimizers=(opt, None),
+    )
     trainer.train(resume_from_checkpoint=resume)
     if not guarded:
         return {"syncs": syncs, "digest": _digest(model)}
@@ -111,7 +128,7 @@ def _train(out: Path, steps: int, cfg: Dict[str, Any], fault: Any = None, resume
             [e.step, e.kind, e.action, e.rank, e.detail.get("ranks"), e.message]
             for e in cb.result.events
             if e.name == "anomaly"
-        ],  # fmt: skip
+        ],
         "started": [[e.action, e.step] for e in cb.result.events if e.name == "run_started"],
         "moved": {str(k): v for k, v in moved.items()},
         "digest": _digest(model),
@@ -151,7 +168,7 @@ def _faults(tmp: Path) -> Dict[str, Any]:
         "abort": _train(tmp / "abort", 30, {"recovery": {"max_retries": 2}}, _persistent),
         "saved": _train(
             tmp / "resume", 4, {"snapshot": {"every": 2}}, _early_fault, save_strategy="steps", save_steps=4
-        ),  # fmt: skip
+        ),
         "plain": _train(tmp / "plain", 4, {}, guarded=False),
     }
 

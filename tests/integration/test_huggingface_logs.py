@@ -74,8 +74,9 @@ def test_a_window_with_a_skipped_step_logs_the_mean_of_the_applied_steps(tmp_pat
             seen[state.global_step] = cb.last.loss
 
     cb = SafeTrainingCallback(QUIET)
-    trainer = Trainer(model=model, args=args(tmp_path, 6, logging_steps=3), train_dataset=Tokens(),
-                      callbacks=[cb, Losses()])  # fmt: skip
+    trainer = Trainer(
+        model=model, args=args(tmp_path, 6, logging_steps=3), train_dataset=Tokens(), callbacks=[cb, Losses()]
+    )
     reporter = _with_reporter(trainer)
     trainer.train()
     at = {h["step"]: h for h in reporter.logs}
@@ -96,8 +97,9 @@ def test_the_logged_learning_rate_is_the_one_in_force_under_a_backoff(tmp_path):
             used[state.global_step + 1] = optimizer.param_groups[0]["lr"]
 
     cb = SafeTrainingCallback({**QUIET, "recovery": {"actions": {"forward": "scale_lr"}}})
-    trainer = Trainer(model=model, args=args(tmp_path, 8, logging_steps=1), train_dataset=Tokens(),
-                      callbacks=[cb, Used()])  # fmt: skip
+    trainer = Trainer(
+        model=model, args=args(tmp_path, 8, logging_steps=1), train_dataset=Tokens(), callbacks=[cb, Used()]
+    )
     reporter = _with_reporter(trainer)
     trainer.train()
     at = {h["step"]: h for h in reporter.logs}

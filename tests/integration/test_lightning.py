@@ -103,8 +103,14 @@ def loader(data: Any = None, batch_size: int = 8) -> DataLoader:
 
 def trainer(cb: Optional[SafeTrainingCallback], tmp: Path, max_steps: int = 8, **kw: Any) -> pl.Trainer:
     opts = dict(enable_progress_bar=False, logger=False, enable_checkpointing=False, enable_model_summary=False)
-    return pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, default_root_dir=str(tmp),
-                      callbacks=[cb] if cb is not None else [], **{**opts, **kw})  # fmt: skip
+    return pl.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        devices=1,
+        default_root_dir=str(tmp),
+        callbacks=[cb] if cb is not None else [],
+        **{**opts, **kw},
+    )
 
 
 def flat(model: torch.nn.Module) -> torch.Tensor:
@@ -146,8 +152,15 @@ class Moves(pl.Callback):
             self._before = self._stats = None
 
 
-def fit(model: Net, tmp: Path, cfg: Optional[dict] = None, data: Any = None, max_steps: int = 8,
-        extra: Optional[list] = None, **kw: Any) -> SafeTrainingCallback:  # fmt: skip
+def fit(
+    model: Net,
+    tmp: Path,
+    cfg: Optional[dict] = None,
+    data: Any = None,
+    max_steps: int = 8,
+    extra: Optional[list] = None,
+    **kw: Any,
+) -> SafeTrainingCallback:
     cb = SafeTrainingCallback({**CFG, **(cfg or {})})
     t = trainer(cb, tmp, max_steps=max_steps, **kw)
     for c in extra or []:

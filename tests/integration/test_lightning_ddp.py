@@ -136,10 +136,18 @@ def main(tmp: str, scenario: str) -> None:
         strategy, model.spawned_fault = "ddp_spawn", True
     callbacks = [cb] if scenario == "spawn" else [cb, Probe()]  # (spawn pickles them: no local class)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, callbacks=callbacks, logger=logger,
-        log_every_n_steps=2, enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=steps,
+        callbacks=callbacks,
+        logger=logger,
+        log_every_n_steps=2,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
         default_root_dir=tmp,
-    )  # fmt: skip
+    )
     try:
         ckpt = {"resume": f"{tmp}/first.ckpt", "fsdp_resume": f"{tmp}/fsdp_first.ckpt"}.get(scenario)
         trainer.fit(model, _loader(), ckpt_path=ckpt)

@@ -61,8 +61,9 @@ def test_no_update_after_the_recovery_runs_at_the_bad_lr_in_fit(every, first):
 def test_the_caller_owned_verbs_hold_a_followed_scheduler():
     """The Lightning and Hugging Face callbacks' way: the caller steps the optimizer and the
     scheduler; the guard follows the scheduler and holds it after a restore."""
-    model, opt, sched, guard = make({"snapshot": {"every": 4}, "guard": {"spike": {"min_history": 8}}},
-                                    sched=lambda o: spiky(o, 8))  # fmt: skip
+    model, opt, sched, guard = make(
+        {"snapshot": {"every": 4}, "guard": {"spike": {"min_history": 8}}}, sched=lambda o: spiky(o, 8)
+    )
     used = record_lrs(opt)
     with guard:
         results = caller_loop(guard, model, opt, batches(n=16) * 2, sched=sched)

@@ -137,9 +137,12 @@ def test_a_second_writer_gets_a_clear_error_and_leaves_the_first_ones_files(tmp_
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), *sys.path]))
     child = subprocess.Popen(
-        [sys.executable, "-c", _WRITER, str(tmp_path), _HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        text=True, env=env,
-    )  # fmt: skip
+        [sys.executable, "-c", _WRITER, str(tmp_path), _HOST],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         assert child.stdout.readline().strip() == "ready"
         tmp = [n for n in os.listdir(tmp_path) if n.startswith(".tmp-snapshot-")]

@@ -126,8 +126,12 @@ def test_a_complex_input_with_a_nan_or_inf_is_scanned(part):
             return self.lin(torch.cat([z.real, z.imag], 1))
 
     model = Model()
-    with Guard(model, torch.optim.SGD(model.parameters(), lr=0.01), load_config(None, ["log.progress=false"]),
-               loss_fn=F.mse_loss) as guard:  # fmt: skip
+    with Guard(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        load_config(None, ["log.progress=false"]),
+        loss_fn=F.mse_loss,
+    ) as guard:
         result = guard.step((z, torch.randn(8, 1)))
     assert [(e.kind, e.action) for e in result.events] == [("input", "drop_rows")]
     assert "rows [3]" in result.events[0].message and "complex64" in result.events[0].message

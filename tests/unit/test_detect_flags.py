@@ -112,9 +112,15 @@ def test_count_host_syncs_counts_each_kind_once_and_restores():
         t.cpu()  # already on the host: not a sync
         torch.nonzero(t)
     assert [what for what, _ in syncs.calls] == [
-        "Tensor.item", "Tensor.tolist", "Tensor.__bool__", "Tensor.__float__", "Tensor.__int__",
-        "Tensor.numpy", "Tensor.__repr__", "torch.nonzero",
-    ]  # fmt: skip
+        "Tensor.item",
+        "Tensor.tolist",
+        "Tensor.__bool__",
+        "Tensor.__float__",
+        "Tensor.__int__",
+        "Tensor.numpy",
+        "Tensor.__repr__",
+        "torch.nonzero",
+    ]
     assert all("test_detect_flags.py" in where for _, where in syncs.calls)
     for name, fn in originals.items():
         assert getattr(torch.Tensor, name) is fn, f"{name} restored"

@@ -12,8 +12,18 @@ def _param(dtype=torch.float32):
     return torch.nn.Parameter(torch.zeros(3, dtype=dtype))
 
 
-@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.RAdam,
-                                 torch.optim.NAdam, torch.optim.Adagrad, torch.optim.RMSprop])  # fmt: skip
+@pytest.mark.parametrize(
+    "cls",
+    [
+        torch.optim.Adam,
+        torch.optim.AdamW,
+        torch.optim.Adamax,
+        torch.optim.RAdam,
+        torch.optim.NAdam,
+        torch.optim.Adagrad,
+        torch.optim.RMSprop,
+    ],
+)
 def test_eps_zero_is_named_with_the_fix_for_the_adam_and_adagrad_families(cls):
     text = explain_optimizer(cls([_param()], eps=0.0))
     assert text.startswith(f"{cls.__name__} eps=0: ") and "0 / (sqrt(0) + 0) = NaN" in text, text

@@ -488,9 +488,17 @@ PASS_OVER = [
 
 @pytest.mark.parametrize("name,kind,diagnosis,unverified,expected", PASS_OVER, ids=[r[0] for r in PASS_OVER])
 def test_pass_over_newest_only_when_the_weights_may_be_at_fault(name, kind, diagnosis, unverified, expected):
-    cfg = load_config(None, ["recovery.actions.loss=restore", "recovery.actions.forward=restore",
-                             "recovery.actions.gradient=restore", "recovery.actions.spike=restore",
-                             "recovery.actions.grad_norm=restore", "recovery.actions.divergence=scale_lr"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "recovery.actions.loss=restore",
+            "recovery.actions.forward=restore",
+            "recovery.actions.gradient=restore",
+            "recovery.actions.spike=restore",
+            "recovery.actions.grad_norm=restore",
+            "recovery.actions.divergence=scale_lr",
+        ],
+    )
     anomaly = Anomaly(kind, lrs=(1.0,), retried=diagnosis is not None)
     decision, _ = decide(anomaly, History(unverified=unverified), Rules.of(cfg), diagnosis)
     assert decision.restore, name
