@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, 
 
 from .errors import ConfigError
 from .metrics import PREFIX, step_metrics
-from .safefile import real_dir
+from .rundir.safefile import real_dir
 
 if TYPE_CHECKING:
     from .events import Event

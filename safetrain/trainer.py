@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Sequence, 
 import torch
 
 from . import distributed, snapshot
+from .adapters.compiled import unwrap_compiled
 from .config import ConfigLike, as_config
 from .diagnose.quarantine import QuarantineKeeper
 from .ending import SignalStop, interruption
@@ -21,7 +22,6 @@ from .errors import SafetrainError, SnapshotError, TrainingInterrupted
 from .guard import Guard, StepResult
 from .hooks import RunHook
 from .run import FitResult, Run
-from .wrappers import unwrap_compiled
 
 __all__ = ["SafeTrainer", "FitResult"]
 

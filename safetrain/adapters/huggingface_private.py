@@ -6,7 +6,7 @@ One module for the two libraries: the Trainer (transformers) drives its step thr
 :mod:`safetrain.integrations.huggingface`, is one. Imported by that integration only; accelerate
 is imported inside the function that needs it, so the core never needs either installed. Each
 entry says what it is, since when (checked in transformers 5.24 and accelerate 1.15) and what
-breaks in safetrain if it goes; ``tests/unit/test_adapters.py`` fails when one changes.
+breaks in safetrain if it goes; ``tests/unit/adapters/test_adapters.py`` fails when one changes.
 
 accelerate: ``AcceleratedOptimizer.optimizer`` (:func:`unwrap_optimizer`)
     The torch optimizer inside the wrapper the Trainer hands to callbacks. The fp16 GradScaler

@@ -3,7 +3,7 @@
 Imported by :mod:`safetrain.integrations.lightning` only; it imports nothing from Lightning (the
 objects are handed in), so the core never needs Lightning installed. Each entry says what it is,
 since when (checked against the Lightning source, 2.2 to 2.6) and what breaks in safetrain if it
-goes; ``tests/unit/test_adapters.py`` fails when one changes.
+goes; ``tests/unit/adapters/test_adapters.py`` fails when one changes.
 
 ``LightningModule.log`` / ``log_dict``, replaced on the instance (:func:`silenced_logging`)
     The guard's own forwards (re-runs of ``training_step`` for ``drop_rows``/``retry``, replays for

@@ -1,7 +1,7 @@
 """The private parts of torch that safetrain reads or calls, each behind one small function.
 
 Nothing else in safetrain touches these names; when a torch release moves one, this module and
-its contract tests (``tests/unit/test_adapters.py``) are the one place to change. Each entry
+its contract tests (``tests/unit/adapters/test_adapters.py``) are the one place to change. Each entry
 says what it is, since when torch has it (checked against the torch source), and what breaks in
 safetrain if it goes.
 

@@ -18,8 +18,8 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
+from ..adapters.compiled import is_compiled, plain_namer
 from ..config import DetectConfig
-from ..wrappers import is_compiled, plain_namer
 from .blocks import inside, repeated_blocks
 from .exact import ExactTrace, exact_hooks
 from .findings import ModuleFinding

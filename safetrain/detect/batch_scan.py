@@ -18,7 +18,7 @@ from .walk import is_dataclass_instance, map_tensors, rebuild_dataclass, rebuild
 __all__ = ["TARGET_KEYS", "BatchScan", "scan_batch"]
 
 #: Top-level keys (or dataclass fields) of a dict batch that hold targets: the guard scans a whole
-#: dict batch with ``scan_batch(batch, target_keys=TARGET_KEYS)``, and :mod:`safetrain.batches`
+#: dict batch with ``scan_batch(batch, target_keys=TARGET_KEYS)``, and :mod:`safetrain.guard.batches`
 #: splits a mapping batch into inputs and targets by the same keys.
 TARGET_KEYS = frozenset({"labels", "label", "targets", "target", "y"})
 

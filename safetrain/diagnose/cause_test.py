@@ -4,7 +4,7 @@ Slow path only (an anomaly the ladder would escalate): the live state is set asi
 forward without a backward under the current model, then under each snapshot's weights and
 buffers in turn (a snapshot is restored into the live objects for that), and the live state is
 put back exactly: parameters, buffers, optimizer, scheduler, scaler and every RNG stream. The
-rules that read the losses are :mod:`safetrain.causes` (pure); this module only measures.
+rules that read the losses are :mod:`safetrain.policy.causes` (pure); this module only measures.
 
 Cost: one capture of the training state (as a snapshot takes it), one forward of the step's
 micro-batches per model (the current one and each vouched snapshot: ``snapshot.keep`` at most),
@@ -20,8 +20,8 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
-from ..causes import Verdict, Witness, agree, cause_of, level_of
 from ..kinds import Cause
+from ..policy.causes import Verdict, Witness, agree, cause_of, level_of
 
 __all__ = ["CauseTest"]
 
@@ -29,14 +29,14 @@ logger = logging.getLogger(__name__)
 
 
 class CauseTest:
-    """Measures the losses the cause test reads (see :mod:`safetrain.causes`).
+    """Measures the losses the cause test reads (see :mod:`safetrain.policy.causes`).
 
     Args:
         state: the guard's :class:`~safetrain.snapshot.TrainState` (what a snapshot restores).
         loss_of: ``loss_of(batch) -> loss``: the guard's forward and loss for one micro-batch.
         autocast: a zero-argument callable returning the step's autocast context.
         prepare: ``prepare(batch) -> batch``: the sanitizer's device-side cleaning.
-        sync: the guard's sync: every rank tests its own batch, :func:`~safetrain.causes.agree`
+        sync: the guard's sync: every rank tests its own batch, :func:`~safetrain.policy.causes.agree`
             makes one verdict of theirs.
     """
 

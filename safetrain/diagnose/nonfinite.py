@@ -34,7 +34,7 @@ def user_frames(stack: Iterable[Tuple[str, int, str]]) -> List[str]:
 
     torch's frames are never the user's. safetrain's own are not either, except for code a module
     call runs in a top-level module of the package (a model defined there, such as
-    :class:`safetrain.demo.LogNormFeatures`: its ``forward`` is the model's code; a
+    :class:`safetrain.cli.demo.LogNormFeatures`: its ``forward`` is the model's code; a
     :mod:`safetrain.testing` fault hook). A model in any other installed package is the user's.
     """
     out: List[str] = []
@@ -44,7 +44,8 @@ def user_frames(stack: Iterable[Tuple[str, int, str]]) -> List[str]:
         if filename == _MODULE_CALL[0] and name in _MODULE_CALL[1]:
             in_module = True
         elif not filename.startswith(_PLUMBING) and (
-            not filename.startswith(_SAFETRAIN) or (in_module and os.path.dirname(filename) == _SAFETRAIN)
+            not filename.startswith(_SAFETRAIN)
+            or (in_module and os.path.dirname(filename) in (_SAFETRAIN, os.path.join(_SAFETRAIN, "cli")))
         ):
             out.append(f"{filename}:{lineno} in {name}")
     return out

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Sampler
 from .. import distributed
 from ..errors import SafetrainError
 from ..rundir import atomic_write_text
-from ..safefile import read_own
+from ..rundir.safefile import read_own
 
 __all__ = ["QuarantineSampler", "QuarantineKeeper", "read_quarantine", "write_quarantine"]
 

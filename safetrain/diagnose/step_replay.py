@@ -18,8 +18,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
+from ..adapters.compiled import plain_namer
 from ..detect import HUGE_NORM, ActivationMonitor, drop_rows, fused_norms, iter_tensors, true_norms
-from ..wrappers import plain_namer
 from .bisect import Bisection, isolate_rows
 from .diagnosis import Diagnosis
 from .nonfinite import any_nonfinite, first_nonfinite_op, nonfinite_names, user_frames

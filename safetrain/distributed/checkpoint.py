@@ -20,7 +20,7 @@ import os
 from typing import Any, Iterable, List, Optional
 
 from ..errors import SnapshotError
-from ..safefile import real_dir, remove_tree
+from ..rundir.safefile import real_dir, remove_tree
 from ..snapshot.codec import encode
 from ..snapshot.store import SnapshotInfo, SnapshotStore, make_info, run_of
 from ..snapshot.tensors import nonfinite

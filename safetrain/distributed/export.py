@@ -15,8 +15,8 @@ from typing import Dict, Union
 
 import torch
 
-from ..atomicfile import atomic_save
 from ..errors import SnapshotError
+from ..rundir.atomicfile import atomic_save
 from .layout import shard_layout
 from .snapdir import MARK, sharded_snapshots
 

@@ -26,9 +26,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..atomicfile import atomic_write_bytes
 from ..errors import SnapshotError
-from ..safefile import skip_links
+from ..rundir.atomicfile import atomic_write_bytes
+from ..rundir.safefile import skip_links
 from ..snapshot.header import parse_json, read_regular
 from ..snapshot.store import CorruptSnapshotError
 

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..adapters.compiled import plain_namer
 from ..detect.flags import Layout, packed_order, parse_read
-from ..wrappers import plain_namer
 from .group import active, rank
 from .sharding import DDP, FSDP2, layout_of
 

@@ -13,14 +13,14 @@ from typing import Callable, Tuple
 
 from .. import detect
 from ..diagnose import Diagnoser, Diagnosis
-from ..divergence import DivergenceDetector
 from ..events import Event
 from ..kinds import CAUSE_TESTED, Action, Cause
-from ..lr import LRBackoff
 from ..policy import Anomaly, Rules, decide, newest_taken, raises, read_clean
+from ..stats.divergence import DivergenceDetector
 from ..steps import Counters, Pending, StepResult
 from .cadence import Cadence
 from .judge import Judge
+from .lr import LRBackoff
 from .outcomes import Outcome, Rerun, Verdict
 from .recovery import Recovery
 from .state import RecoveryState

@@ -15,11 +15,11 @@ import torch
 from torch import Tensor
 
 from .. import detect, distributed
-from ..batches import compute_loss, split_batch
+from ..adapters.compiled import can_force_eager, plain_namer, run_eagerly
 from ..config import SanitizeConfig
 from ..detect import TARGET_KEYS
 from ..steps import Pending
-from ..wrappers import can_force_eager, plain_namer, run_eagerly
+from .batches import compute_loss, split_batch
 from .plumbing import Buffers, Plumbing
 
 __all__ = ["Forward"]

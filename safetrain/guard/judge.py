@@ -12,14 +12,14 @@ import math
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from .. import detect
-from ..batches import row_findings
 from ..config import SanitizeConfig, TrainConfig
-from ..divergence import DivergenceDetector
-from ..gradclip import NormStats
 from ..kinds import Kind
 from ..policy import Anomaly
-from ..spike import SpikeDetector
+from ..stats.divergence import DivergenceDetector
+from ..stats.gradclip import NormStats
+from ..stats.spike import SpikeDetector
 from ..steps import Counters, Pending
+from .batches import row_findings
 from .plumbing import Plumbing
 
 __all__ = ["Judge", "micro_rows"]
@@ -55,7 +55,7 @@ class Judge:
         norm_stats: the gradient norm's EMA statistics, which ``guard.grad_norm_threshold: adaptive``
             judges by (a far z-score; nothing before their warm-up is over).
 
-    A loss that rose to a new level and stays (:meth:`~safetrain.spike.SpikeDetector.level`) is
+    A loss that rose to a new level and stays (:meth:`~safetrain.stats.spike.SpikeDetector.level`) is
     judged a ``spike`` of rule ``level`` while ``recovery.cause_test`` is on (the cause test
     explains it: damage, a data change, or nothing found).
     """

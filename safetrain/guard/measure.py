@@ -23,7 +23,7 @@ import torch
 
 from .. import distributed
 from ..detect import ActivationMonitor
-from ..spike import SpikeDetector
+from ..stats.spike import SpikeDetector
 from .forward import Forward
 from .plumbing import Plumbing, put_buffer_
 from .state import RecoveryState

@@ -18,24 +18,24 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from .. import detect, distributed, snapshot
+from ..adapters.compiled import plain_namer, unwrap_compiled
 from ..config import ConfigLike, TrainConfig, as_config
 from ..diagnose import Diagnoser
-from ..divergence import DivergenceDetector
 from ..events import Event, EventBus, LRChanged
-from ..gradclip import NormStats
 from ..kinds import Action
-from ..lr import LRBackoff
 from ..optimizers import as_optimizer, as_scheduler
 from ..policy import History, Rules
 from ..snapshot import SnapshotInfo
-from ..spike import SpikeDetector
+from ..stats.divergence import DivergenceDetector
+from ..stats.gradclip import NormStats
+from ..stats.spike import SpikeDetector
 from ..steps import Counters, Pending
-from ..wrappers import plain_namer, unwrap_compiled
 from .decisions import Decisions
 from .forward import Forward
 from .journal import StepJournal
 from .judge import Judge
 from .lazy import LazyParams
+from .lr import LRBackoff
 from .machine import MID_STEP, Machine, Phase
 from .measure import measure
 from .plumbing import Plumbing

@@ -17,11 +17,11 @@ from torch.nn.parameter import is_lazy
 
 from ..adapters import Scaler, make_scaler
 from ..adapters.torch_private import profiler_enabled
-from ..batches import pageable_tensors, to_device
 from ..config import AmpConfig
 from ..optimizers import members
 from ..snapshot.accepted import matches, pattern_tensor
 from ..snapshot.tensors import put_buffer_
+from .batches import pageable_tensors, to_device
 
 __all__ = ["Plumbing", "Buffers", "put_buffer_"]
 

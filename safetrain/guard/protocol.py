@@ -20,12 +20,12 @@ import math
 from typing import Any, List, Optional, Sequence, Tuple
 
 from .. import detect
-from ..batches import batch_rows
 from ..config import TrainConfig, without_replays
 from ..diagnose import Diagnosis
 from ..kinds import Kind
 from ..steps import Pending, StepResult
 from . import start
+from .batches import batch_rows
 from .decisions import nan_result
 from .machine import MOVES, Driver, Phase, Verb
 from .outcomes import Rerun, Verdict

@@ -16,19 +16,19 @@ from typing import Any, Callable, Dict, List, Mapping, NoReturn, Optional, Tuple
 
 import torch
 
-from ..batches import without_rows
-from ..causes import Verdict as CauseVerdict
 from ..config import TrainConfig
 from ..detect import batch_error
 from ..errors import SnapshotError, TrainingAborted
 from ..events import Aborted, AnomalyFound, Event, LRChanged, Restored
 from ..kinds import DATA_KINDS, Action, Cause, Kind
-from ..lr import LRBackoff
 from ..optimizers import lrs_by_name
 from ..policy import Anomaly, Decision, mark_last_skipped, record_step
+from ..policy.causes import Verdict as CauseVerdict
 from ..steps import Counters, Pending
+from .batches import without_rows
 from .end_check import check_end
 from .judge import micro_rows
+from .lr import LRBackoff
 from .messages import micro_batch_of, payload_of, place_of, summary, with_hint
 from .outcomes import Outcome, Rerun, Verdict
 from .returns import MAX_RETURNS, loop_reason

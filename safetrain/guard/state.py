@@ -15,7 +15,7 @@ from typing import Any, Deque, Dict, List, Mapping, Optional, Tuple
 
 from ..config import RecoveryConfig
 from ..policy import VOUCH_READS, History, climb_pending, observe_healthy
-from ..spike import spread_floor
+from ..stats.spike import spread_floor
 from .returns import Returns
 
 __all__ = ["RecoveryState"]

@@ -2,7 +2,7 @@
 
 The healthy path's last stretch. Clipping uses the total norm the step's one read brought to the
 host: a fixed norm (``guard.clip_grad_norm``), or adaptive (``guard.clip.mode: adaptive``, ZClip:
-:class:`~safetrain.gradclip.NormStats`, a few float operations on that number, no sync and no
+:class:`~safetrain.stats.gradclip.NormStats`, a few float operations on that number, no sync and no
 device op). A clipped step is counted (``clipped_steps``) and journaled once per episode (a run of
 clipped trained steps). The scheduler follows optimizer steps by default (skipped and restored
 steps do not advance it), or every batch (``guard.scheduler_follows: batch``); the LR backoff stays
@@ -17,9 +17,9 @@ from typing import Any, List, Optional, Set, Tuple
 from .. import detect
 from ..config import GuardConfig
 from ..events import Clipped, Event
-from ..gradclip import NormStats
-from ..lr import LRBackoff
+from ..stats.gradclip import NormStats
 from ..steps import Counters
+from .lr import LRBackoff
 from .plumbing import Plumbing
 
 __all__ = ["Updates"]
@@ -124,7 +124,7 @@ class Updates:
 
     def follow(self, scheduler: Any) -> None:
         """Make a scheduler that the caller's loop steps keep the LR backoff on top of it
-        (:meth:`LRBackoff.follow <safetrain.lr.LRBackoff.follow>`); once per scheduler. The guard's
+        (:meth:`LRBackoff.follow <safetrain.guard.lr.LRBackoff.follow>`); once per scheduler. The guard's
         own (step-interval) scheduler also follows the steps: its ``step`` does nothing after a step
         whose update was not applied (unless ``guard.scheduler_follows: batch``), and the guard no
         longer steps it; another (an epoch-interval one) steps whenever the caller steps it."""

@@ -46,7 +46,7 @@ from ..errors import TrainingAborted
 from ..guard import Guard
 from ..metrics import COUNTERS, step_metrics
 from ..run import FitResult, Run
-from ..runlog import OWN_SUBDIR
+from ..rundir.runlog import OWN_SUBDIR
 
 __all__ = ["SafeTrainingCallback"]
 

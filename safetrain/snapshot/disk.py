@@ -12,7 +12,7 @@ deleted files really free their space.
 A directory may hold snapshots of several runs (each file's metadata names its ``run_id``): a
 store restores, rotates and deletes only its own run's, and a fresh run refuses a directory
 holding another run's (:meth:`SafetensorsStore.check_fresh`). One process writes a directory at
-a time: the first write takes the directory's lock (:class:`safetrain.dirlock.DirLock`, the run
+a time: the first write takes the directory's lock (:class:`safetrain.rundir.dirlock.DirLock`, the run
 directory's too; held until ``close()``, a second writer gets a ``SnapshotError`` naming the
 directory and the holder). Only temporary files of this process or of a process of this host that
 is gone are removed (:mod:`.tmpnames`: temporary names carry the host and the pid), when the store
@@ -32,10 +32,10 @@ from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 import torch
 
-from ..dirlock import DirLock, tmp_tag
 from ..errors import SnapshotError
 from ..rundir import AtomicFile, fsync_dir
-from ..safefile import skip_links
+from ..rundir.dirlock import DirLock, tmp_tag
+from ..rundir.safefile import skip_links
 from .fileformat import FileWriter, checksum, read_header, read_tensors
 from .state import Captured, TrainState, validate_meta
 from .store import SnapshotInfo, SnapshotStore, make_info, run_of

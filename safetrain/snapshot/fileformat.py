@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 import torch
 
 from ..errors import SnapshotError
-from ..safefile import create_new
+from ..rundir.safefile import create_new
 from .checksums import ALGORITHM, WIDTH, checksum
 from .header import (
     CHECKSUM_KEY,

@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from ..errors import SnapshotError
-from ..safefile import file_kind
+from ..rundir.safefile import file_kind
 from .store import CorruptSnapshotError
 
 __all__ = [

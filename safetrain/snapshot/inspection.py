@@ -8,7 +8,7 @@ import os
 from typing import Any, Dict, List, Optional, Union
 
 from ..errors import SnapshotError
-from ..records import one_line
+from ..rundir.records import one_line
 from .accepted import check_patterns, describe
 from .codec import decode
 from .disk import list_snapshots, snapshot_step
@@ -123,7 +123,7 @@ def format_inspection(info: Dict[str, Any]) -> str:
     """Render :func:`inspect_snapshot`'s dict as the lines ``safetrain inspect`` prints.
 
     Every value taken from the file (names, types, counters, the run id) is escaped
-    (:func:`safetrain.records.one_line`): a snapshot cannot print terminal control sequences.
+    (:func:`safetrain.rundir.records.one_line`): a snapshot cannot print terminal control sequences.
     """
     ok = lambda flag: "ok" if flag else "FAILED"  # noqa: E731
     lines = [

@@ -14,8 +14,8 @@ from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 import torch
 from torch.nn.parameter import is_lazy
 
+from ..adapters.compiled import plain_namer
 from ..errors import SafetrainError, SnapshotError
-from ..wrappers import plain_namer
 from .accepted import Pattern, check_patterns, patterns_of
 from .codec import decode, encode, tensor_refs
 from .optim import capture_optimizer, check_optimizer, is_state_tensor, restore_optimizer

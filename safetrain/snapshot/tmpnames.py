@@ -1,8 +1,8 @@
 """Temporary snapshot file names that say which process wrote them, so that only a gone writer's
 leftovers are removed.
 
-A temporary file is ``.tmp-snapshot-{host}.{pid}-...`` (:func:`~safetrain.dirlock.tmp_tag`); the
-directory's one writer (:class:`~safetrain.dirlock.DirLock`) removes those :func:`stale` says are
+A temporary file is ``.tmp-snapshot-{host}.{pid}-...`` (:func:`~safetrain.rundir.dirlock.tmp_tag`); the
+directory's one writer (:class:`~safetrain.rundir.dirlock.DirLock`) removes those :func:`stale` says are
 left by this process or by a process of this host that is gone. Used by :mod:`.disk`.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 
-from ..dirlock import HOST, alive
+from ..rundir.dirlock import HOST, alive
 
 __all__ = ["TMP_PREFIX", "stale"]
 

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from safetrain import SafeTrainer, load_config
-from safetrain.gradclip import NormStats
 from safetrain.guard import Guard
+from safetrain.stats.gradclip import NormStats
 from safetrain.testing import GradFault, count_host_syncs
 from tests.conftest import loader, mlp, regression_data
 

@@ -8,8 +8,8 @@ import re
 import pytest
 
 from safetrain.cli import main
-from safetrain.demo import DemoSize, demo_config, format_summary, run_demo
-from safetrain.report import reconcile
+from safetrain.cli.demo import DemoSize, demo_config, format_summary, run_demo
+from safetrain.cli.report import reconcile
 from safetrain.rundir import read_run
 
 SIZE = DemoSize(n_train=3072, n_test=4096, epochs=4)

@@ -533,7 +533,7 @@ def test_the_readme_snippet_with_the_csv_logger_keeps_the_loggers_file_its_own(t
 
     from lightning.pytorch.loggers import CSVLogger
 
-    from safetrain.runlog import read_run
+    from safetrain.rundir.runlog import read_run
 
     model = Net()
     OutputFault(model.conv, calls=[3])

@@ -260,7 +260,7 @@ def test_csv_logger_keeps_its_metrics_file_and_gets_the_lr_and_the_counters(tmp_
     journal and metrics go to ``<log_dir>/safetrain/``, Lightning's ``metrics.csv`` stays Lightning's
     alone, carries the LR in force and the intervention counters, and ``safetrain report`` reads
     the run from the logger's directory."""
-    from safetrain.runlog import read_run
+    from safetrain.rundir.runlog import read_run
 
     launch(tmp_path, "output")
     version = tmp_path / "lightning_logs" / "version_0"

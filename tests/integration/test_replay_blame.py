@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from safetrain import SafeTrainer, load_config
-from safetrain.demo import LogNormFeatures
+from safetrain.cli.demo import LogNormFeatures
 from safetrain.errors import TrainingAborted
 from safetrain.testing import OutputFault
 

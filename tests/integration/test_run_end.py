@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from safetrain import SafeTrainer, SafetrainError, load_config
+from safetrain.cli.report import format_report
 from safetrain.errors import TrainingAborted
-from safetrain.report import format_report
 from safetrain.rundir import RunDirError, read_run
 from tests.conftest import mlp, regression_data
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from safetrain import Guard
-from safetrain.runlog import read_run
+from safetrain.rundir.runlog import read_run
 from tests.conftest import loader as regression_loader
 from tests.conftest import mlp, regression_data
 

@@ -96,7 +96,7 @@ def test_report_keeps_two_runs_in_one_log_dir_apart(tmp_path):
     runs = log.metrics["run"]
     assert len(log.metrics["step"]) == 20, "run 2's steps 1-8 do not replace run 1's"
     assert runs.count(log.run_ids[0]) == 12 and runs.count(log.run_ids[1]) == 8
-    from safetrain.report import format_report
+    from safetrain.cli.report import format_report
 
     text = format_report(log)
     assert "2 runs" in text and log.run_ids[0][:8] in text and log.run_ids[1][:8] in text
@@ -133,7 +133,7 @@ _WRITER = textwrap.dedent(
 def test_a_second_writer_gets_a_clear_error_and_leaves_the_first_ones_files(tmp_path):
     """Issue 16: opening a store deleted every .tmp-snapshot-* file, another process's mid-write
     one included, and nothing locked the directory."""
-    from safetrain.dirlock import HOST as _HOST
+    from safetrain.rundir.dirlock import HOST as _HOST
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), *sys.path]))
     child = subprocess.Popen(

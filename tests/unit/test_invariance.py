@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 
 from safetrain import ConfigError, load_config
 from safetrain.config import RecoveryConfig
-from safetrain.divergence import DivergenceDetector
 from safetrain.guard.state import RecoveryState
-from safetrain.spike import SpikeDetector
+from safetrain.stats.divergence import DivergenceDetector
+from safetrain.stats.spike import SpikeDetector
 
 SHAPES = ("decay", "plateau", "heavy_tail", "negative", "crossing")
 FAULTS = (None, "blow_up", "climb")

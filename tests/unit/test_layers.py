@@ -149,7 +149,19 @@ def test_the_circle_finder_finds_one():
 
 @pytest.mark.parametrize(
     "module",
-    ["kinds", "policy", "causes", "fallbacks", "faults", "history", "config", "rundir", "runlog", "records", "report"],
+    [
+        "kinds",
+        "policy",
+        "policy.causes",
+        "policy.fallbacks",
+        "policy.faults",
+        "policy.history",
+        "config",
+        "rundir",
+        "rundir.runlog",
+        "rundir.records",
+        "cli.report",
+    ],
 )
 def test_the_lower_layers_import_no_torch_module(module):
     """The layers below the guard that promise no torch import none of the torch-using layers."""
@@ -157,20 +169,20 @@ def test_the_lower_layers_import_no_torch_module(module):
     pure = {
         "safetrain.kinds",
         "safetrain.policy",
-        "safetrain.causes",
-        "safetrain.fallbacks",
-        "safetrain.faults",
-        "safetrain.history",
+        "safetrain.policy.causes",
+        "safetrain.policy.fallbacks",
+        "safetrain.policy.faults",
+        "safetrain.policy.history",
         "safetrain.errors",
         "safetrain.events",
         "safetrain.rundir",
-        "safetrain.dirlock",
-        "safetrain.safefile",
-        "safetrain.atomicfile",
-        "safetrain.runlog",
-        "safetrain.records",
-        "safetrain.report",
-        "safetrain.plot",
+        "safetrain.rundir.dirlock",
+        "safetrain.rundir.safefile",
+        "safetrain.rundir.atomicfile",
+        "safetrain.rundir.runlog",
+        "safetrain.rundir.records",
+        "safetrain.cli.report",
+        "safetrain.cli.plot",
     }
     pure |= {m for m in graph if m.startswith("safetrain.config")}
     start = f"safetrain.{module}"
@@ -181,3 +193,84 @@ def test_the_lower_layers_import_no_torch_module(module):
             seen.add(m)
             todo += graph.get(m, ())
     assert seen <= pure, f"{module} reaches {sorted(seen - pure)}"
+
+
+# The layers of the README's table "Where each part lives", from the drivers at the top to the
+# vocabulary at the bottom: a module imports from its own row or a row below, never from above.
+LAYERS = [
+    ["cli"],
+    ["integrations"],
+    ["trainer", "run", "ending", "hooks", "metrics"],
+    ["testing"],
+    ["guard"],
+    ["diagnose"],
+    ["distributed"],
+    ["snapshot"],
+    ["detect"],
+    ["adapters"],
+    ["numerics"],
+    ["steps", "optimizers"],
+    ["stats"],
+    ["policy"],
+    ["rundir"],
+    ["config"],
+    ["kinds", "events", "errors", "deprecation"],
+]
+
+#: What lies at the top of safetrain/: the public entry points and the shared vocabulary.
+ROOT_MODULES = {"__init__", "__main__"} | {name for row in LAYERS for name in row if not (ROOT / name).is_dir()}
+
+
+def _row(module: str) -> int:
+    top = module.split(".")[1]
+    return next(i for i, row in enumerate(LAYERS) if top in row)
+
+
+def test_the_root_holds_the_entry_points_and_the_vocabulary_only():
+    """A module that serves one client lives in that client's package, not beside the entry points."""
+    assert {p.stem for p in ROOT.glob("*.py")} == ROOT_MODULES
+    assert {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()} | ROOT_MODULES == {
+        name for row in LAYERS for name in row
+    } | {"__init__", "__main__"}
+
+
+def test_imports_point_down_the_layers():
+    """Each import, inside functions too, goes to the importer's row or one below (the README's table)."""
+    up = [
+        f"{m} -> {e}"
+        for m, edges in sorted(import_graph(inside_functions=True).items())
+        if m != "safetrain" and m.split(".")[1] != "__main__"
+        for e in sorted(edges)
+        if e != "safetrain" and _row(e) < _row(m)
+    ]
+    assert up == []
+
+
+def test_the_layer_check_finds_an_import_that_points_up():
+    assert _row("safetrain.policy.history") > _row("safetrain.guard.lr") > _row("safetrain.cli.demo")
+
+
+@pytest.mark.parametrize("package", ["policy", "stats", "rundir", "config"])
+def test_the_pure_packages_import_no_torch_module(package):
+    """Every module of the packages that promise no torch reaches only modules that promise the same."""
+    graph = import_graph()
+    pure = {"safetrain.kinds", "safetrain.errors", "safetrain.events", "safetrain.cli.report", "safetrain.cli.plot"}
+    pure |= {m for m in graph if m.split(".")[1:2] in (["policy"], ["stats"], ["rundir"], ["config"])}
+    for start in [m for m in graph if m.split(".")[1:2] == [package]]:
+        seen, todo = set(), [start]
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo += graph.get(m, ())
+        assert seen <= pure, f"{start} reaches {sorted(seen - pure)}"
+
+
+def test_torch_compiles_private_orig_mod_is_read_in_adapters_only():
+    """``_orig_mod`` is private to torch.compile's wrapper: one adapter reads it (issue #34)."""
+    readers = sorted(
+        str(p.relative_to(ROOT))
+        for p in ROOT.rglob("*.py")
+        if any(isinstance(n, ast.Attribute) and n.attr == "_orig_mod" for n in ast.walk(ast.parse(p.read_text())))
+    )
+    assert readers == ["adapters/compiled.py"]

@@ -18,7 +18,7 @@ from tests.conftest import loader, mlp, regression_data
 
 ROOT = Path(__file__).resolve().parents[2] / "safetrain"
 #: The drivers: each is its framework's adapter plus a few lines of ``Run`` and the verbs.
-DRIVERS = ["trainer.py", "demo.py", "run.py"] + sorted(
+DRIVERS = ["trainer.py", "cli/demo.py", "run.py"] + sorted(
     str(p.relative_to(ROOT)) for p in (ROOT / "integrations").glob("*.py") if p.name != "__init__.py"
 )
 
