@@ -38,7 +38,7 @@ from safetrain.snapshot import SafetensorsStore, TrainState, inspect_snapshot, l
 from safetrain.snapshot.checksums import ALGORITHM, WIDTH, blocksum64, checksum, xxh3_64
 from safetrain.snapshot.store import CorruptSnapshotError
 
-DATA = Path(__file__).resolve().parent.parent / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 WORDS_PER_BLOCK = 4096  # 32 KiB of 8-byte words
 
 
