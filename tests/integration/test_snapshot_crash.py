@@ -89,10 +89,14 @@ def test_sigkill_at_random_moments_leaves_a_loadable_snapshot(tmp_path):
             child.stdin.write("go\n")
             child.stdin.flush()
             pid = int(child.stdout.readline())
-            while kill == 0 and not list_snapshots(directory):  # the first round must leave one
-                time.sleep(0.01)
-            # Let it load the previous snapshot and write a few; then kill it wherever it is.
-            time.sleep(rng.uniform(0.05, 0.3))
+            # Let it load the previous snapshot and write a new one (however slow a busy host makes
+            # that: a fixed delay killed every trainer before its first write on a loaded machine);
+            # then kill it wherever it is, mostly in the middle of a later write.
+            newest = list_snapshots(directory)[-1:]
+            deadline = time.monotonic() + 60
+            while list_snapshots(directory)[-1:] == newest and time.monotonic() < deadline:
+                time.sleep(0.005)
+            time.sleep(rng.uniform(0.0, 0.15))
             os.kill(pid, signal.SIGKILL)
             assert child.stdout.readline().strip() == "reaped", "the trainer is gone"
             names = os.listdir(directory) if directory.exists() else []
