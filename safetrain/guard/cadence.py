@@ -104,8 +104,10 @@ class Cadence:
 
     @property
     def snapshot_s(self) -> Optional[float]:
-        """The median wall time of the last snapshots (``None``: none measured)."""
-        return statistics.median(self._costs) if self._costs else None
+        """The median wall time of the last snapshots, the lower of the middle two for an even
+        count (``None``: none measured): of the first two, the faster, so that one slow first
+        snapshot (allocations, a page-in, a busy host) does not set the interval for the run."""
+        return statistics.median_low(self._costs) if self._costs else None
 
     @property
     def step_s(self) -> Optional[float]:

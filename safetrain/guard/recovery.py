@@ -31,7 +31,7 @@ from .judge import micro_rows
 from .lr import LRBackoff
 from .messages import micro_batch_of, payload_of, place_of, summary, with_hint
 from .outcomes import Outcome, Rerun, Verdict
-from .returns import MAX_RETURNS, loop_reason
+from .returns import MAX_RESTORES, MAX_RETURNS, loop_reason
 from .state import RecoveryState
 
 __all__ = ["Recovery", "Outcome", "Rerun", "Verdict", "Emit", "with_hint"]
@@ -334,16 +334,16 @@ class Recovery:
         self.backoff.hold()  # no LR above the last healthy update's, however often the schedule sets it
         trained = self.counters.optimizer_steps > self.state.restored_updates
         self.state.restored_updates = self.counters.optimizer_steps
-        loops = self.state.returns.arrive(info.step, self.counters.steps, self.backoff.scale, trained)
-        if loops >= MAX_RETURNS and decision.action is not Action.ABORT and self._backs_off_a_loop():
+        returns = self.state.returns
+        loops = returns.arrive(info.step, self.counters.steps, self.backoff.scale, trained)
+        if not returns.stuck or decision.action is Action.ABORT:
+            return event
+        if loops >= MAX_RETURNS and returns.restores < MAX_RESTORES and self._backs_off_a_loop():
             return event  # a restore loop, with the LR backoff still to try: this return is a new try
-        if loops >= MAX_RETURNS and decision.action is not Action.ABORT:  # a restore loop: it stops here
-            b = self.backoff
-            restored = [lr * b.failed_scale for lr in info.extra["lr"]["unscaled"]]  # (as the failed update's)
-            kind = str(decision.kind)
-            why = loop_reason(kind, self.state.returns, failed_lr=b.failed, snapshot_lr=restored, scheduler=b.scheduler)
-            self.abort(decision.kind, why)
-        return event
+        b = self.backoff  # a restore loop: it stops here
+        restored = [lr * b.failed_scale for lr in info.extra["lr"]["unscaled"]]  # (as the failed update's)
+        why = loop_reason(str(decision.kind), returns, failed_lr=b.failed, snapshot_lr=restored, scheduler=b.scheduler)
+        self.abort(decision.kind, why)
 
     def _backs_off_a_loop(self) -> bool:
         """A restore loop under a policy that escalates to ``scale_lr``: scale the LR down once more

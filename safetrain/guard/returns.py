@@ -5,9 +5,12 @@ LR is too high (a one-cycle schedule, a warmup to an LR the model cannot take) b
 the same point each time it is restored: the restored scheduler climbs to the same LR again. Each
 restore lands on the same snapshot; the steps after it are thrown away each time. :class:`Returns`
 counts, for the snapshot restored last, how far the run got from it (steps, from the snapshot or
-from the last restore to it); a return that trained and still got no further than the furthest
-before, under an LR no lower than the last time, is a loop, and :data:`MAX_RETURNS` of them stop
-the run with a reason that names the point, the cause and the fix (:func:`loop_reason`). Returns
+from the last restore to it); a return that trained and still got no meaningfully further than the
+furthest before (:func:`got_further`: a quarter more steps, at least 3), under an LR no lower than
+the last time, is a loop, and :data:`MAX_RETURNS` of them stop the run with a reason that names the
+point, the cause and the fix (:func:`loop_reason`). Whatever each return reached, a run put back to
+one snapshot :data:`MAX_RESTORES` times has thrown away all it trained since that snapshot as often:
+it stops too (:attr:`Returns.stuck`). Returns
 with no update between them are anomalous steps in a row, bounded by the ladder
 (``recovery.max_retries``); a return under a backed-off LR is a new try (``scale_lr`` is the
 remedy being tried, bounded by ``recovery.min_lr`` and the ladder). What the ladder does not bound
@@ -19,8 +22,8 @@ Example::
     >>> r = Returns()
     >>> [r.arrive(snapshot=0, now=n, trained=True) for n in (30, 45, 58)]
     [0, 1, 2]
-    >>> r.furthest
-    30
+    >>> r.furthest, r.stuck
+    (30, True)
 """
 
 from __future__ import annotations
@@ -28,10 +31,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-__all__ = ["Returns", "MAX_RETURNS", "loop_reason", "cause_of"]
+__all__ = ["Returns", "MAX_RETURNS", "MAX_RESTORES", "got_further", "loop_reason", "cause_of"]
 
 #: Returns to one snapshot that got no further than the furthest before, after which the run stops.
 MAX_RETURNS = 2
+#: Restores to one snapshot after which the run stops, however far each return got: every one threw
+#: away all the run trained since that snapshot, so none of it was kept.
+MAX_RESTORES = 5
+
+
+def got_further(reached: int, furthest: int) -> bool:
+    """Whether a return that reached ``reached`` steps past a snapshot got past the point the run
+    failed at before (``furthest``): by a quarter more steps, at least 3. Returns that fail a step or
+    two later each time, as a rising schedule meets the same LR a little later under noise, do not.
+
+    Example::
+
+        >>> got_further(44, 41), got_further(52, 41), got_further(5, 1)
+        (False, True, True)
+    """
+    return reached > furthest + max(2, furthest // 4)
 
 
 @dataclass
@@ -64,12 +83,18 @@ class Returns:
         else:
             reached = now - self.restored_at
             self.restores += 1
-            if reached > self.furthest or scale < self.scale * 0.999:
+            if got_further(reached, self.furthest) or scale < self.scale * 0.999:
                 self.furthest, self.loops = max(reached, self.furthest), 0
             elif trained:
                 self.loops += 1
         self.restored_at, self.scale = now, scale
         return self.loops
+
+    @property
+    def stuck(self) -> bool:
+        """Whether the run stops here: :data:`MAX_RETURNS` returns in a row got no further, or it
+        was put back to this snapshot :data:`MAX_RESTORES` times."""
+        return self.loops >= MAX_RETURNS or self.restores >= MAX_RESTORES
 
 
 def loop_reason(
