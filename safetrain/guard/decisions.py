@@ -15,7 +15,7 @@ from .. import detect
 from ..diagnose import Diagnoser, Diagnosis
 from ..events import Event
 from ..kinds import CAUSE_TESTED, Action, Cause
-from ..policy import Anomaly, Rules, decide, newest_taken, raises, read_clean
+from ..policy import Anomaly, Rules, decide, raises, read_clean
 from ..stats.divergence import DivergenceDetector
 from ..steps import Counters, Pending, StepResult
 from .cadence import Cadence
@@ -80,7 +80,7 @@ class Decisions:
             replays = rules.reruns and self.diagnoser.explains(anomaly.kind)  # (a replay runs the step's forward)
             diagnosis = self._explain(anomaly, pending) if replays else None
             # A typed fact for the policy: is there a snapshot to restore (slow path: lists a directory)?
-            history = dataclasses.replace(rs.history, has_snapshot=bool(len(self.store)))
+            history = rs.for_policy(has_snapshot=bool(len(self.store)))
             decision, rs.history = decide(anomaly, history, rules, diagnosis)
             outcome = self.recovery.carry_out(anomaly, decision, read, pending, diagnosis)
             events += outcome.events
@@ -151,8 +151,7 @@ class Decisions:
         if verdict.outcome is None and not verdict.rerun_action:
             rs.history = read_clean(rs.history)
         read = verdict.read
-        history = dataclasses.replace(rs.history, has_snapshot=bool(len(self.store)))
-        decision, rs.history = decide(anomaly, history, rules, None)
+        decision, rs.history = decide(anomaly, rs.for_policy(has_snapshot=bool(len(self.store))), rules, None)
         return self.recovery.carry_out(anomaly, decision, read, pending, None)
 
     def _explain(self, anomaly: Anomaly, p: Pending) -> Diagnosis:
@@ -182,8 +181,8 @@ class Decisions:
         events = list(decided.events)
         rs.count_loss(loss)  # before the snapshot below, which keeps the epoch's losses
         self.judge.observe(loss)
-        # Mid-climb, or the loss above its level (_unsettled), a read vouches for no snapshot and none is taken.
-        owed = rs.history.unverified if (climbing := self._unsettled) else 0
+        # Mid-climb, or the loss above its level (_unsettled), a read vouches for no snapshot (run()
+        # keeps it out of clean_reads) and none is taken.
         if verdict.rerun_action:
             rs.history = read_clean(rs.history)  # vouches for the newest snapshot, ends an fp16 overflow run
         else:
@@ -191,10 +190,11 @@ class Decisions:
             new_scale = rs.healthy()  # also vouches for the newest snapshot
             if new_scale is not None:  # the climb is an event at its step
                 events.append(self.recovery.lr_changed(new_scale, "healthy run: LR scale climbs back one notch"))
-        if owed:
-            rs.history = newest_taken(rs.history, owed)
         rs.since_snapshot += 1
-        if cadence.due(rs.since_snapshot) and not climbing:
+        unsettled = self._unsettled
+        if unsettled is (rs.left_level is None):  # the loss left its level here, or came back to it
+            rs.left_level = self.counters.steps if unsettled else None
+        if cadence.due(rs.since_snapshot) and not unsettled:
             events.append(snapshot())
         return dataclasses.replace(decided, events=tuple(events)) if len(events) != len(decided.events) else decided
 

@@ -9,7 +9,6 @@ decision comes from the policy) and aborting with the cause and the fix.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import TYPE_CHECKING, Optional, Tuple, Union
 
@@ -51,19 +50,80 @@ def check_end(recovery: "Recovery", seen: int, trained: int) -> None:
         if at_start is None:
             return
         recovery.abort("run", at_start)  # (the state is the start's already: nothing to restore)
-    kind, reason = judged
+    kind, reason, worse = judged
+    window = None
     if len(recovery.store):
         try:
-            recovery.store.restore(recovery.train_state)
-            recovery.counters.restores += 1
+            window = _put_back_sound(recovery)
         except SnapshotError as exc:  # the abort below says why the run stops; this is why it stays put
             logger.warning("the last good snapshot could not be put back: %s", exc)
+    if worse:
+        reason += _worse_fix(recovery, window)
     recovery.abort(kind, reason)
 
 
-def _judge(r: "Recovery", seen: int, trained: int) -> Optional[Tuple[Union[Kind, str], str]]:
-    """``(kind, reason)`` when the run must not end "done": non-finite parameters, no trained
-    step, or an end worse than its start; else ``None``."""
+def _put_back_sound(r: "Recovery") -> Optional[Tuple[int, int]]:
+    """Put back the newest snapshot that is vouched for (two clean reads after it, while the loss
+    stood at its level) and whose model did not already make the run worse than it started, judged
+    as the run's end is on the losses that followed it (those the next newer snapshot kept, when
+    they are the steps right after it); every rank agrees. Damage that leaves nothing non-finite
+    may have been snapshotted before anything was seen to be wrong: such a snapshot is no place to
+    end. Returns ``(sound step, first passed-over step)`` when a snapshot was passed over, else
+    ``None``. (Followers are counted in steps; a skipped step kept no loss, so across skips a few
+    of them are older than the snapshot.)"""
+    after_step, after = r.counters.steps, list(r.state.last_losses)  # the losses that followed
+    passed: Optional[int] = None
+    for older in range(len(r.store)):
+        info = r.store.restore(r.train_state, older=older)
+        n = after_step - info.step
+        followers = after[-n:] if 0 < n <= len(after) else []  # (not the steps right after it: no judgment)
+        bad = not r.state.vouched(info.step) or r.state.worse(followers, r.cfg.guard.end_margin) is not None
+        if not r.sync.total(int(bad)):
+            break
+        passed = info.step
+        after_step, after = info.step, [float(x) for x in info.extra.get("losses", {}).get("last", ())]
+    r.counters.restores += 1  # (every one passed over: the oldest stays put back, the nearest to the start)
+    return (info.step, passed) if passed is not None and passed != info.step else None
+
+
+def _worse_fix(r: "Recovery", window: Optional[Tuple[int, int]]) -> str:
+    """The fix an end worse than the start calls for: the damage the cause test found (the step the
+    loss jumped), else the step the loss left its level and the snapshots passed over, else an LR
+    too high."""
+    if r.state.damage is not None:  # the cause test found the model damaged on the way
+        began, sound = r.state.damage
+        return (
+            f"; fix: the model was damaged: its loss jumped at step {began} where the snapshot of step {sound} did "
+            "well on the same data; find what changed the weights or buffers then (a bad batch through "
+            "running statistics, an observer or an EMA; code outside the step)"
+        )
+    left = r.state.left_level
+    if window is None and left is None:
+        fix = (
+            "; fix: a smaller learning rate (or LR warmup), targets and inputs in the units the model expects; for a "
+            "run whose loss may rise by design (a GAN, RL), guard.end_margin: null"
+        )
+        return fix + _failed_lr(r)
+    when = f"by step {left}: its loss left its level there and never came back to it" if left is not None else ""
+    if window is not None:
+        sound, damaged = window
+        put_back = (
+            f"the snapshot of step {sound} was put back, passing over those from step {damaged} on (no clean step "
+            "vouched for them, or the losses after them were already worse than the start)"
+        )
+        when = when or f"between step {sound} and step {damaged}"
+    else:
+        put_back = "the snapshot put back is from before it (none was taken or vouched for after it)"
+    return (
+        f"; fix: the model was damaged {when}; {put_back}; find what changed the weights or buffers then (a bad "
+        "batch through running statistics, an observer or an EMA; code outside the step; an LR too high then)"
+    )
+
+
+def _judge(r: "Recovery", seen: int, trained: int) -> Optional[Tuple[Union[Kind, str], str, bool]]:
+    """``(kind, reason, worse)`` when the run must not end "done": non-finite parameters, no
+    trained step, or an end worse than its start (``worse``: the fix is chosen once the snapshot
+    put back is known); else ``None``."""
     names = list(r.params)
     local = [p.to_local() if hasattr(p, "to_local") else p for p in r.params.values()]  # FSDP2: own shard
     finite = torch.stack([torch.isfinite(p).all() for p in local]).tolist() if names else []
@@ -77,27 +137,16 @@ def _judge(r: "Recovery", seen: int, trained: int) -> Optional[Tuple[Union[Kind,
             f"caught on the way (detect.check_weights_every={r.cfg.detect.check_weights_every} steps)"
             + (f"; {known}" if known else "; lower detect.check_weights_every to find the step that broke them")
         )
-        return Kind.WEIGHTS, reason
+        return Kind.WEIGHTS, reason, False
     if seen > 0 and trained == 0:
         c = r.counters
         kind: Union[Kind, str] = Kind.TARGET if r.masked_targets else "run"
         reason = f"run: none of the {seen} steps trained ({c.skipped_batches} skipped, {c.restores} restores)"
-        return kind, with_hint(reason, Kind.TARGET, None, r.masked_targets, seen)
+        return kind, with_hint(reason, Kind.TARGET, None, r.masked_targets, seen), False
     worse = r.state.ended_worse(r.cfg.guard.end_margin) if seen > 0 else None
     if not worse:
         return None
-    fix = (
-        "a smaller learning rate (or LR warmup), targets and inputs in the units the model expects; for a "
-        "run whose loss may rise by design (a GAN, RL), guard.end_margin: null"
-    )
-    if r.state.damage is not None:  # the cause test found the model damaged on the way
-        began, sound = r.state.damage
-        fix = (
-            f"the model was damaged: its loss jumped at step {began} where the snapshot of step {sound} did "
-            "well on the same data; find what changed the weights or buffers then (a bad batch through "
-            "running statistics, an observer or an EMA; code outside the step)"
-        )
-    return "run", f"run: {worse}; fix: {fix}" + (_failed_lr(r) if r.state.damage is None else "")
+    return "run", f"run: {worse}", True
 
 
 def _settle_last_step(r: "Recovery", seen: int) -> None:
@@ -106,7 +155,7 @@ def _settle_last_step(r: "Recovery", seen: int) -> None:
     journaled."""
     if seen == 0:
         return
-    decision = decide_end(dataclasses.replace(r.state.history, has_snapshot=bool(len(r.store))))
+    decision = decide_end(r.state.for_policy(has_snapshot=bool(len(r.store))))
     if decision is None:
         return
     r.restore(decision, why=f"{decision.kind}: the run ended on an anomalous step, on weights nothing vouched for")

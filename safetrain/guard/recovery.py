@@ -310,6 +310,7 @@ class Recovery:
         self.backoff.load_state_dict({"unscaled": info.extra["lr"]["unscaled"]})
         self.counters.restores += 1
         self.state.since_snapshot = 0
+        self.state.newest = (info.step, True)  # the snapshot put back is the run's sound point now
         self.state.skip_after_restore = self.cfg.recovery.skip_batches_after_restore
         detail = {"snapshot_step": info.step, "path": str(info.path) if info.path else None, "passed_over": passed}
         changed = list(info.changed_since)  # what changed layout since the snapshot (observers, groups added)

@@ -15,7 +15,6 @@ import torch
 
 from ..config import SnapshotConfig
 from ..events import Event, SnapshotTaken
-from ..policy import VOUCH_READS, newest_taken
 from ..snapshot import TrainState
 from ..snapshot.accepted import describe as describe_accepted
 from ..steps import Counters
@@ -73,7 +72,7 @@ class Snapshots:
         if info is None:
             why = "snapshot refused: the state is not finite; the previous one stays"
             return self._emit(SnapshotTaken, "snapshot", "refused", why, {})
-        rs.history = newest_taken(rs.history, 0 if force else VOUCH_READS)
+        rs.newest = (c.steps, force)  # (a forced one is sound as taken: the run's start, a resumed state)
         self._clear(c.steps)
         detail: Dict[str, Any] = {"path": str(info.path) if info.path else None, "forced": force}
         if self.cadence.auto:  # the interval snapshot.every: auto planned from the costs measured so far

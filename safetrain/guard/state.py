@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Mapping, Optional, Tuple
+from dataclasses import dataclass, field, replace
+from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..config import RecoveryConfig
 from ..policy import VOUCH_READS, History, climb_pending, observe_healthy
@@ -42,7 +42,14 @@ class RecoveryState:
         epoch_loss: sum and count of this epoch's trained steps' finite losses (the epoch metric of
             an epoch-interval scheduler; part of the snapshot, so a resume mid-epoch keeps it).
         clean_reads: the steps of the last :data:`~safetrain.policy.VOUCH_READS` reads that were
-            clean (a restore passes over every snapshot they do not vouch for).
+            clean, while the loss stood at its level: the one record of vouching (a restore passes
+            over every snapshot they do not vouch for; the policy's ``History.unverified`` is
+            derived from them, :meth:`for_policy`).
+        left_level: the step at which the loss last rose above its level and has stood there
+            since (no snapshot is taken or vouched for meanwhile), else ``None``; the end-of-run
+            check names it.
+        newest: ``(step, sound as taken)`` of the newest snapshot (forced: the run's start, a
+            resumed state; or restored), else ``None``.
         returns: how far the run got after each restore to the snapshot restored last (a restore
             loop stops the run).
         restored_updates: the optimizer steps applied when the last restore was carried out (a run
@@ -59,6 +66,8 @@ class RecoveryState:
     start_losses: List[float] = field(default_factory=list)  # the start model's on batches ahead (measure_start)
     last_losses: Deque[float] = field(default_factory=lambda: deque(maxlen=_TAIL))  # its last ones
     clean_reads: Deque[int] = field(default_factory=lambda: deque(maxlen=VOUCH_READS))  # their steps
+    newest: Optional[Tuple[int, bool]] = None
+    left_level: Optional[int] = None
     returns: Returns = field(default_factory=Returns)
     restored_updates: int = -1
     damage: Optional[Tuple[int, int]] = None
@@ -80,7 +89,18 @@ class RecoveryState:
     def vouched(self, step: int) -> bool:
         """Whether a snapshot of ``step`` is vouched for: :data:`~safetrain.policy.VOUCH_READS`
         steps after it read clean (the last of them the update that used its state and LR)."""
-        return len(self.clean_reads) == VOUCH_READS and self.clean_reads[0] > step
+        return self._owed(step) == 0
+
+    def _owed(self, step: int) -> int:
+        """Clean reads a snapshot of ``step`` still needs before it is vouched for."""
+        return max(0, VOUCH_READS - sum(1 for read in self.clean_reads if read > step))
+
+    def for_policy(self, has_snapshot: bool) -> History:
+        """The history with the facts the guard knows and the policy reads: whether a snapshot
+        exists, and how many clean reads the newest one still needs (``History.unverified``,
+        derived here from :attr:`clean_reads`; 0 for a snapshot sound as taken)."""
+        owed = 0 if self.newest is None or self.newest[1] else self._owed(self.newest[0])
+        return replace(self.history, has_snapshot=has_snapshot, unverified=owed)
 
     def healthy(self) -> Optional[float]:
         """Count a healthy step; returns the new LR scale when it climbs back a notch (an event at
@@ -145,9 +165,15 @@ class RecoveryState:
         stands at an older snapshot's level, anywhere between its start and where it stood before
         its last fault, so that level is no bound; a run left there is no worse than it started.
         """
-        if margin is None or len(self.first_losses) < _LAST or len(self.last_losses) < _LAST:
+        return self.worse(list(self.last_losses), margin)
+
+    def worse(self, tail: Sequence[float], margin: Optional[float]) -> Optional[str]:
+        """:meth:`ended_worse` for another ``tail`` of trained losses than the run's last ones:
+        those a snapshot kept (the run's last losses when it was taken), to tell whether the run
+        already stood worse than it started there."""
+        tail = list(tail)
+        if margin is None or len(self.first_losses) < _LAST or len(tail) < _LAST:
             return None
-        tail = list(self.last_losses)
         ending = sorted(tail)
         first, end = self.first_losses[0], ending[len(ending) // 4]
         at_end = _robust_sigma(tail)

@@ -81,13 +81,11 @@ from .history import (
     History,
     climb_pending,
     mark_last_skipped,
-    newest_taken,
     observe_healthy,
     push_recent,
     read_clean,
     record_step,
     skip_denominator,
-    vouch,
 )
 
 if TYPE_CHECKING:  # config imports no torch either; only its types are needed here
@@ -105,9 +103,7 @@ __all__ = [
     "climb_pending",
     "record_step",
     "mark_last_skipped",
-    "vouch",
     "read_clean",
-    "newest_taken",
     "MIN_SKIP_STEPS",
     "VOUCH_READS",
 ]

@@ -26,9 +26,7 @@ __all__ = [
     "MIN_SKIP_STEPS",
     "VOUCH_READS",
     "skip_denominator",
-    "vouch",
     "read_clean",
-    "newest_taken",
     "observe_healthy",
     "climb_pending",
     "record_step",
@@ -64,7 +62,8 @@ class History:
             is sound). A snapshot taken after an update needs two
             (:data:`~safetrain.policy.VOUCH_READS`): one of its weights, one of the update that
             used its optimizer state and LR; until then it may hold the state that broke the run
-            (a restore passes over it). Not part of a snapshot.
+            (a restore passes over it). A fact the guard derives from its record of clean reads
+            before each decision, as ``has_snapshot``; not part of a snapshot.
         fault: the signature of the last anomaly that climbed the ladder (``None``: none, or one
             with no place); kept across healthy steps only for ``weights`` (a broken weight is
             silent until read), else until the ladder resets.
@@ -136,22 +135,10 @@ class History:
 VOUCH_READS = 2
 
 
-def vouch(history: History, reads: int = 1) -> History:
-    """``reads`` steps read clean (a re-run of an anomalous step included): each is one of the
-    :data:`VOUCH_READS` the newest snapshot needs before it is sound."""
-    return replace(history, unverified=max(0, history.unverified - reads)) if history.unverified else history
-
-
 def read_clean(history: History) -> History:
-    """A re-run of an anomalous step read clean: one read toward vouching for the newest snapshot
-    and, having passed the scaler's check, the end of an fp16 overflow run (it does not count as a
-    healthy step)."""
-    return replace(vouch(history), overflows=0)
-
-
-def newest_taken(history: History, reads: int = VOUCH_READS) -> History:
-    """A snapshot was taken after an update: unverified until ``reads`` more steps read clean."""
-    return replace(history, unverified=reads)
+    """A re-run of an anomalous step read clean: having passed the scaler's check, it ends an fp16
+    overflow run (it does not count as a healthy step)."""
+    return replace(history, overflows=0)
 
 
 def push_recent(recent: Tuple[int, ...], skipped: bool, window: int, times: int = 1) -> Tuple[int, ...]:
@@ -162,7 +149,7 @@ def push_recent(recent: Tuple[int, ...], skipped: bool, window: int, times: int 
 def observe_healthy(history: History, recovery: "RecoveryConfig", steps: int = 1) -> Tuple[History, Optional[float]]:
     """Record ``steps`` healthy steps: reset the ladder after ``reset_after``, climb the LR scale back.
 
-    A healthy step also ends an fp16 overflow streak and vouches for the newest snapshot. Several
+    A healthy step also ends an fp16 overflow streak. Several
     steps at once are what one step at a time would give, as long as no LR climb can happen on the
     way (:func:`climb_pending` is false): the guard then counts healthy steps and brings the
     history up to date only when it is read, instead of building one every step.
@@ -204,7 +191,7 @@ def observe_healthy(history: History, recovery: "RecoveryConfig", steps: int = 1
         restored=False if forget else history.restored,
         recurrences=0 if forget else history.recurrences,
         reset_from=reset_from,
-        unverified=max(0, history.unverified - steps),
+        unverified=history.unverified,
     )
     return new, changed
 

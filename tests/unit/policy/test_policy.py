@@ -509,17 +509,25 @@ def test_a_snapshot_is_vouched_for_only_once_an_update_used_its_state_and_read_c
     """A snapshot taken after an update holds the LR the scheduler already set for the next one: the
     first clean read after it sees its weights, only the second sees that LR (and its optimizer
     state) used. A schedule bug (1000x for a few steps) is otherwise vouched for, and every restore
-    re-installs it (issue 23, point 6)."""
-    from safetrain.policy import VOUCH_READS, newest_taken, read_clean, vouch
+    re-installs it (issue 23, point 6). One record says it (issue 32): the guard's clean reads;
+    the policy's ``History.unverified`` is derived from them before each decision."""
+    from safetrain.guard.state import RecoveryState
+    from safetrain.policy import VOUCH_READS
 
     cfg = load_config(None, ["recovery.lr_restore_after=null"])
-    taken = newest_taken(History())
-    assert taken.unverified == VOUCH_READS == 2
-    assert vouch(taken).unverified == 1 and vouch(vouch(taken)).unverified == 0
-    assert read_clean(taken).unverified == 1, "a clean re-run is one read"
-    assert observe_healthy(taken, cfg.recovery)[0].unverified == 1
-    assert observe_healthy(taken, cfg.recovery, 5)[0].unverified == 0, "healthy steps at once count as many reads"
-    assert newest_taken(History(), 0).unverified == 0, "a forced snapshot (the run's start) is sound"
+    rs = RecoveryState(cfg.recovery)
+    assert rs.for_policy(True).unverified == 0, "no snapshot yet: nothing owed"
+    rs.newest = (3, False)  # taken at step 3, after an update
+    assert rs.for_policy(True).unverified == VOUCH_READS == 2 and not rs.vouched(3)
+    rs.clean_reads.append(3)  # a read before it vouches for nothing
+    assert rs.for_policy(True).unverified == 2
+    rs.clean_reads.append(4)
+    assert rs.for_policy(True).unverified == 1 and not rs.vouched(3)
+    rs.clean_reads.append(5)
+    assert rs.for_policy(False).unverified == 0 and rs.vouched(3) and not rs.for_policy(False).has_snapshot
+    assert not rs.vouched(4), "the same reads vouch for a later snapshot only once two follow it"
+    rs.newest = (7, True)  # forced (the run's start, a resumed state) or restored: sound as it is
+    assert rs.for_policy(True).unverified == 0
 
 
 @pytest.mark.parametrize(
