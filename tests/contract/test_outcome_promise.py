@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from safetrain import SafeTrainer, TrainingAborted, load_config
 from safetrain.testing import GradFault, LRFault, OutputFault, PoisonRows, WeightFault
-from tests.conftest import finite_params, mlp, regression_data
+from tests.helpers.models import finite_params, mlp, regression_data
 
 hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies

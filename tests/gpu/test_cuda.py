@@ -18,7 +18,7 @@ from safetrain import SafeTrainer, load_config, safe_div, safe_log
 from safetrain.guard import Guard
 from safetrain.snapshot import MemoryStore, SafetensorsStore, TrainState
 from safetrain.testing import count_host_syncs
-from tests.conftest import loader, mlp, regression_data
+from tests.helpers.models import loader, mlp, regression_data
 from tests.integration import test_engine as engine
 from tests.integration import test_replay as replay_tests
 

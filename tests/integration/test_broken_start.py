@@ -22,7 +22,7 @@ from safetrain import Guard, SafeTrainer, TrainingAborted, load_config
 from safetrain.errors import SnapshotError
 from safetrain.snapshot import MemoryStore
 from safetrain.testing import OutputFault, WeightFault
-from tests.conftest import loader, mlp, regression_data
+from tests.helpers.models import loader, mlp, regression_data
 
 BASE = ["log.progress=false", "snapshot.every=4", "detect.check_weights_every=1"]
 

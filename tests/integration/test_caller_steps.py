@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from safetrain import Guard, TrainingAborted
 from safetrain.testing import OutputFault, PoisonRows, count_host_syncs
-from tests.conftest import loader, mlp, regression_data
+from tests.helpers.models import loader, mlp, regression_data
 
 CFG = {"snapshot": {"every": 5}, "detect": {"check_weights_every": 0}}
 

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from safetrain import SafetrainError, TrainingInterrupted, TrainingKeyboardInterrupt
 from safetrain.rundir import read_run
 from safetrain.snapshot import list_snapshots
-from tests.conftest import regression_data
+from tests.helpers.models import regression_data
 from tests.integration.test_preempt import SignalAt
 from tests.integration.test_preempt import _trainer as preempt_trainer
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import gc
-import hashlib
 import json
 import math
 import os
@@ -21,6 +20,8 @@ from typing import Any, Callable, Dict, List, Sequence
 
 import pytest
 import torch
+
+from tests.helpers.ranks import decisions, digest, poisoned_batches
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 120  # seconds for all scenarios together; they take ~10 s
@@ -41,22 +42,6 @@ def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     net = torch.nn.Sequential(Spike(), torch.nn.Tanh(), torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     return torch.nn.parallel.DistributedDataParallel(net)
-
-
-def _batches(rank: int, n: int, poison: Callable[[int, torch.Tensor], None]) -> List[Any]:
-    g = torch.Generator().manual_seed(100 + rank)
-    out = []
-    for step in range(1, n + 1):
-        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
-        if rank == 1:
-            poison(step, x)
-        out.append((x, y))
-    return out
-
-
-def _digest(model: torch.nn.Module) -> str:
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
 
 
 def _run(
@@ -104,7 +89,7 @@ def _run(
         )
         guard.begin_epoch(0)
         try:
-            for i, batch in enumerate(_batches(rank, steps, poison)):
+            for i, batch in enumerate(poisoned_batches(rank, steps, poison)):
                 before(i + 1, guard)
                 with count_host_syncs() as syncs:
                     result = guard.step(batch)
@@ -113,7 +98,7 @@ def _run(
         except TrainingAborted:
             out["aborted_at"] = guard.counters.steps
         out.update(after(guard))
-    out["digest"] = _digest(model)
+    out["digest"] = digest(model)
     out["finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     return out
 
@@ -223,7 +208,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: Any) -> List[Dict[str, Any]]:
-    from tests.conftest import run_two_ranks  # here, not in the ranks' processes
+    from tests.helpers.processes import run_two_ranks  # here, not in the ranks' processes
 
     tmp = tmp_path_factory.mktemp("ddp")
     run_two_ranks(__file__, tmp, TIMEOUT, "the 2-rank run")
@@ -232,18 +217,14 @@ def ranks(tmp_path_factory: Any) -> List[Dict[str, Any]]:
 
 def _torchrun(*args: str) -> str:
     """Run examples/ddp.py on 2 ranks under torchrun, killed (with its ranks) on the timeout."""
-    from tests.conftest import run_torchrun  # here, not in the ranks' processes
+    from tests.helpers.processes import run_torchrun  # here, not in the ranks' processes
 
     return run_torchrun("ddp.py", *args, timeout=TIMEOUT)
 
 
-def _decisions(run: Dict[str, Any]) -> List[Any]:
-    return [s[:3] for s in run["steps"]]
-
-
 def test_nan_on_rank_1_only_makes_both_ranks_skip_and_parameters_stay_identical(ranks):
     r0, r1 = ranks[0]["skip"], ranks[1]["skip"]
-    assert _decisions(r0) == _decisions(r1), "the ranks decided differently"
+    assert decisions(r0) == decisions(r1), "the ranks decided differently"
     assert r0["steps"][3][1:3] == [False, "skip_batch"], r0["steps"]
     assert r0["steps"][6][1:3] == [False, "skip_batch"], r0["steps"]
     assert [s[2] for i, s in enumerate(r0["steps"]) if i not in (3, 6)] == [""] * 8, r0["steps"]
@@ -263,7 +244,7 @@ def test_a_healthy_ddp_step_makes_one_host_sync(ranks):
 
 def test_drop_rows_reruns_on_every_rank_or_on_none(ranks):
     r0, r1 = ranks[0]["drop"], ranks[1]["drop"]
-    assert _decisions(r0) == _decisions(r1)
+    assert decisions(r0) == decisions(r1)
     assert r0["steps"][2][1:3] == [True, "drop_rows"], r0["steps"]  # rank 0 re-ran its whole batch
     assert r0["steps"][4][1:3] == [False, "skip_batch"], r0["steps"]  # rank 1 had no row left
     assert r0["digest"] == r1["digest"]
@@ -271,7 +252,7 @@ def test_drop_rows_reruns_on_every_rank_or_on_none(ranks):
 
 def test_restore_on_both_ranks_from_rank_0s_safetensors_snapshot(ranks):
     r0, r1 = ranks[0]["restore"], ranks[1]["restore"]
-    assert _decisions(r0) == _decisions(r1)
+    assert decisions(r0) == decisions(r1)
     assert r0["steps"][7][2] == "restore", r0["steps"]
     assert r0["restored"] == r1["restored"] and len(r0["restored"]) == 1, (r0["restored"], r1["restored"])
     assert r0["restored"][0][2].endswith(f"snapshot-{r0['restored'][0][1]:010d}.safetensors")
@@ -289,7 +270,7 @@ def test_a_model_that_is_not_ddp_keeps_per_rank_decisions(ranks):
 def test_abort_raises_on_both_ranks_at_the_same_step(ranks):
     r0, r1 = ranks[0]["abort"], ranks[1]["abort"]
     assert r0["aborted_at"] is not None and r0["aborted_at"] == r1["aborted_at"], (r0["steps"], r1["steps"])
-    assert _decisions(r0) == _decisions(r1)
+    assert decisions(r0) == decisions(r1)
     assert r0["digest"] == r1["digest"] and r0["finite"]
 
 
@@ -303,7 +284,7 @@ def test_weights_broken_on_one_rank_are_a_weights_fault_on_both_restored_without
     assert (f0["nonfinite"], f0["ranks"]) == (["module.2.weight"], [1]), f0
     assert f1["nonfinite"] == ["module.2.weight"] and f1["ranks"] == [1], f1
     assert f0["counts"] == f1["counts"] == [["module.2.weight", 1, 0]], "one replica's count, not a sum"
-    assert _decisions(r0) == _decisions(r1)
+    assert decisions(r0) == decisions(r1)
     assert [a[:3] for a in r0["anomalies"]] == [[5, "weights", "restore"]], r0["anomalies"]
     assert [a[:3] for a in r1["anomalies"]] == [[5, "weights", "restore"]], r1["anomalies"]
     for run in (r0, r1):
@@ -315,7 +296,7 @@ def test_weights_caught_by_the_periodic_check_on_one_rank_are_judged_alike_on_bo
     """The weight check's flag is combined across ranks; rank 0's own parameters are finite, yet it
     must not judge the step from its other flags (rank 1 restores: both must, together)."""
     r0, r1 = ranks[0]["weights_checked"], ranks[1]["weights_checked"]
-    assert _decisions(r0) == _decisions(r1)
+    assert decisions(r0) == decisions(r1)
     assert [a[:3] for a in r0["anomalies"]] == [a[:3] for a in r1["anomalies"]] == [[5, "weights", "restore"]]
     assert r0["anomalies"][0][6]["ranks"] == [1] and r0["anomalies"][0][6]["nonfinite"] == ["module.2.weight"]
     assert r0["digest"] == r1["digest"] and r0["finite"] and r1["finite"]
@@ -329,8 +310,8 @@ def test_example_under_torchrun_and_resume_in_new_processes(tmp_path):
     part = _torchrun("--run-dir", str(tmp_path / "cut"), "--epochs", "2", "--max-steps", "12")
     assert "12 steps" in part, part
     resumed = _torchrun("--run-dir", str(tmp_path / "cut"), "--epochs", "2", "--resume")
-    digest = re.compile(r"identical on all ranks: True \(digest (\w+)\)")
-    assert digest.search(resumed) and digest.search(resumed).group(1) == digest.search(full).group(1), resumed
+    marked = re.compile(r"identical on all ranks: True \(digest (\w+)\)")
+    assert marked.search(resumed) and marked.search(resumed).group(1) == marked.search(full).group(1), resumed
 
 
 def test_combination_rules_on_the_host():

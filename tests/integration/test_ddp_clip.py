@@ -27,7 +27,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
     from safetrain import load_config
     from safetrain.guard import Guard
     from safetrain.testing import count_host_syncs
-    from tests.conftest import join_gloo_group
+    from tests.helpers.processes import join_gloo_group
 
     join_gloo_group(rank, world, tmp, 60)
     torch.manual_seed(0)
@@ -58,7 +58,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: Any) -> List[Dict[str, Any]]:
-    from tests.conftest import run_two_ranks  # here, not in the ranks' processes
+    from tests.helpers.processes import run_two_ranks  # here, not in the ranks' processes
 
     tmp = tmp_path_factory.mktemp("ddp_clip")
     run_two_ranks(__file__, tmp, TIMEOUT, "the 2-rank run")

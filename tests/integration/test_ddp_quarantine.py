@@ -77,7 +77,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: Any) -> List[Dict[str, Any]]:
-    from tests.conftest import run_two_ranks  # here, not in the ranks' processes
+    from tests.helpers.processes import run_two_ranks  # here, not in the ranks' processes
 
     tmp = tmp_path_factory.mktemp("ddpq")
     run_two_ranks(__file__, tmp, TIMEOUT, "the 2-rank quarantine run")

@@ -29,7 +29,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
 
     from safetrain import SafeTrainer, load_config
     from safetrain.rundir import RunDirBusy
-    from tests.conftest import join_gloo_group
+    from tests.helpers.processes import join_gloo_group
 
     join_gloo_group(rank, world, tmp, GROUP_TIMEOUT)
     torch.manual_seed(0)
@@ -57,7 +57,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: Any) -> List[Dict[str, Any]]:
     from safetrain.rundir import lock_run_dir
-    from tests.conftest import run_two_ranks  # here, not in the ranks' processes
+    from tests.helpers.processes import run_two_ranks  # here, not in the ranks' processes
 
     tmp = tmp_path_factory.mktemp("busy")
     (tmp / "run").mkdir()

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from safetrain import SafeTrainer, TrainingAborted, load_config
 from safetrain.guard import Guard
-from tests.conftest import finite_params, loader, mlp, regression_data
+from tests.helpers.models import finite_params, loader, mlp, regression_data
 
 BASE = ["log.progress=false"]
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from safetrain import SafeTrainer, TrainingAborted, load_config
 from safetrain.guard import Guard
 from safetrain.testing import GradFault, LRFault, OutputFault, PoisonRows, WeightFault
-from tests.conftest import finite_params, loader, mlp, regression_data
+from tests.helpers.models import finite_params, loader, mlp, regression_data
 
 BASE = ["log.progress=false", "snapshot.every=4", "guard.spike.min_history=8"]
 

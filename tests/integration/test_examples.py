@@ -2,33 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_torchrun
+from tests.helpers.processes import run_example, run_torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def run_example(name: str, *args: str, timeout: float = 120) -> str:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.setdefault("OMP_NUM_THREADS", "2")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / name), *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, f"{name} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
 
 
 def test_every_example_is_tested():

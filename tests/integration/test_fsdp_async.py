@@ -17,7 +17,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from tests.fsdp_tools import launch, spawn_ranks
+from tests.helpers.fsdp import launch, spawn_ranks
 from tests.integration.test_fsdp_resume import _batches, _cfg, _full, _model
 
 TIMEOUT = 150

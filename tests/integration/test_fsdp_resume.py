@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List
 import pytest
 import torch
 
-from tests.fsdp_tools import batches, fsdp_mlp, full_digest, launch, mlp, spawn_ranks
+from tests.helpers.fsdp import batches, fsdp_mlp, full_digest, launch, spawn_ranks, unsharded_mlp
 
 TIMEOUT = 150
 STEPS, CUT, SNAP = 10, 7, 6  # the cut run's newest snapshot is of step 6 (snapshot.every=3)
@@ -207,7 +207,7 @@ def test_export_writes_one_model_file_that_loads_into_the_unsharded_model(runs, 
     out = tmp_path / "model.safetensors"
     assert main(["export", f"{runs['dir'][0]['path']}/step-{SNAP:010d}", str(out)]) == 0
     assert "6 tensors" in capsys.readouterr().out
-    net = mlp()
+    net = unsharded_mlp()
     net.load_state_dict(load_file(str(out)))  # strict: every name, every shape
     flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     assert hashlib.sha256(flat.numpy().tobytes()).hexdigest() == runs["one"][0]["loaded"]["params"]

@@ -20,7 +20,7 @@ from typing import Any, Dict, List
 
 import pytest
 
-from tests.fsdp_tools import launch, spawn_ranks
+from tests.helpers.fsdp import launch, spawn_ranks
 from tests.integration.test_fsdp_resume import _fit, _loaded, _restore_midrun
 
 TIMEOUT = 150

@@ -11,7 +11,7 @@ from safetrain import TrainingAborted, load_config
 from safetrain.guard import Guard, Phase
 from safetrain.policy import History, read_clean
 from safetrain.testing import OutputFault
-from tests.conftest import loader, mlp, regression_data
+from tests.helpers.models import loader, mlp, regression_data
 from tests.integration.test_engine import BASE
 
 

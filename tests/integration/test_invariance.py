@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from safetrain import SafeTrainer, TrainingAborted, load_config
-from tests.conftest import loader
 from tests.contract import test_outcome_promise as promise
 from tests.contract.test_outcome_promise import Fault
+from tests.helpers.models import loader
 from tests.integration.test_divergence import BASE, unscaled_regression
 from tests.integration.test_false_alarms import flat_run
 

@@ -86,7 +86,7 @@ def _loader() -> Any:
     return DataLoader(TensorDataset(x, x.sum(1, keepdim=True) / 2), batch_size=8, shuffle=False)
 
 
-def _digest(model: torch.nn.Module) -> str:
+def _full_digest(model: torch.nn.Module) -> str:
     flat = torch.cat([_full(p.detach()).reshape(-1) for p in model.parameters()])
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
 
@@ -158,12 +158,12 @@ def main(tmp: str, scenario: str) -> None:
         trainer.save_checkpoint(f"{tmp}/{scenario}.ckpt")  # every rank calls (FSDP2: each writes its shards)
     if scenario == "spawn":  # the guard lived in the spawned ranks; the main process has the journal
         with open(os.path.join(tmp, "spawn-rank0.json"), "w") as f:
-            json.dump({"guard": cb.guard is None, "digest": _digest(model), "finite": True}, f)
+            json.dump({"guard": cb.guard is None, "digest": _full_digest(model), "finite": True}, f)
         with open(os.path.join(tmp, "spawn-rank1.json"), "w") as f:
             json.dump({}, f)
         return
     out["end"] = vars(cb.guard.counts)
-    out["digest"], out["finite"] = _digest(model), all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    out["digest"], out["finite"] = _full_digest(model), all(bool(torch.isfinite(p).all()) for p in model.parameters())
     out["ended"] = cb.result.ended if cb.result is not None else None
     with open(os.path.join(tmp, f"{scenario}-rank{rank}.json"), "w") as f:
         json.dump(out, f)
@@ -175,7 +175,7 @@ def main(tmp: str, scenario: str) -> None:
 def launch(tmp: Path, scenario: str, timeout: float = TIMEOUT) -> List[Dict[str, Any]]:
     """Run ``scenario`` on 2 ranks as a user would (``python script``; Lightning launches rank 1),
     in its own session killed on the timeout; the ranks' results in rank order."""
-    from tests.conftest import run_session  # here, not in the ranks' processes
+    from tests.helpers.processes import run_session  # here, not in the ranks' processes
 
     log = run_session(
         [sys.executable, __file__, str(tmp), scenario],

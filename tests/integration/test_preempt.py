@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from safetrain import SafeTrainer, TrainingInterrupted, load_config
 from safetrain.rundir import read_run
 from safetrain.snapshot import list_snapshots
-from tests.conftest import mlp, regression_data
+from tests.helpers.models import mlp, regression_data
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "requeue.py"

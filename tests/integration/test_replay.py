@@ -12,7 +12,7 @@ from safetrain import SafeTrainer, load_config
 from safetrain.errors import TrainingAborted
 from safetrain.guard import Guard
 from safetrain.testing import OutputFault
-from tests.conftest import finite_params, loader, mlp, regression_data
+from tests.helpers.models import finite_params, loader, mlp, regression_data
 
 LAZY = ["log.progress=false", "detect.mode=lazy", "snapshot.every=1000", "recovery.max_retries=9"]
 

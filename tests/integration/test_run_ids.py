@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from safetrain import Guard
 from safetrain.rundir.runlog import read_run
-from tests.conftest import loader as regression_loader
-from tests.conftest import mlp, regression_data
+from tests.helpers.models import loader as regression_loader
+from tests.helpers.models import mlp, regression_data
 
 
 def test_the_guards_state_carries_the_run_id_and_a_resume_adopts_it():

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from safetrain import Guard, SafeTrainer, load_config
 from safetrain.errors import SnapshotError
 from safetrain.rundir import RunDirBusy, lock_run_dir, read_run
-from tests.conftest import mlp
+from tests.helpers.models import mlp
 
 ROOT = Path(__file__).resolve().parents[2]
 

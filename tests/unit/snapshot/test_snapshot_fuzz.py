@@ -186,7 +186,7 @@ def test_hostile_headers_are_read_or_refused_within_a_second(tmp_path_factory, h
     Fails before: a shape of 80,000 huge dimensions took tens of seconds; some sound-looking
     headers made torch raise (stride overflow) when the tensor was allocated."""
     from safetrain.snapshot.header import read_layout
-    from tests.bounds import bounded
+    from tests.helpers.bounds import bounded
 
     path = tmp_path_factory.mktemp("hdr") / "snapshot-0000000001.safetensors"
     raw = json.dumps(header).encode()
@@ -279,7 +279,7 @@ def test_hostile_sharded_marks_and_metadata_are_read_or_refused_within_a_second(
     from safetrain.distributed.export import export_model
     from safetrain.distributed.inspection import inspect_sharded
     from safetrain.snapshot import format_inspection
-    from tests.bounds import bounded
+    from tests.helpers.bounds import bounded
 
     root = tmp_path_factory.mktemp("case")
     snap = root / sharded.name

@@ -1,6 +1,6 @@
-"""The scaffolding shared by the FSDP2 integration tests (tests/integration/test_fsdp*.py).
+"""The scaffolding shared by the FSDP2 tests (tests/multiprocess/test_fsdp*.py).
 
-Each of those files runs as a script in a subprocess (``tests.conftest.run_two_ranks``) that
+Each of those files runs as a script in a subprocess (``tests.helpers.processes.run_two_ranks``) that
 spawns gloo ranks; this module holds what they all do the same way: the small ``fully_shard``
 MLP and its batches, a digest of the full (unsharded) state, the rank's side of a launch (a
 file rendezvous, one phase, its JSON result) and the test's side (launch a phase, read the
@@ -23,7 +23,7 @@ import torch
 Body = Callable[[int, str, str], Dict[str, Any]]  # (rank, tmp, phase) -> the rank's JSON result
 
 
-def mlp() -> torch.nn.Module:
+def unsharded_mlp() -> torch.nn.Module:
     """The unsharded 4-8-6-1 tanh MLP, seeded (what ``fsdp_mlp`` shards)."""
     torch.manual_seed(0)
     return torch.nn.Sequential(
@@ -32,10 +32,10 @@ def mlp() -> torch.nn.Module:
 
 
 def fsdp_mlp() -> torch.nn.Module:
-    """``mlp()`` with ``fully_shard`` on each Linear layer and on the root."""
+    """``unsharded_mlp()`` with ``fully_shard`` on each Linear layer and on the root."""
     from torch.distributed.fsdp import fully_shard
 
-    net = mlp()
+    net = unsharded_mlp()
     for layer in (net[0], net[2], net[4]):
         fully_shard(layer)
     fully_shard(net)
@@ -87,7 +87,7 @@ def spawn_ranks(body: Body, phase: str, timeout: float = 60) -> None:
 
 def launch(script: str, tmp: Path, phase: str, timeout: float, what: str, world: int = 2) -> List[Dict[str, Any]]:
     """Run ``script`` for ``phase`` on ``world`` ranks (``run_two_ranks``); each rank's result."""
-    from tests.conftest import run_two_ranks
+    from tests.helpers.processes import run_two_ranks
 
     os.environ["SAFETRAIN_TEST_PHASE"], os.environ["SAFETRAIN_TEST_WORLD"] = phase, str(world)
     try:
