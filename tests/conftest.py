@@ -21,3 +21,10 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 @pytest.fixture
 def data() -> TensorDataset:
     return regression_data()
+
+
+@pytest.fixture(params=["cpu", *(["cuda"] if torch.cuda.is_available() else [])])
+def device(request: pytest.FixtureRequest) -> str:
+    """Where a test that takes it puts its model: the CPU, and a CUDA device too where one is
+    present (the engine's fault-injection tests and the replay's layer naming run there again)."""
+    return request.param

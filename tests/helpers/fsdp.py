@@ -95,3 +95,94 @@ def launch(script: str, tmp: Path, phase: str, timeout: float, what: str, world:
     finally:
         del os.environ["SAFETRAIN_TEST_PHASE"], os.environ["SAFETRAIN_TEST_WORLD"]
     return [json.loads((tmp / f"{phase}-rank{r}.json").read_text()) for r in range(world)]
+
+
+# The resume scenarios that test_fsdp_resume.py, test_fsdp_async.py and test_fsdp_verify.py share.
+
+RUN_STEPS = 10
+
+
+def adam_digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
+    """A digest of every parameter and every momentum buffer as full tensors (a collective)."""
+    return full_digest(model, opt, ("exp_avg",))
+
+
+def snapshot_cfg(directory: str) -> List[str]:
+    """What the resume scenarios configure: a sharded snapshot every 3 steps into ``directory``, 2 kept."""
+    return [
+        "log.progress=false",
+        "snapshot.every=3",
+        "snapshot.keep=2",
+        "snapshot.store=safetensors",
+        f"snapshot.dir={directory}",
+    ]
+
+
+def sharded_fit(rank: int, directory: str, max_steps: int, resume: Any = None) -> Dict[str, Any]:
+    """``fit`` of ``fsdp_mlp`` with Adam on ``batches(rank, RUN_STEPS)`` up to ``max_steps``: the
+    full-state digest, the steps, the forwards trained, the run id, whether it ended finite."""
+    import torch.nn.functional as F
+
+    from safetrain import SafeTrainer, load_config
+
+    model = fsdp_mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    calls = []
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.append(1)  # one forward per step (replays are off under FSDP2)
+        return F.mse_loss(out, y)
+
+    trainer = SafeTrainer(model, opt, load_config(None, snapshot_cfg(directory)), loss_fn=loss_fn)
+    result = trainer.fit(batches(rank, RUN_STEPS), epochs=1, max_steps=max_steps, resume=resume)
+    trained = len(calls)
+    finite = all(bool(torch.isfinite(p.full_tensor()).all()) for p in model.parameters())
+    return {
+        "digest": adam_digest(model, opt),
+        "steps": result.steps,
+        "events": trained,
+        "run": trainer.guard.store.run_id,
+        "finite": finite,
+    }
+
+
+def load_newest(rank: int, directory: str) -> Dict[str, Any]:
+    """Load the newest snapshot of ``directory`` into a fresh guard; its step and full-state digest."""
+    from safetrain import distributed, load_config
+    from safetrain.guard import Guard
+
+    model = fsdp_mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    with Guard(model, opt, load_config(None, snapshot_cfg(directory + "-scratch"))) as guard:
+        info = distributed.load_snapshot(directory, guard.state)
+        params = full_digest(model)
+        return {"step": info.step, "digest": adam_digest(model, opt), "params": params}
+
+
+def restore_midrun(rank: int, directory: str, before_fault: Callable[[], None] = lambda: None) -> Dict[str, Any]:
+    """A NaN loss on rank 1 at step 6 -> every rank restores the sharded snapshot of step 3 from disk
+    (steps 4 and 5 read clean after it: vouched for, issue 23). ``before_fault`` runs on every rank just
+    before step 6 (test_fsdp_verify damages that snapshot)."""
+    import math
+
+    import torch.nn.functional as F
+
+    from safetrain import load_config
+    from safetrain.guard import Guard
+
+    model = fsdp_mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    cfg = load_config(None, [*snapshot_cfg(directory), "sanitize.targets=off", "recovery.actions.loss=restore"])
+    restored: List[Any] = []
+    with Guard(model, opt, cfg, loss_fn=F.mse_loss) as guard:
+        guard.bus.subscribe(lambda e: restored.append(e.detail.get("snapshot_step")) if e.name == "restored" else None)
+        guard.begin_epoch(0)
+        actions = []
+        for step, (x, y) in enumerate(batches(rank, RUN_STEPS)[:7], start=1):
+            if step == 6:
+                before_fault()
+                if rank == 1:
+                    y = y.clone().fill_(math.nan)
+            actions.append(guard.step((x, y)).action)
+    finite = all(bool(torch.isfinite(p.full_tensor()).all()) for p in model.parameters())
+    return {"actions": actions, "restored": restored, "digest": adam_digest(model, opt), "finite": finite}

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-__all__ = ["finite_params", "loader", "mlp", "model_with_grads", "regression_data"]
+__all__ = ["finite_params", "loader", "mlp", "model_with_grads", "regression_data", "unscaled_regression"]
 
 
 def regression_data(n: int = 256, d: int = 8, seed: int = 0) -> TensorDataset:
@@ -40,3 +40,11 @@ def model_with_grads(seed: int = 0) -> nn.Module:
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
     model(torch.randn(5, 4)).pow(2).sum().backward()
     return model
+
+
+def unscaled_regression(n: int = 256, d: int = 8, scale: float = 10.0, seed: int = 0) -> TensorDataset:
+    """Features of standard deviation ``scale`` (not normalized): plain SGD is stable only below lr 1/scale**2."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g) * scale
+    y = x @ torch.randn(d, 1, generator=g) + 0.1 * torch.randn(n, 1, generator=g)
+    return TensorDataset(x, y)

@@ -165,8 +165,8 @@ def test_the_lightning_callback_stops_a_broken_start_too(tmp_path):
     before ``trainer.fit`` aborts at its first batch, journaled, the run ending ``aborted``."""
     pytest.importorskip("lightning")
     from safetrain.integrations.lightning import SafeTrainingCallback
-    from tests.integration.test_lightning import CFG, Net, trainer
-    from tests.integration.test_lightning import loader as images
+    from tests.helpers.lightning import CFG, Net, trainer
+    from tests.helpers.lightning import loader as images
 
     model = Net()
     with torch.no_grad():

@@ -20,8 +20,7 @@ from safetrain import SafetrainError, TrainingInterrupted, TrainingKeyboardInter
 from safetrain.rundir import read_run
 from safetrain.snapshot import list_snapshots
 from tests.helpers.models import regression_data
-from tests.integration.test_preempt import SignalAt
-from tests.integration.test_preempt import _trainer as preempt_trainer
+from tests.helpers.signals import SignalAt, signal_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -121,7 +120,7 @@ def _no_default_sigterm():
 
 
 def _trainer(tmp_path, *overrides):
-    return preempt_trainer(tmp_path, *overrides)[1]  # (the model is not needed here)
+    return signal_trainer(tmp_path, *overrides)[1]  # (the model is not needed here)
 
 
 def test_sigint_raises_a_keyboard_interrupt_that_every_handler_kind_catches(tmp_path):

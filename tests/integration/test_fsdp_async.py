@@ -17,11 +17,18 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from tests.helpers.fsdp import launch, spawn_ranks
-from tests.integration.test_fsdp_resume import _batches, _cfg, _full, _model
+from tests.helpers.fsdp import (
+    RUN_STEPS,
+    adam_digest,
+    batches,
+    fsdp_mlp,
+    launch,
+    snapshot_cfg,
+    spawn_ranks,
+)
 
 TIMEOUT = 150
-STEPS = 10
+STEPS = RUN_STEPS
 
 
 def _fit(rank: int, directory: str, async_save: bool) -> Dict[str, Any]:
@@ -29,14 +36,14 @@ def _fit(rank: int, directory: str, async_save: bool) -> Dict[str, Any]:
 
     from safetrain import SafeTrainer, load_config
 
-    model = _model()
+    model = fsdp_mlp()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    cfg = load_config(None, [*_cfg(directory), f"snapshot.async_save={str(async_save).lower()}"])
+    cfg = load_config(None, [*snapshot_cfg(directory), f"snapshot.async_save={str(async_save).lower()}"])
     trainer = SafeTrainer(model, opt, cfg, loss_fn=F.mse_loss)
-    result = trainer.fit(_batches(rank), epochs=1, max_steps=STEPS)
+    result = trainer.fit(batches(rank, STEPS), epochs=1, max_steps=STEPS)
     shards = {p.name: _tensors(p) for p in sorted(Path(directory).glob("step-*")) if (p / "safetrain.json").is_file()}
     background = trainer.guard.store.background
-    return {"digest": _full(model, opt), "steps": result.steps, "shards": shards, "async": background is not None}
+    return {"digest": adam_digest(model, opt), "steps": result.steps, "shards": shards, "async": background is not None}
 
 
 def _tensors(snap: Path) -> str:
@@ -68,16 +75,17 @@ def _restore_after_async_save(rank: int, directory: str) -> List[Any]:
 
     background.write_mark = late
 
-    model = _model()
+    model = fsdp_mlp()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     cfg = load_config(
-        None, [*_cfg(directory), "snapshot.async_save=true", "sanitize.targets=off", "recovery.actions.loss=restore"]
+        None,
+        [*snapshot_cfg(directory), "snapshot.async_save=true", "sanitize.targets=off", "recovery.actions.loss=restore"],
     )
     restored: List[Any] = []
     with Guard(model, opt, cfg, loss_fn=F.mse_loss) as guard:
         guard.bus.subscribe(lambda e: restored.append(e.detail.get("snapshot_step")) if e.name == "restored" else None)
         guard.begin_epoch(0)
-        for step, (x, y) in enumerate(_batches(rank)[:6], start=1):
+        for step, (x, y) in enumerate(batches(rank, STEPS)[:6], start=1):
             if step == 6 and rank == 1:
                 y = y.clone().fill_(math.nan)
             guard.step((x, y))

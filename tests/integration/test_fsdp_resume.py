@@ -12,112 +12,29 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Dict, List
 
 import pytest
 import torch
 
-from tests.helpers.fsdp import batches, fsdp_mlp, full_digest, launch, spawn_ranks, unsharded_mlp
+from tests.helpers.fsdp import (
+    RUN_STEPS,
+    launch,
+    load_newest,
+    restore_midrun,
+    sharded_fit,
+    spawn_ranks,
+    unsharded_mlp,
+)
 
 TIMEOUT = 150
-STEPS, CUT, SNAP = 10, 7, 6  # the cut run's newest snapshot is of step 6 (snapshot.every=3)
-
-
-def _model() -> torch.nn.Module:
-    return fsdp_mlp()
-
-
-def _batches(rank: int) -> List[Any]:
-    return batches(rank, STEPS)
-
-
-def _full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
-    """A digest of every parameter and every momentum buffer as full tensors (a collective)."""
-    return full_digest(model, opt, ("exp_avg",))
-
-
-def _cfg(directory: str) -> List[str]:
-    return [
-        "log.progress=false",
-        "snapshot.every=3",
-        "snapshot.keep=2",
-        "snapshot.store=safetensors",
-        f"snapshot.dir={directory}",
-    ]
-
-
-def _fit(rank: int, directory: str, max_steps: int, resume: Any = None) -> Dict[str, Any]:
-    import torch.nn.functional as F
-
-    from safetrain import SafeTrainer, load_config
-
-    model = _model()
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    calls = []
-
-    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        calls.append(1)  # one forward per step (replays are off under FSDP2)
-        return F.mse_loss(out, y)
-
-    trainer = SafeTrainer(model, opt, load_config(None, _cfg(directory)), loss_fn=loss_fn)
-    result = trainer.fit(_batches(rank), epochs=1, max_steps=max_steps, resume=resume)
-    trained = len(calls)
-    finite = all(bool(torch.isfinite(p.full_tensor()).all()) for p in model.parameters())
-    return {
-        "digest": _full(model, opt),
-        "steps": result.steps,
-        "events": trained,
-        "run": trainer.guard.store.run_id,
-        "finite": finite,
-    }
-
-
-def _loaded(rank: int, directory: str) -> Dict[str, Any]:
-    """Load the newest snapshot of ``directory`` into a fresh guard; its step and full-state digest."""
-    from safetrain import distributed, load_config
-    from safetrain.guard import Guard
-
-    model = _model()
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    with Guard(model, opt, load_config(None, _cfg(directory + "-scratch"))) as guard:
-        info = distributed.load_snapshot(directory, guard.state)
-        params = full_digest(model)
-        return {"step": info.step, "digest": _full(model, opt), "params": params}
-
-
-def _restore_midrun(rank: int, directory: str, before_fault: Callable[[], None] = lambda: None) -> Dict[str, Any]:
-    """A NaN loss on rank 1 at step 6 -> every rank restores the sharded snapshot of step 3 from disk
-    (steps 4 and 5 read clean after it: vouched for, issue 23). ``before_fault`` runs on every rank just
-    before step 6 (test_fsdp_verify damages that snapshot)."""
-    import math
-
-    import torch.nn.functional as F
-
-    from safetrain import load_config
-    from safetrain.guard import Guard
-
-    model = _model()
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    cfg = load_config(None, [*_cfg(directory), "sanitize.targets=off", "recovery.actions.loss=restore"])
-    restored: List[Any] = []
-    with Guard(model, opt, cfg, loss_fn=F.mse_loss) as guard:
-        guard.bus.subscribe(lambda e: restored.append(e.detail.get("snapshot_step")) if e.name == "restored" else None)
-        guard.begin_epoch(0)
-        actions = []
-        for step, (x, y) in enumerate(_batches(rank)[:7], start=1):
-            if step == 6:
-                before_fault()
-                if rank == 1:
-                    y = y.clone().fill_(math.nan)
-            actions.append(guard.step((x, y)).action)
-    finite = all(bool(torch.isfinite(p.full_tensor()).all()) for p in model.parameters())
-    return {"actions": actions, "restored": restored, "digest": _full(model, opt), "finite": finite}
+STEPS, CUT, SNAP = RUN_STEPS, 7, 6  # the cut run's newest snapshot is of step 6 (snapshot.every=3)
 
 
 def _phase(rank: int, tmp: str, phase: str) -> Dict[str, Any]:
     if phase == "train":
-        full = _fit(rank, f"{tmp}/full", STEPS)
-        cut = _fit(rank, f"{tmp}/cut", CUT)
+        full = sharded_fit(rank, f"{tmp}/full", STEPS)
+        cut = sharded_fit(rank, f"{tmp}/cut", CUT)
         listing = sorted(os.listdir(f"{tmp}/cut"))
         if rank == 0:  # a save cut short by a SIGKILL: this run's rank-0 part, no completion mark
             os.makedirs(f"{tmp}/cut/step-0000000008")
@@ -125,12 +42,12 @@ def _phase(rank: int, tmp: str, phase: str) -> Dict[str, Any]:
                 json.dump({"run_id": cut["run"]}, f)
         return {"full": full, "cut": cut, "listing": listing, "incomplete": sorted(os.listdir(f"{tmp}/cut"))}
     if phase == "resume":
-        loaded = _loaded(rank, f"{tmp}/cut")
-        resumed = _fit(rank, f"{tmp}/cut", STEPS, resume=f"{tmp}/cut")
-        midrun = _restore_midrun(rank, f"{tmp}/midrun")
+        loaded = load_newest(rank, f"{tmp}/cut")
+        resumed = sharded_fit(rank, f"{tmp}/cut", STEPS, resume=f"{tmp}/cut")
+        midrun = restore_midrun(rank, f"{tmp}/midrun")
         return {"loaded": loaded, "resumed": resumed, "listing": sorted(os.listdir(f"{tmp}/cut")), "midrun": midrun}
-    loaded = _loaded(rank, f"{tmp}/cut/step-{SNAP:010d}")
-    resumed = _fit(rank, f"{tmp}/one", STEPS, resume=f"{tmp}/cut/step-{SNAP:010d}")  # the full fit path
+    loaded = load_newest(rank, f"{tmp}/cut/step-{SNAP:010d}")
+    resumed = sharded_fit(rank, f"{tmp}/one", STEPS, resume=f"{tmp}/cut/step-{SNAP:010d}")  # the full fit path
     marks = [json.loads(Path(p, "safetrain.json").read_text()) for p in sorted(Path(tmp, "one").glob("step-*"))]
     return {"loaded": loaded, "resumed": resumed, "written": [(m["counters"]["step"], m["world"]) for m in marks]}
 

@@ -20,11 +20,17 @@ from typing import Any, Dict, List
 
 import pytest
 
-from tests.helpers.fsdp import launch, spawn_ranks
-from tests.integration.test_fsdp_resume import _fit, _loaded, _restore_midrun
+from tests.helpers.fsdp import (
+    RUN_STEPS,
+    launch,
+    load_newest,
+    restore_midrun,
+    sharded_fit,
+    spawn_ranks,
+)
 
 TIMEOUT = 150
-STEPS, CUT = 10, 7  # the cut run's snapshots: steps 3 and 6
+STEPS, CUT = RUN_STEPS, 7  # the cut run's snapshots: steps 3 and 6
 
 
 def flip_tensor_byte(snap: Path, rank_file: int = 1) -> str:
@@ -52,12 +58,12 @@ def _midrun(rank: int, directory: str) -> Dict[str, Any]:
             flip_tensor_byte(Path(directory, "step-0000000003"))
         dist.barrier()
 
-    return {**_restore_midrun(rank, directory, damage), "listing": os.listdir(directory)}
+    return {**restore_midrun(rank, directory, damage), "listing": os.listdir(directory)}
 
 
 def _phase(rank: int, tmp: str, phase: str) -> Dict[str, Any]:
     if phase == "train":
-        return {"full": _fit(rank, f"{tmp}/full", STEPS), "cut": _fit(rank, f"{tmp}/cut", CUT)}
+        return {"full": sharded_fit(rank, f"{tmp}/full", STEPS), "cut": sharded_fit(rank, f"{tmp}/cut", CUT)}
     import logging
 
     warnings: List[str] = []
@@ -65,9 +71,9 @@ def _phase(rank: int, tmp: str, phase: str) -> Dict[str, Any]:
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("safetrain").addHandler(handler)
     return {
-        "resumed": _fit(rank, f"{tmp}/cut", STEPS, resume="auto"),
+        "resumed": sharded_fit(rank, f"{tmp}/cut", STEPS, resume="auto"),
         "warnings": warnings,
-        "old": _loaded(rank, f"{tmp}/old"),
+        "old": load_newest(rank, f"{tmp}/old"),
         "midrun": _midrun(rank, f"{tmp}/midrun"),
     }
 
