@@ -1,7 +1,7 @@
 """Issue 18's outcome promise as a function: ``run`` trains the regression ``mlp`` with a fault
 schedule injected and reports how it ended, its clean loss before and after, and its journal.
 
-``tests/contract/test_outcome_promise.py`` draws the schedules; ``test_loss_invariance.py`` runs
+``tests/contract/test_outcome_promise.py`` draws the schedules; ``test_fit_loss_invariance.py`` runs
 some again with the loss shifted or scaled.
 """
 

@@ -47,3 +47,14 @@ def test_no_test_module_imports_another_or_conftest():
         if _is_test_module(name)
     ]
     assert found == [], "move what is shared into tests/helpers:\n" + "\n".join(found)
+
+
+def test_test_file_names_are_unique_and_say_what_they_test():
+    """Two ``test_invariance.py`` (unit and integration) read as one file in a report, a traceback
+    or ``-k``; each name says what its file tests instead."""
+    seen: dict = {}
+    for p in _modules():
+        if p.name.startswith("test_"):
+            seen.setdefault(p.name, []).append(str(p.relative_to(TESTS.parent)))
+    twice = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert twice == {}, twice

@@ -60,7 +60,7 @@ def test_fault_scenarios_decide_the_same_for_a_shifted_or_scaled_loss(optimizer,
     base = promise_run(optimizer, steps, faults, 0.0, 1.0)
     # a x loss under Adam: not under an LR left x1000, where eps (1e-8) against 100x smaller
     # gradients changes the trajectory itself (301 vs 300.2 at step 9, 34 vs 0.76 at step 15); the
-    # decisions on a recorded sequence are covered by tests/unit/test_invariance.py
+    # decisions on a recorded sequence are covered by tests/unit/stats/test_judgment_invariance.py
     scaled = optimizer == "adam" and not any(f.kind == "lr" and f.persistent for f in faults)
     moved = [(100.0, 1.0), (-100.0, 1.0)] + ([(0.0, 0.01), (0.0, 100.0)] if scaled else [])
     for offset, scale in moved:
