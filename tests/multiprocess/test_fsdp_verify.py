@@ -5,7 +5,7 @@ snapshot: ``fit(resume="auto")`` refuses it, names it, resumes from the one befo
 bitwise equal to the uninterrupted run; a restore from disk in the middle of a run sets it aside
 and restores the one before; ``safetrain inspect`` says which file fails. A snapshot whose mark
 records no checksums (written before they were) still loads, and inspect says so. Two launches of
-2 gloo ranks; the helpers are :mod:`tests.integration.test_fsdp_resume`'s.
+2 gloo ranks; the helpers are :mod:`tests.helpers.fsdp`'s.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from tests.helpers.fsdp import (
     sharded_fit,
     spawn_ranks,
 )
+
+pytestmark = pytest.mark.slow
 
 TIMEOUT = 150
 STEPS, CUT = RUN_STEPS, 7  # the cut run's snapshots: steps 3 and 6

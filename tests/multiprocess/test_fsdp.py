@@ -1,7 +1,7 @@
 """FSDP2 (``fully_shard``) on 2 gloo ranks: sharded gradients and parameters, one read, one decision.
 
 Issue #17 (first slice). The scenarios run once, in ONE subprocess that spawns 2 ranks (as
-tests/integration/test_ddp.py does); each test asserts on its part of the ranks' JSON results.
+tests/multiprocess/test_ddp.py does); each test asserts on its part of the ranks' JSON results.
 A fault is injected on rank 1 only. Parameters are compared as full tensors (every shard
 gathered), so "equal across ranks" means the ranks hold one consistent model.
 """
@@ -16,6 +16,8 @@ import torch
 
 from tests.helpers.fsdp import full_digest, launch, spawn_ranks
 from tests.helpers.ranks import decisions, poisoned_batches
+
+pytestmark = pytest.mark.slow
 
 TIMEOUT = 150  # seconds for all scenarios together
 MARK = 1e31  # an input value that the Spike layer turns into +inf (the loss stays finite)

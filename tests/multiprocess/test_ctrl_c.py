@@ -24,7 +24,10 @@ from tests.helpers.signals import SignalAt, signal_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGINT") or os.name == "nt", reason="POSIX signals")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not hasattr(signal, "SIGINT") or os.name == "nt", reason="POSIX signals"),
+]
 
 # A user's script: trains (paced, so that the signal lands mid-run) and handles the interruption
 # the way its argument says, saving the model there as scripts do.

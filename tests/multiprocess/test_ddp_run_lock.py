@@ -19,6 +19,8 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow
+
 TIMEOUT = 120  # the launch; the scenario takes a few seconds, a hang ~GROUP_TIMEOUT more
 GROUP_TIMEOUT = 30
 

@@ -22,7 +22,10 @@ from tests.helpers.signals import SignalAt, signal_trainer
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "requeue.py"
 
-pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGTERM") or os.name == "nt", reason="POSIX signals")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not hasattr(signal, "SIGTERM") or os.name == "nt", reason="POSIX signals"),
+]
 
 
 def _env() -> dict:

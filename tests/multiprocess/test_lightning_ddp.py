@@ -19,6 +19,8 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 90  # seconds for one 2-rank launch; each takes ~10-20 s on a shared CPU
 FAULT_STEP = 4

@@ -27,6 +27,8 @@ from tests.helpers.fsdp import (
     unsharded_mlp,
 )
 
+pytestmark = pytest.mark.slow
+
 TIMEOUT = 150
 STEPS, CUT, SNAP = RUN_STEPS, 7, 6  # the cut run's newest snapshot is of step 6 (snapshot.every=3)
 

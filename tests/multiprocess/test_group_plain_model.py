@@ -23,6 +23,8 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow
+
 TIMEOUT = 180  # the whole launch; the scenarios take ~15 s, a hang in the group ~2 x GROUP_TIMEOUT
 GROUP_TIMEOUT = 20  # seconds a collective waits before it fails (a hang turns into an error)
 BAD = 5

@@ -19,6 +19,8 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow
+
 TIMEOUT = 120
 BAD = (5, 22)
 

@@ -17,6 +17,8 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow
+
 TIMEOUT = 120  # seconds; the run takes a few
 
 

@@ -23,6 +23,8 @@ import torch
 
 from tests.helpers.ranks import digest
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 150  # seconds per launch; a launch takes ~20-40 s on 2 shared cores
 QUIET = {"detect": {"check_weights_every": 0}, "log": {"level": "WARNING"}}

@@ -32,6 +32,8 @@ import torch
 
 from tests.helpers.fsdp import batches, fsdp_mlp, full_digest, launch, spawn_ranks
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 60  # seconds per launch
 STEPS, HELD = 10, 6  # the save of step 6 is cut by the kill; the newest complete snapshot is of step 3

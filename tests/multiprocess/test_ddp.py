@@ -23,6 +23,8 @@ import torch
 
 from tests.helpers.ranks import decisions, digest, poisoned_batches
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 120  # seconds for all scenarios together; they take ~10 s
 MARK = 1e31  # a finite input value that the model's Spike layer turns into +inf (loss stays finite)

@@ -27,6 +27,8 @@ from tests.helpers.fsdp import (
     spawn_ranks,
 )
 
+pytestmark = pytest.mark.slow
+
 TIMEOUT = 150
 STEPS = RUN_STEPS
 
