@@ -97,7 +97,7 @@ def launch(script: str, tmp: Path, phase: str, timeout: float, what: str, world:
     return [json.loads((tmp / f"{phase}-rank{r}.json").read_text()) for r in range(world)]
 
 
-# The resume scenarios that test_fsdp_resume.py, test_fsdp_async.py and test_fsdp_verify.py share.
+# The runs of the sharded snapshot tests (test_fsdp_snapshots.py): resume, verification, async save.
 
 RUN_STEPS = 10
 
@@ -162,7 +162,7 @@ def load_newest(rank: int, directory: str) -> Dict[str, Any]:
 def restore_midrun(rank: int, directory: str, before_fault: Callable[[], None] = lambda: None) -> Dict[str, Any]:
     """A NaN loss on rank 1 at step 6 -> every rank restores the sharded snapshot of step 3 from disk
     (steps 4 and 5 read clean after it: vouched for, issue 23). ``before_fault`` runs on every rank just
-    before step 6 (test_fsdp_verify damages that snapshot)."""
+    before step 6 (the verification damages that snapshot)."""
     import math
 
     import torch.nn.functional as F

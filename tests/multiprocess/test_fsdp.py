@@ -378,7 +378,7 @@ def test_what_safetrain_cannot_protect_is_refused_at_construction(ranks):
     said = ranks[0]["refused"]
     assert "tensor parallel" in said["tensor_parallel"] and "FSDP2" in said["tensor_parallel"], said
     assert "not to the root module" in said["root_not_sharded"], said
-    # Since the second slice a safetensors store under FSDP2 writes sharded snapshots (test_fsdp_resume.py):
+    # Since the second slice a safetensors store under FSDP2 writes sharded snapshots (test_fsdp_snapshots.py):
     # it is built without error, and resuming a directory without a sharded snapshot names what is missing.
     assert said["safetensors"] == "", said
     assert "no complete sharded snapshot" in said["resume"], said
