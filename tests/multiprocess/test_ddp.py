@@ -2,8 +2,9 @@
 
 The scenarios run once, in ONE subprocess that spawns 2 ranks (a hang fails on the timeout
 instead of blocking CI); each test asserts on its part of the ranks' JSON results. A fault
-is injected on rank 1 only; rank 0's data stays clean. The host-side combination rules are
-tested directly, without processes.
+is injected on rank 1 only; rank 0's data stays clean. Adaptive clipping and the quarantine are
+scenarios of the same launch (the launch, not the scenarios, is what costs). The host-side
+combination rules are tested directly, without processes.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from tests.helpers.ranks import decisions, digest, poisoned_batches
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-TIMEOUT = 120  # seconds for all scenarios together; they take ~10 s
+TIMEOUT = 180  # seconds for all scenarios together; they take ~15 s
 MARK = 1e31  # a finite input value that the model's Spike layer turns into +inf (loss stays finite)
+BAD = (5, 22)  # the quarantine scenario's samples whose loss is -log(0)
 
 
 # ----------------------------------------------------------------------------- the ranks' side
@@ -169,6 +171,83 @@ def _weights_checked(rank: int, tmp: str) -> Dict[str, Any]:
     return _weights(rank, tmp, ["detect.check_weights_every=1"])
 
 
+def _clip(rank: int, tmp: str) -> Dict[str, Any]:
+    """Adaptive clipping: every rank sees the same total norm, so every rank clips alike, even when
+    only rank 1's data makes the outlier (DDP averages the gradients before the step's one read)."""
+    import torch.nn.functional as F
+
+    from safetrain import load_config
+    from safetrain.guard import Guard
+    from safetrain.testing import count_host_syncs
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    overrides = ["log.progress=false", "snapshot.every=1000", "guard.clip.mode=adaptive", "guard.clip.warmup_steps=5"]
+    cfg = load_config(None, [*overrides, "guard.grad_norm_threshold=adaptive"])
+    g = torch.Generator().manual_seed(100 + rank)
+    out: Dict[str, Any] = {"steps": []}
+    with Guard(model, opt, cfg, loss_fn=F.mse_loss) as guard:
+        for step in range(1, 21):
+            x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+            if rank == 1 and step in (12, 13):
+                y = y * 8.0  # rank 1's targets only: a large loss, an outlier of the averaged gradient
+            with count_host_syncs() as syncs:
+                r = guard.step((x, y))
+            out["steps"].append([r.step, r.trained, r.action, repr(r.grad_norm), repr(r.clipped_to), syncs.count])
+        out["stats"] = guard.state_dict()["grad_norm"]
+        out["clipped_steps"] = guard.counts.clipped_steps
+    out["digest"] = digest(model)
+    return out
+
+
+def _risky_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    probs = torch.softmax(out, dim=1) * (target != 2).float().unsqueeze(1)  # class 2: probability 0
+    return -torch.log(probs.gather(1, target.unsqueeze(1))).mean()
+
+
+def _quarantine(rank: int, tmp: str) -> Dict[str, Any]:
+    """Quarantine: samples ``BAD`` have a target whose loss is ``-log(0)``; a replay bisects each one
+    down to its dataset index on whichever rank drew it; every rank quarantines the union and the
+    shards stay equal in length (else the next collective would wait for ever: the timeout)."""
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from safetrain import SafeTrainer, load_config
+    from safetrain.diagnose.quarantine import QuarantineSampler
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 4, generator=g), torch.randint(0, 2, (32,), generator=g)
+    y[list(BAD)] = 2
+    sampler = QuarantineSampler(DistributedSampler(TensorDataset(x, y), shuffle=True, seed=0))
+    loader = DataLoader(TensorDataset(x, y), batch_size=2, sampler=sampler)
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 3))
+    cfg = load_config(
+        None, ["log.progress=false", "detect.mode=lazy", f"log.dir={tmp}/quarantine/run", "recovery.max_retries=9"]
+    )
+    result = SafeTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg, loss_fn=_risky_loss).fit(
+        loader, epochs=3
+    )
+    events = [e.to_dict() for e in result.events]
+    out = {
+        "steps": result.steps,
+        "quarantined": sorted(sampler.quarantined),
+        "isolated": sorted(
+            i
+            for e in events
+            if e["event"] == "anomaly"
+            for i in (e["detail"].get("diagnosis") or {}).get("dataset_indices", [])
+        ),
+        "anomaly_epochs": [e["epoch"] for e in events if e["event"] == "anomaly"],
+        "quarantine_events": [(e["action"], e["detail"]) for e in events if e["event"] == "quarantine"],
+        "params": [p.detach().reshape(-1).tolist() for p in model.parameters()],
+    }
+    del model
+    gc.collect()
+    return out
+
+
 SCENARIOS = {
     "skip": _skip,
     "drop": _drop,
@@ -176,6 +255,8 @@ SCENARIOS = {
     "abort": _abort,
     "weights": _weights,
     "weights_checked": _weights_checked,
+    "clip": _clip,
+    "quarantine": _quarantine,
 }
 
 
@@ -214,7 +295,9 @@ def ranks(tmp_path_factory: Any) -> List[Dict[str, Any]]:
 
     tmp = tmp_path_factory.mktemp("ddp")
     run_two_ranks(__file__, tmp, TIMEOUT, "the 2-rank run")
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+    runs = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+    runs[0]["quarantine"]["file"] = json.loads((tmp / "quarantine" / "run" / "quarantine.json").read_text())
+    return runs
 
 
 def _torchrun(*args: str) -> str:
@@ -302,6 +385,37 @@ def test_weights_caught_by_the_periodic_check_on_one_rank_are_judged_alike_on_bo
     assert [a[:3] for a in r0["anomalies"]] == [a[:3] for a in r1["anomalies"]] == [[5, "weights", "restore"]]
     assert r0["anomalies"][0][6]["ranks"] == [1] and r0["anomalies"][0][6]["nonfinite"] == ["module.2.weight"]
     assert r0["digest"] == r1["digest"] and r0["finite"] and r1["finite"]
+
+
+def test_both_ranks_clip_identically_when_one_ranks_data_makes_the_outlier(ranks):
+    r0, r1 = ranks[0]["clip"], ranks[1]["clip"]
+    assert r0["steps"] == r1["steps"], "same norms, same clips, same decisions, step by step"
+    assert r0["stats"] == r1["stats"] and r0["digest"] == r1["digest"]
+    clipped = [s[0] for s in r0["steps"] if s[4] != "nan"]
+    assert 13 in clipped and r0["clipped_steps"] == len(clipped), clipped
+    decided = {s[0]: s[2] for s in r0["steps"]}
+    assert decided[12] == "skip_batch", "x8 targets on rank 1 at step 12: a far outlier (adaptive threshold) on both"
+    assert all(a == "" for step, a in decided.items() if step != 12), "the rest clipped or left, never skipped"
+    assert all(s[5] == 1 for s in r0["steps"][1:]), "one host sync per step (the read's collective)"
+
+
+def test_every_rank_quarantines_what_any_rank_isolated(ranks):
+    ranks = [r["quarantine"] for r in ranks]
+    isolated = sorted(set(ranks[0]["isolated"]) | set(ranks[1]["isolated"]))
+    assert isolated == list(BAD), "bisection on the ranks found exactly the two bad samples"
+    assert ranks[0]["quarantined"] == ranks[1]["quarantined"] == list(BAD)
+    assert ranks[0]["file"]["indices"] == list(BAD), "rank 0 wrote the union to quarantine.json"
+
+
+def test_ranks_stay_in_step_and_later_epochs_are_clean(ranks):
+    ranks = [r["quarantine"] for r in ranks]
+    r0, r1 = ranks
+    assert r0["steps"] == r1["steps"] == 3 * 8, "16 samples per rank, batches of 2, 3 epochs: no rank ran short"
+    assert set(r0["anomaly_epochs"]) == set(r1["anomaly_epochs"]) == {0}, "quarantined samples never came back"
+    assert r0["params"] == r1["params"], "the ranks' parameters diverged"
+    skips = [d for run in ranks for action, d in run["quarantine_events"] if action == "skip"]
+    assert all(d["skipped"] == d["repeated"] for d in skips), "each skipped sample was replaced by a repeat"
+    assert sum(d["skipped"] for d in skips) == 2 * len(BAD), "epochs 1 and 2 each passed over both samples"
 
 
 def test_example_under_torchrun_and_resume_in_new_processes(tmp_path):
