@@ -1,6 +1,6 @@
 """How many random healthy runs get an intervention (issue 32, point 5): a count, not a test.
 
-Draws ``N`` runs from the generator of ``tests/integration/test_healthy_runs.py`` (task, activation,
+Draws ``N`` runs from the generator of ``tests/helpers/healthy.py`` (task, activation,
 normalisation, optimizer, offset, scale, schedule, accumulation, noisier batches, seed), each drawn
 with ``random.Random(i)`` for ``i`` in ``[start, start + N)`` (so other seeds than the property
 test's), runs each through ``SafeTrainer.fit`` for 80 steps with the default configuration, and
@@ -23,7 +23,7 @@ from typing import Any, Dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.integration.test_healthy_runs import fit, interventions  # noqa: E402
+from tests.helpers.healthy import fit, interventions  # noqa: E402
 
 CHOICES: Dict[str, tuple] = {
     "task": ("mse", "ce", "nll"),

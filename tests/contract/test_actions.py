@@ -21,7 +21,7 @@ from safetrain.kinds import Action
 from safetrain.snapshot import SafetensorsStore, TrainState, load_snapshot
 from safetrain.steps import COUNTED_BY, Counters
 from safetrain.testing import GradFault, OutputFault, PoisonRows, WeightFault
-from tests.conftest import loader, mlp, regression_data
+from tests.helpers.models import loader, mlp, regression_data
 
 BASE = ["log.progress=false", "snapshot.store=safetensors", "snapshot.every=2", "detect.replay.enabled=false"]
 BAD_ROW = 20  # in the third batch of 8 (the loader does not shuffle): step 3

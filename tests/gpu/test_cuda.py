@@ -1,7 +1,10 @@
-"""The engine on a CUDA device: the fault-injection acceptance tests again, the one-sync promise
-checked by CUDA itself, batches moved from a pinned CPU loader, and snapshots on the device.
+"""The engine on a CUDA device: the one-sync promise checked by CUDA itself, batches moved from a
+pinned CPU loader, and snapshots on the device.
 
-Skipped where no GPU is present (CI); run on a lent GPU with ``python -m pytest tests/gpu``.
+Skipped where no GPU is present (CI); run on a lent GPU with ``python -m pytest tests/gpu
+tests/integration/test_engine.py tests/integration/test_replay.py``: the engine's fault-injection
+tests and the replay's layer naming take the ``device`` fixture (tests/conftest.py), which adds
+``"cuda"`` wherever a CUDA device is present.
 """
 
 from __future__ import annotations
@@ -18,35 +21,10 @@ from safetrain import SafeTrainer, load_config, safe_div, safe_log
 from safetrain.guard import Guard
 from safetrain.snapshot import MemoryStore, SafetensorsStore, TrainState
 from safetrain.testing import count_host_syncs
-from tests.conftest import loader, mlp, regression_data
-from tests.integration import test_engine as engine
-from tests.integration import test_replay as replay_tests
+from tests.helpers.engine import BASE, full_loss
+from tests.helpers.models import loader, mlp, regression_data
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@pytest.fixture(autouse=True)
-def _engine_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine's fault-injection tests below put their model on the GPU (CPU loader)."""
-    monkeypatch.setattr(engine, "DEVICE", "cuda")
-
-
-# The acceptance tests of the engine, run here with the model on CUDA and the loader on the CPU.
-test_clean_run_is_healthy_and_learns = engine.test_clean_run_is_healthy_and_learns
-test_nan_input_rows = engine.test_nan_input_rows
-test_nan_target_is_skipped = engine.test_nan_target_is_skipped
-test_layer_emits_nan_once_one_step_fault_matches_clean_run = (
-    engine.test_layer_emits_nan_once_one_step_fault_matches_clean_run
-)
-test_inf_gradient_in_one_parameter_is_zeroed = engine.test_inf_gradient_in_one_parameter_is_zeroed
-test_weights_poisoned_after_a_step_are_restored = engine.test_weights_poisoned_after_a_step_are_restored
-test_lr_blow_up_restores_and_scales_lr = engine.test_lr_blow_up_restores_and_scales_lr
-test_loss_spike_without_nan_is_skipped = engine.test_loss_spike_without_nan_is_skipped
-test_fp16_overflow_is_a_scaler_skip_not_a_failure = engine.test_fp16_overflow_is_a_scaler_skip_not_a_failure
-test_persistent_fault_aborts_after_max_retries_with_model_finite = (
-    engine.test_persistent_fault_aborts_after_max_retries_with_model_finite
-)
-test_guard_in_a_hand_written_loop_equals_fit = engine.test_guard_in_a_hand_written_loop_equals_fit
 
 
 def _cuda_syncs_in(fn) -> list:
@@ -78,7 +56,7 @@ def test_a_healthy_step_synchronizes_with_the_gpu_exactly_once(mode, amp, optimi
     cfg = load_config(
         None,
         [
-            *engine.BASE,
+            *BASE,
             f"detect.mode={mode}",
             f"amp.dtype={amp}",
             "guard.clip_grad_norm=1.0",
@@ -115,17 +93,17 @@ def test_batches_from_a_pinned_cpu_loader_train_on_the_gpu_like_on_the_cpu():
             pin_memory=device == "cuda",
             generator=torch.Generator().manual_seed(0),
         )
-        result = SafeTrainer(model, opt, load_config(None, engine.BASE), loss_fn=F.mse_loss).fit(data, epochs=2)
+        result = SafeTrainer(model, opt, load_config(None, BASE), loss_fn=F.mse_loss).fit(data, epochs=2)
         assert result.healthy_steps == result.steps == 32
         assert all(p.device.type == device for p in model.parameters())
-        losses[device] = engine.full_loss(model)
+        losses[device] = full_loss(model)
     assert losses["cuda"] == pytest.approx(losses["cpu"], rel=1e-3), losses
 
 
 def test_to_device_off_leaves_the_batch_where_the_loader_put_it():
     model = mlp().cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.02)
-    cfg = load_config(None, [*engine.BASE, "guard.to_device=false"])
+    cfg = load_config(None, [*BASE, "guard.to_device=false"])
     batch = next(iter(loader(regression_data())))
     with Guard(model, opt, cfg, loss_fn=F.mse_loss) as guard, pytest.raises(RuntimeError, match="device"):
         guard.step(batch)
@@ -186,13 +164,6 @@ def test_memory_snapshots_of_a_cuda_model_are_kept_in_pinned_host_memory():
     snaps.close()
 
 
-@pytest.mark.parametrize("name", list(replay_tests.MODELS))
-def test_lazy_mode_names_the_poisoned_layer_by_replay(name, monkeypatch):
-    """The replay (lazy mode: no hooks while training) names the layer on the GPU too."""
-    monkeypatch.setattr(replay_tests, "DEVICE", "cuda")
-    replay_tests.test_lazy_mode_names_the_poisoned_layer_by_replay(name)
-
-
 def test_safe_ops_keep_values_and_gradients_finite_on_cuda():
     x = torch.tensor([0.0, -1.0, 1e-30, 2.0], device="cuda", requires_grad=True)
     d = torch.tensor([0.0, 1e-30, -0.0, 4.0], device="cuda", requires_grad=True)
@@ -214,12 +185,12 @@ def test_a_step_fn_gets_the_moved_batch_unless_to_device_is_off_and_pageable_bat
     opt = torch.optim.SGD(model.parameters(), lr=0.02)
     for overrides, device in (([], "cuda"), (["guard.to_device=false"], "cpu")):
         seen.clear()
-        cfg = load_config(None, [*engine.BASE, *overrides])
+        cfg = load_config(None, [*BASE, *overrides])
         SafeTrainer(model, opt, cfg, step_fn=step_fn).fit(loader(regression_data()), epochs=1)
         assert seen and set(seen) == {device}, (overrides, set(seen))
     caplog.clear()  # only this run's records
     with caplog.at_level("INFO", logger="safetrain"):
-        SafeTrainer(model, opt, load_config(None, engine.BASE), loss_fn=F.mse_loss).fit(
+        SafeTrainer(model, opt, load_config(None, BASE), loss_fn=F.mse_loss).fit(
             loader(regression_data()), epochs=1
         )  # not pinned
     notes = [r.getMessage() for r in caplog.records if "pageable host memory" in r.getMessage()]

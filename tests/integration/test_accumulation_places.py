@@ -22,8 +22,8 @@ from safetrain import SafeTrainer, load_config
 from safetrain.diagnose.quarantine import QuarantineSampler
 from safetrain.guard import Guard
 from safetrain.testing import OutputFault, PoisonRows
-from tests.conftest import loader, mlp, regression_data
-from tests.integration.test_caller_steps import caller_loop, make
+from tests.helpers.loops import caller_loop, make
+from tests.helpers.models import loader, mlp, regression_data
 
 BASE = ["log.progress=false", "snapshot.every=4", "guard.spike.min_history=8", "guard.accumulate_steps=4"]
 ROWS = 16  # rows per batch: dataset index 16 * b + r is row r of batch b (a sequential loader)

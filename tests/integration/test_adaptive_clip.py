@@ -20,7 +20,7 @@ from safetrain import SafeTrainer, load_config
 from safetrain.guard import Guard
 from safetrain.stats.gradclip import NormStats
 from safetrain.testing import GradFault, count_host_syncs
-from tests.conftest import loader, mlp, regression_data
+from tests.helpers.models import loader, mlp, regression_data
 
 BASE = ["log.progress=false", "guard.spike.min_history=8", "detect.check_weights_every=0"]
 ADAPTIVE = ["guard.clip.mode=adaptive", "guard.clip.warmup_steps=5"]

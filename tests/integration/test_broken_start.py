@@ -22,7 +22,7 @@ from safetrain import Guard, SafeTrainer, TrainingAborted, load_config
 from safetrain.errors import SnapshotError
 from safetrain.snapshot import MemoryStore
 from safetrain.testing import OutputFault, WeightFault
-from tests.conftest import loader, mlp, regression_data
+from tests.helpers.models import loader, mlp, regression_data
 
 BASE = ["log.progress=false", "snapshot.every=4", "detect.check_weights_every=1"]
 
@@ -165,8 +165,8 @@ def test_the_lightning_callback_stops_a_broken_start_too(tmp_path):
     before ``trainer.fit`` aborts at its first batch, journaled, the run ending ``aborted``."""
     pytest.importorskip("lightning")
     from safetrain.integrations.lightning import SafeTrainingCallback
-    from tests.integration.test_lightning import CFG, Net, trainer
-    from tests.integration.test_lightning import loader as images
+    from tests.helpers.lightning import CFG, Net, trainer
+    from tests.helpers.lightning import loader as images
 
     model = Net()
     with torch.no_grad():

@@ -18,8 +18,7 @@ import torch.nn.functional as F
 
 from safetrain import Guard, load_config
 from safetrain.testing import OutputFault
-
-from ..conftest import finite_params
+from tests.helpers.models import finite_params
 
 QUIET = ["log.progress=false", "snapshot.every=2"]
 

@@ -27,8 +27,8 @@ from safetrain.integrations.huggingface import SafeTrainingCallback as HFCallbac
 from safetrain.integrations.lightning import SafeTrainingCallback as PLCallback  # noqa: E402
 from safetrain.metrics import COUNTERS, metric_keys  # noqa: E402
 from safetrain.testing import OutputFault  # noqa: E402
-from tests.integration.test_huggingface import Tokens, args, gpt2  # noqa: E402
-from tests.integration.test_lightning import CFG, Collect, Net, loader, trainer  # noqa: E402
+from tests.helpers.huggingface import Tokens, args, gpt2  # noqa: E402
+from tests.helpers.lightning import CFG, Collect, Net, loader, trainer  # noqa: E402
 
 QUIET = {"detect": {"check_weights_every": 0, "replay": {"enabled": False}}, "log": {"level": "WARNING"}}
 NAN_ONCE = [4]  # step 4's forward (no replay): one skipped step

@@ -6,7 +6,7 @@
   a few steps, and the run ends as good as the same run without it;
 * one bad batch (targets x1000) at a random step: exactly one skipped batch, nothing else.
 
-* healthy runs (the generator of ``test_healthy_runs.py``, drawn here under another name, so
+* healthy runs (the generator of ``tests/helpers/healthy.py``, drawn here under another name, so
   other examples): no skip, no restore, no event of any intervention.
 
 Measured with ``benchmarks/healthy_interventions.py`` (the same generator, ``random.Random(i)``):
@@ -20,9 +20,9 @@ from __future__ import annotations
 import hypothesis
 from hypothesis import strategies as st
 
-from tests.integration.test_causes import bad_batch, class_change, damaged, end_level, mixture_change, named
-from tests.integration.test_healthy_runs import fit as healthy_fit
-from tests.integration.test_healthy_runs import interventions
+from tests.helpers.causes import bad_batch, class_change, damaged, end_level, mixture_change, named
+from tests.helpers.healthy import fit as healthy_fit
+from tests.helpers.healthy import interventions
 
 SETTINGS = hypothesis.settings(
     max_examples=4,

@@ -31,8 +31,7 @@ import torch.nn.functional as F
 
 from safetrain import Guard, SafeTrainer, load_config
 from safetrain.testing import GradFault
-
-from ..conftest import finite_params
+from tests.helpers.models import finite_params
 
 QUIET = ["log.progress=false", "snapshot.every=2", "detect.replay.enabled=false"]
 

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from safetrain import SafeTrainer, load_config
 from safetrain.testing import GradFault, PoisonRows
-from tests.conftest import finite_params, loader, mlp, regression_data
-from tests.integration.test_engine import BASE, anomalies
+from tests.helpers.engine import BASE, anomalies
+from tests.helpers.models import finite_params, loader, mlp, regression_data
 
 
 def compiled(model: torch.nn.Module) -> torch.nn.Module:

@@ -8,21 +8,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from safetrain import SafeTrainer, TrainingAborted, load_config
 from safetrain.guard import Guard
-from tests.conftest import finite_params, loader, mlp, regression_data
+from tests.helpers.models import finite_params, loader, mlp, regression_data, unscaled_regression
 
 BASE = ["log.progress=false"]
-
-
-def unscaled_regression(n: int = 256, d: int = 8, scale: float = 10.0, seed: int = 0) -> TensorDataset:
-    """Features of standard deviation ``scale`` (not normalized): plain SGD is stable only below lr 1/scale**2."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, d, generator=g) * scale
-    y = x @ torch.randn(d, 1, generator=g) + 0.1 * torch.randn(n, 1, generator=g)
-    return TensorDataset(x, y)
 
 
 def diverging_fit(overrides=(), epochs=5):

@@ -10,43 +10,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from safetrain import SafeTrainer, TrainingAborted, load_config
+from safetrain import TrainingAborted, load_config
 from safetrain.guard import Guard
 from safetrain.testing import GradFault, LRFault, OutputFault, PoisonRows, WeightFault
-from tests.conftest import finite_params, loader, mlp, regression_data
-
-BASE = ["log.progress=false", "snapshot.every=4", "guard.spike.min_history=8"]
-
-#: Where ``fit`` puts the model; ``tests/gpu`` runs these tests again with ``"cuda"`` (the loader
-#: stays on the CPU and the guard moves each batch).
-DEVICE = "cpu"
+from tests.helpers.engine import BASE, anomalies, fit, full_loss
+from tests.helpers.models import finite_params, loader, mlp, regression_data
 
 
-def fit(overrides=(), model=None, dataset=None, epochs=2, seed=0, setup=None, scheduler=None, lr=0.02, **kw):
-    model = (model or mlp(seed=seed)).to(DEVICE)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    if setup is not None:
-        setup(model, opt)
-    cfg = load_config(None, [*BASE, *overrides])
-    trainer = SafeTrainer(model, opt, cfg, loss_fn=F.mse_loss, scheduler=scheduler(opt) if scheduler else None, **kw)
-    result = trainer.fit(loader(dataset or regression_data(), seed=seed), epochs=epochs)
-    return result, model, opt
-
-
-def full_loss(model, dataset=None):
-    x, y = (dataset or regression_data()).tensors
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        return F.mse_loss(model(x.to(device)), y.to(device)).item()
-
-
-def anomalies(result, kind=None):
-    return [(e.kind, e.action) for e in result.events if e.name == "anomaly" and (kind is None or e.kind == kind)]
-
-
-def test_clean_run_is_healthy_and_learns():
+def test_clean_run_is_healthy_and_learns(device):
     before = full_loss(mlp())
-    result, model, _ = fit()
+    result, model, _ = fit(device=device)
     assert anomalies(result) == []
     assert result.steps == result.healthy_steps == 32
     assert full_loss(model) < 0.2 * before, (before, full_loss(model))
@@ -54,9 +27,9 @@ def test_clean_run_is_healthy_and_learns():
 
 
 @pytest.mark.parametrize("action,trained_rows", [("skip_batch", 0), ("drop_rows", 15)])
-def test_nan_input_rows(action, trained_rows):
+def test_nan_input_rows(action, trained_rows, device):
     data = PoisonRows(regression_data(), indices=[7])
-    result, model, _ = fit([f"sanitize.inputs={action}"], dataset=data, epochs=1)
+    result, model, _ = fit([f"sanitize.inputs={action}"], dataset=data, epochs=1, device=device)
     found = anomalies(result, "input")
     assert found == [("input", action)], found
     event = next(e for e in result.events if e.kind == "input")
@@ -70,22 +43,22 @@ def test_nan_input_rows(action, trained_rows):
         assert result.healthy_steps == result.steps - 1
 
 
-def test_nan_target_is_skipped():
+def test_nan_target_is_skipped(device):
     data = PoisonRows(regression_data(), indices=[3, 100], where="targets")
-    result, model, _ = fit(dataset=data, epochs=1)
+    result, model, _ = fit(dataset=data, epochs=1, device=device)
     assert anomalies(result, "target") == [("target", "skip_batch")] * 2
     assert result.skipped_batches == 2 and finite_params(model)
 
 
 @pytest.mark.parametrize("replay", [True, False])
-def test_layer_emits_nan_once_one_step_fault_matches_clean_run(replay):
-    clean, clean_model, _ = fit(epochs=3)
+def test_layer_emits_nan_once_one_step_fault_matches_clean_run(replay, device):
+    clean, clean_model, _ = fit(epochs=3, device=device)
     assert full_loss(clean_model) < 0.05 * full_loss(mlp()), "the clean run converges"
 
     def poison(model, opt):
         poison.fault = OutputFault(model[0], calls=[9])
 
-    result, model, _ = fit([f"detect.replay.enabled={replay}"], setup=poison, epochs=3)
+    result, model, _ = fit([f"detect.replay.enabled={replay}"], setup=poison, epochs=3, device=device)
     found = anomalies(result)
     event = next(e for e in result.events if e.kind == "forward")
     assert event.detail["finding"]["module"] == "0", event.detail
@@ -100,11 +73,11 @@ def test_layer_emits_nan_once_one_step_fault_matches_clean_run(replay):
     assert full_loss(model) == pytest.approx(full_loss(clean_model), rel=0.05)
 
 
-def test_inf_gradient_in_one_parameter_is_zeroed():
+def test_inf_gradient_in_one_parameter_is_zeroed(device):
     def poison(model, opt):
         GradFault(model[2].bias, calls=(5, 6), value=math.inf)  # the step and its replay
 
-    result, model, _ = fit(setup=poison)
+    result, model, _ = fit(setup=poison, device=device)
     assert anomalies(result) == [("gradient", "zero_grads")]
     event = next(e for e in result.events if e.kind == "gradient")
     assert "2.bias" in json.dumps(event.detail), event.detail
@@ -113,11 +86,11 @@ def test_inf_gradient_in_one_parameter_is_zeroed():
     assert finite_params(model)
 
 
-def test_weights_poisoned_after_a_step_are_restored():
+def test_weights_poisoned_after_a_step_are_restored(device):
     def poison(model, opt):
         WeightFault(opt, model[0].weight, (0, 0), steps=[10], value=math.nan)
 
-    result, model, _ = fit(["detect.check_weights_every=1"], setup=poison)
+    result, model, _ = fit(["detect.check_weights_every=1"], setup=poison, device=device)
     kinds = anomalies(result)
     assert kinds[0] == ("weights", "restore"), kinds
     assert result.restores == 1
@@ -125,7 +98,7 @@ def test_weights_poisoned_after_a_step_are_restored():
     assert finite_params(model)
 
 
-def test_lr_blow_up_restores_and_scales_lr():
+def test_lr_blow_up_restores_and_scales_lr(device):
     def poison(model, opt):
         LRFault(opt, steps=(12, 13, 14), factor=1000)
 
@@ -138,6 +111,7 @@ def test_lr_blow_up_restores_and_scales_lr():
         ],
         setup=poison,
         epochs=3,
+        device=device,
     )
     assert result.restores >= 1
     assert any(e.name == "lr_changed" for e in result.events), anomalies(result)
@@ -146,17 +120,17 @@ def test_lr_blow_up_restores_and_scales_lr():
     assert finite_params(model) and math.isfinite(result.final_loss)
 
 
-def test_loss_spike_without_nan_is_skipped():
+def test_loss_spike_without_nan_is_skipped(device):
     data = PoisonRows(regression_data(), indices=[160], where="targets", value=300.0)
-    result, model, _ = fit(dataset=data, epochs=1, seed=0)
+    result, model, _ = fit(dataset=data, epochs=1, seed=0, device=device)
     assert ("spike", "skip_batch") in anomalies(result), anomalies(result)
     event = next(e for e in result.events if e.kind == "spike")
     assert event.detail["z"] > 6
     assert finite_params(model)
 
 
-def test_fp16_overflow_is_a_scaler_skip_not_a_failure():
-    result, model, _ = fit(["amp.dtype=float16", "amp.init_scale=1048576"], epochs=1)
+def test_fp16_overflow_is_a_scaler_skip_not_a_failure(device):
+    result, model, _ = fit(["amp.dtype=float16", "amp.init_scale=1048576"], epochs=1, device=device)
     skips = anomalies(result, "scaler")
     assert skips and all(action == "skip_batch" for _, action in skips), skips
     assert result.scaler_skips == len(skips)
@@ -178,11 +152,11 @@ def test_fp16_overflow_steps_do_not_pay_for_an_exact_weight_check(monkeypatch):
     assert runs == [], runs
 
 
-def test_persistent_fault_aborts_after_max_retries_with_model_finite():
+def test_persistent_fault_aborts_after_max_retries_with_model_finite(device):
     model = mlp()
     fault = OutputFault(model[1], calls=range(6, 10_000))  # healthy for 5 steps, then NaN for ever
     with pytest.raises(TrainingAborted) as info:
-        fit(["recovery.max_retries=3"], model=model)
+        fit(["recovery.max_retries=3"], model=model, device=device)
     result = info.value.result
     assert result.aborted and fault.count >= 9
     assert [a for _, a in anomalies(result)] == ["skip_batch", "restore", "scale_lr", "scale_lr", "abort"]
@@ -191,9 +165,9 @@ def test_persistent_fault_aborts_after_max_retries_with_model_finite():
     assert finite_params(model), "abort leaves the model at the last good snapshot"
 
 
-def test_guard_in_a_hand_written_loop_equals_fit():
-    fitted, fit_model, _ = fit(epochs=1)
-    model = mlp().to(DEVICE)
+def test_guard_in_a_hand_written_loop_equals_fit(device):
+    fitted, fit_model, _ = fit(epochs=1, device=device)
+    model = mlp().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
     with Guard(model, opt, load_config(None, BASE), loss_fn=F.mse_loss) as guard:
         guard.begin_epoch(0)

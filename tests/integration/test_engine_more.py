@@ -14,8 +14,8 @@ from safetrain import BatchError, SafeTrainer, load_config
 from safetrain.guard import Guard
 from safetrain.policy import Anomaly, History, Rules, decide
 from safetrain.testing import GradFault, PoisonRows, count_host_syncs
-from tests.conftest import finite_params, loader, mlp, regression_data
-from tests.integration.test_engine import BASE, anomalies, fit
+from tests.helpers.engine import BASE, anomalies, fit
+from tests.helpers.models import finite_params, loader, mlp, regression_data
 
 
 @pytest.mark.parametrize("mode", ["eager", "lazy"])

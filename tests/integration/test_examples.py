@@ -2,33 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_torchrun
+from tests.helpers.processes import run_example
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def run_example(name: str, *args: str, timeout: float = 120) -> str:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.setdefault("OMP_NUM_THREADS", "2")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / name), *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, f"{name} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
 
 
 def test_every_example_is_tested():
@@ -40,12 +21,12 @@ def test_every_example_is_tested():
         "huggingface_style.py",
         "ddp.py",
         "fsdp.py",
-        "requeue.py",  # tests/integration/test_preempt.py runs it under a real SIGTERM
+        "requeue.py",  # tests/multiprocess/test_preempt.py runs it under a real SIGTERM
         "hf_trainer_callback.py",  # tests/integration/test_huggingface.py runs it
         "lightning_callback.py",  # tests/integration/test_lightning_example.py
         "gan.py",
         "lbfgs.py",
-    }  # ddp.py: tests/integration/test_ddp.py (under torchrun); fsdp.py: below, under torchrun
+    }  # under torchrun: ddp.py in tests/multiprocess/test_ddp.py, fsdp.py in tests/multiprocess/test_fsdp_example.py
     assert {p.name for p in (ROOT / "examples").glob("*.py")} <= tested
 
 
@@ -104,17 +85,3 @@ def test_huggingface_style_catches_the_fully_masked_row_and_the_fix_removes_it()
 def test_examples_have_a_run_line_and_main_guard(name):
     text = (ROOT / "examples" / name).read_text()
     assert f"Run: python examples/{name}" in text and 'if __name__ == "__main__":' in text
-
-
-def test_fsdp_example_under_torchrun_and_resume_of_its_sharded_snapshots(tmp_path):
-    """Issue #17: examples/fsdp.py runs under torchrun on 2 gloo ranks; cut, then resumed, it ends bitwise equal."""
-    full = run_torchrun("fsdp.py", "--run-dir", str(tmp_path / "full"), "--epochs", "2")
-    assert "full parameters finite: True" in full, full
-    assert "tripped: {'input': [1]}" in full and "restored forward -> restore" in full, full
-    assert list((tmp_path / "full" / "snapshots").glob("step-*/safetrain.json")), "sharded snapshot directories"
-    part = run_torchrun("fsdp.py", "--run-dir", str(tmp_path / "cut"), "--epochs", "2", "--max-steps", "12")
-    assert part.startswith("12 steps") or "\n12 steps" in part, part
-    resumed = run_torchrun("fsdp.py", "--run-dir", str(tmp_path / "cut"), "--epochs", "2", "--resume")
-    digest = re.compile(r"resumed: (\d+) steps.*model and optimizer state (\w+)\)", re.S)
-    want = re.search(r"^(\d+) steps.*model and optimizer state (\w+)\)", full, re.S | re.M)
-    assert digest.search(resumed) and want and digest.search(resumed).groups() == want.groups(), (full, resumed)

@@ -6,21 +6,8 @@ divergence climb was measured from one tiny early loss)."""
 from __future__ import annotations
 
 import pytest
-import torch
-import torch.nn.functional as F
 
-from safetrain import SafeTrainer, load_config
-
-
-def flat_run(seed: int, batch: int, steps: int = 40):
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(8, 1)
-    with torch.no_grad():
-        model.weight.zero_()
-        model.bias.zero_()
-    data = [(torch.randn(batch, 8), torch.randn(batch, 1)) for _ in range(steps)]
-    cfg = load_config(None, ["log.progress=false", "snapshot.every=10"])
-    return SafeTrainer(model, torch.optim.SGD(model.parameters(), lr=1e-3), cfg, loss_fn=F.mse_loss).fit(data)
+from tests.helpers.runs import flat_run
 
 
 @pytest.mark.parametrize("batch", [2, 4])

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from safetrain import Guard, SafeTrainer, load_config
-from tests.conftest import finite_params, regression_data
+from tests.helpers.models import finite_params, regression_data
 
 ROWS = 16
 

@@ -13,36 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from safetrain import Guard, load_config
+from tests.helpers.gan import d_loss, g_loss, gan_and_optimizers
 
 N = 10  # batches
-
-
-def _gan() -> tuple:
-    torch.manual_seed(0)
-    g = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
-    d = nn.Sequential(nn.Linear(2, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
-    gan = nn.ModuleDict({"g": g, "d": d})
-    betas = (0.5, 0.999)
-    opts = {
-        "d": torch.optim.Adam(d.parameters(), 1e-3, betas=betas),
-        "g": torch.optim.Adam(g.parameters(), 1e-3, betas=betas),
-    }
-    return gan, opts
-
-
-def d_loss(gan: nn.ModuleDict, real: torch.Tensor) -> torch.Tensor:
-    fake = gan["g"](torch.randn(len(real), 4)).detach()
-    ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
-    real_term = F.binary_cross_entropy_with_logits(gan["d"](real), ones)
-    return real_term + F.binary_cross_entropy_with_logits(gan["d"](fake), zeros)
-
-
-def g_loss(gan: nn.ModuleDict, real: torch.Tensor) -> torch.Tensor:
-    return F.binary_cross_entropy_with_logits(gan["d"](gan["g"](torch.randn(len(real), 4))), torch.ones(len(real), 1))
 
 
 def _data() -> list:
@@ -63,7 +39,7 @@ def _same(a: list, b: list) -> bool:
 
 
 def _plain(batches: list, record: bool = False) -> tuple:
-    gan, opts = _gan()
+    gan, opts = gan_and_optimizers()
     torch.manual_seed(5)
     states = [_state(gan, opts)]
     for real in batches:
@@ -84,7 +60,7 @@ def test_healthy_gan_under_one_guard_is_bitwise_the_plain_loop(tmp_path):
     """Fails before: the dict of optimizers had no ``param_groups`` (and ``name=`` did not exist)."""
     batches = _data()
     ref, ref_opts, _ = _plain(batches)
-    gan, opts = _gan()
+    gan, opts = gan_and_optimizers()
     with Guard(gan, opts, _cfg(tmp_path), step_fn={"d": d_loss, "g": g_loss}) as guard:
         torch.manual_seed(5)
         for real in batches:
@@ -100,7 +76,7 @@ def test_a_fault_in_either_step_restores_both_networks_and_optimizers_together(t
     and Adam(D) back to one snapshot's step, bitwise the plain loop's state at that step."""
     batches = _data()
     _, _, plain_states = _plain(batches, record=True)
-    gan, opts = _gan()
+    gan, opts = gan_and_optimizers()
     fault = {"on": False}
     target = gan["d"] if faulty == "d" else gan["g"]
     target[0].register_forward_hook(lambda m, a, out: out * float("nan") if fault["on"] else out)
@@ -122,7 +98,7 @@ def test_a_fault_in_either_step_restores_both_networks_and_optimizers_together(t
 
 
 def test_named_steps_are_checked(tmp_path):
-    gan, opts = _gan()
+    gan, opts = gan_and_optimizers()
     with pytest.raises(ValueError, match="not among the optimizers' names"):
         Guard(gan, opts, _cfg(tmp_path), step_fn={"disc": d_loss, "g": g_loss})
     with Guard(gan, opts, _cfg(tmp_path), step_fn={"d": d_loss, "g": g_loss}) as guard:

@@ -11,8 +11,8 @@ from safetrain import TrainingAborted, load_config
 from safetrain.guard import Guard, Phase
 from safetrain.policy import History, read_clean
 from safetrain.testing import OutputFault
-from tests.conftest import loader, mlp, regression_data
-from tests.integration.test_engine import BASE
+from tests.helpers.engine import BASE
+from tests.helpers.models import loader, mlp, regression_data
 
 
 def test_an_abort_leaves_the_guard_ready_and_flush_decides_nothing():

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from safetrain import ConfigError, RunHook, SafeTrainer, load_config
 from safetrain.testing import GradFault
-from tests.conftest import loader, mlp, regression_data
+from tests.helpers.models import loader, mlp, regression_data
 
 # A finite gradient outlier at the 6th backward is restored (no replay), and the two batches after
 # the restore are skipped: a run with a restore and skips, 32 decided steps.

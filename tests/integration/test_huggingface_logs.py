@@ -21,7 +21,7 @@ from transformers import Trainer, TrainerCallback  # noqa: E402
 from safetrain import TrainingAborted  # noqa: E402
 from safetrain.integrations.huggingface import SafeTrainingCallback  # noqa: E402
 from safetrain.testing import OutputFault  # noqa: E402
-from tests.integration.test_huggingface import QUIET, Tokens, args, gpt2, train  # noqa: E402
+from tests.helpers.huggingface import QUIET, Tokens, args, gpt2, train  # noqa: E402
 
 
 class Reporter(TrainerCallback):

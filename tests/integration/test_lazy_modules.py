@@ -20,8 +20,7 @@ import torch.nn.functional as F
 
 from safetrain import Guard, SafeTrainer, SafetrainError, load_config
 from safetrain.testing import GradFault
-
-from ..conftest import finite_params
+from tests.helpers.models import finite_params
 
 QUIET = ["log.progress=false", "snapshot.every=2"]
 

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from tests.integration.test_examples import run_example
+from tests.helpers.processes import run_example
 
 pytest.importorskip("lightning")
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from safetrain import SafeTrainer, load_config
-from tests.conftest import loader, mlp, regression_data
-from tests.integration.test_caller_steps import batches, caller_loop, make
+from tests.helpers.loops import batches, caller_loop, make
+from tests.helpers.models import loader, mlp, regression_data
 
 LR = 0.02
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from safetrain import SafeTrainer, load_config
 from safetrain.errors import TrainingAborted
-from tests.conftest import finite_params
+from tests.helpers.models import finite_params
 
 BASE = ["log.progress=false"]
 

@@ -14,7 +14,7 @@ from torch.utils.data.dataloader import default_collate
 
 from safetrain import SafeTrainer, load_config
 from safetrain.diagnose.quarantine import QuarantineSampler, read_quarantine
-from tests.conftest import finite_params, mlp, regression_data
+from tests.helpers.models import finite_params, mlp, regression_data
 
 LAZY = ["log.progress=false", "detect.mode=lazy", "snapshot.every=1000", "recovery.max_retries=9"]
 CORRUPT = 5  # the sample the collate_fn drops (its first feature is a marker)

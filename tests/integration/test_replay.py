@@ -12,12 +12,9 @@ from safetrain import SafeTrainer, load_config
 from safetrain.errors import TrainingAborted
 from safetrain.guard import Guard
 from safetrain.testing import OutputFault
-from tests.conftest import finite_params, loader, mlp, regression_data
+from tests.helpers.models import finite_params, loader, mlp, regression_data
 
 LAZY = ["log.progress=false", "detect.mode=lazy", "snapshot.every=1000", "recovery.max_retries=9"]
-
-#: Where the layer-naming test puts its model; ``tests/gpu`` runs it again with ``"cuda"``.
-DEVICE = "cpu"
 
 
 class CNN(torch.nn.Module):
@@ -69,10 +66,10 @@ def classification(shape, n=32, seed=0):
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_lazy_mode_names_the_poisoned_layer_by_replay(name):
+def test_lazy_mode_names_the_poisoned_layer_by_replay(name, device):
     factory, shape, target = MODELS[name]
     torch.manual_seed(0)
-    model = factory().to(DEVICE)
+    model = factory().to(device)
     OutputFault(model.get_submodule(target), calls=range(3, 10_000))  # deterministic from the 3rd call on
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     cfg = load_config(

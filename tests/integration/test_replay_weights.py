@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from safetrain import load_config
 from safetrain.guard import Guard
-from tests.conftest import finite_params, loader, regression_data
+from tests.helpers.models import finite_params, loader, regression_data
 
 BASE = ["log.progress=false", "snapshot.every=1000", "detect.check_weights_every=0"]
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from safetrain import SafeTrainer, load_config
 from safetrain.errors import TrainingAborted
 from safetrain.guard.returns import Returns, cause_of
-from tests.conftest import loader, mlp, regression_data
+from tests.helpers.models import loader, mlp, regression_data
 
 
 def test_a_one_cycle_schedule_whose_peak_is_too_high_never_ends_done_at_its_start():

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from safetrain import Guard
 from safetrain.testing import WeightFault
-from tests.conftest import loader, mlp, regression_data
+from tests.helpers.models import loader, mlp, regression_data
 
 
 def test_a_restore_to_the_start_judges_the_next_losses_against_the_start_not_the_trained_model():

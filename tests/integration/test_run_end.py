@@ -16,7 +16,7 @@ from safetrain import SafeTrainer, SafetrainError, load_config
 from safetrain.cli.report import format_report
 from safetrain.errors import TrainingAborted
 from safetrain.rundir import RunDirError, read_run
-from tests.conftest import mlp, regression_data
+from tests.helpers.models import mlp, regression_data
 
 
 def _fit(tmp_path, loader=None, *overrides, epochs=1, **kw):

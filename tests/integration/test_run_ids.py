@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from safetrain import Guard
 from safetrain.rundir.runlog import read_run
-from tests.conftest import loader as regression_loader
-from tests.conftest import mlp, regression_data
+from tests.helpers.models import loader as regression_loader
+from tests.helpers.models import mlp, regression_data
 
 
 def test_the_guards_state_carries_the_run_id_and_a_resume_adopts_it():
@@ -33,7 +33,7 @@ def test_the_guards_state_carries_the_run_id_and_a_resume_adopts_it():
 def test_lightning_runs_in_one_directory_are_told_apart_and_a_resume_is_the_same_run(tmp_path):
     pytest.importorskip("lightning")
     from safetrain.integrations.lightning import SafeTrainingCallback
-    from tests.integration.test_lightning import CFG, Net, loader, trainer
+    from tests.helpers.lightning import CFG, Net, loader, trainer
 
     cfg = {**CFG, "log": {"dir": str(tmp_path / "run"), "level": "WARNING"}}
     cb = SafeTrainingCallback(cfg)

@@ -16,7 +16,7 @@ from safetrain import SafeTrainer, load_config
 from safetrain.errors import SnapshotError
 from safetrain.rundir import read_run
 from safetrain.snapshot import SafetensorsStore, TrainState, list_snapshots
-from tests.conftest import mlp
+from tests.helpers.models import mlp
 
 
 def _batches(n: int, seed: int, bad=()):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from safetrain import Guard
-from tests.conftest import loader, mlp, regression_data
+from tests.helpers.models import loader, mlp, regression_data
 
 ROOT = Path(__file__).resolve().parents[2] / "safetrain"
 #: The drivers: each is its framework's adapter plus a few lines of ``Run`` and the verbs.

@@ -22,7 +22,7 @@ from safetrain.cli import main
 from safetrain.cli.report import format_report, reconcile
 from safetrain.rundir import ReportError, read_run
 from safetrain.rundir.records import MAX_STEP, METRICS_COLUMNS
-from tests.bounds import bounded
+from tests.helpers.bounds import bounded
 
 EVENTS = ["run_started", "anomaly", "restored", "snapshot", "lr_changed", "aborted", "quarantine", "run_ended"]
 SUMMARY_KEYS = ["steps", "restores", "dropped_rows", "events", "lr_scale", "final_loss", "aborted", "ended", "error"]

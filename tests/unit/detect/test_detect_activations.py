@@ -68,7 +68,8 @@ class Recurrent(nn.Module):
         return self.head(out[:, -1])
 
 
-def mlp() -> nn.Module:
+def relu_mlp() -> nn.Module:
+    """A 4-8-8-2 ReLU MLP (five modules to name; not the regression ``mlp`` of tests.helpers)."""
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
 
 
@@ -87,7 +88,7 @@ def cnn() -> nn.Module:
 
 
 MODELS = {
-    "mlp": (mlp, lambda: torch.randn(3, 4)),
+    "mlp": (relu_mlp, lambda: torch.randn(3, 4)),
     "cnn": (cnn, lambda: torch.randn(2, 3, 6, 6)),
     "transformer": (Encoder, lambda: torch.randn(2, 5, 8)),
     "lstm": (Recurrent, lambda: torch.randn(2, 5, 4)),
@@ -204,10 +205,10 @@ def test_nan_only_allows_legitimate_infinities():
 def test_passthrough_modules_are_skipped_only_when_asked():
     """A ReLU cannot make NaN/Inf from finite inputs; with ``skip_passthrough`` it carries no hook,
     and a fault forced into its output (only a test can do that) is first seen by the next module."""
-    model = mlp()
+    model = relu_mlp()
     model[1].register_forward_hook(inject(NAN))
     assert run(model, torch.randn(2, 4)).module == "1"
-    model = mlp()
+    model = relu_mlp()
     model[1].register_forward_hook(inject(NAN))
     assert run(model, torch.randn(2, 4), monitor=ActivationMonitor(model, skip_passthrough=True)).module == "2"
 
@@ -318,7 +319,7 @@ def test_healthy_forward_makes_no_host_sync():
 
 
 def test_hooks_are_removed_by_handle_exit_and_exception():
-    model = mlp()
+    model = relu_mlp()
     monitor = ActivationMonitor(model)
 
     def hook_count() -> int:
@@ -343,7 +344,7 @@ def test_hooks_are_removed_by_handle_exit_and_exception():
 
 
 def test_include_exclude_and_disabled():
-    model = mlp()
+    model = relu_mlp()
     assert ActivationMonitor(model, exclude=["0"]).names == ("1", "2", "3", "4")
     assert ActivationMonitor(model, exclude=["4"]).names == ("", "0", "1", "2", "3"), "the root covers '4' now"
     assert ActivationMonitor(model, exclude=["0"], skip_passthrough=True).names == ("2", "4")
@@ -368,7 +369,7 @@ def test_sequential_repeating_a_monitored_child_gets_no_hook():
 
 
 def test_order_is_recorded_once():
-    model = mlp()
+    model = relu_mlp()
     monitor = ActivationMonitor(model)
     with monitor.attach():
         model(torch.randn(2, 4))

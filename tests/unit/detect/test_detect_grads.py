@@ -10,13 +10,7 @@ from torch import nn
 
 from safetrain.detect import GradCheck, StepFlags, WeightCheck, fused_norms
 from safetrain.testing import count_host_syncs
-
-
-def model_with_grads(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-    model(torch.randn(5, 4)).pow(2).sum().backward()
-    return model
+from tests.helpers.models import model_with_grads
 
 
 def test_norms_match_torch_reference_without_sync():

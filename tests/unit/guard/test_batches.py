@@ -49,7 +49,7 @@ def test_the_guard_trains_on_the_moved_batch_and_does_not_move_a_skipped_one(mon
     import safetrain.guard.plumbing as guard_module
     from safetrain import load_config
     from safetrain.guard import Guard
-    from tests.conftest import loader, mlp, regression_data
+    from tests.helpers.models import loader, mlp, regression_data
 
     moved = []
 

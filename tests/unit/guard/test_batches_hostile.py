@@ -16,7 +16,7 @@ from safetrain.detect import scan_batch
 from safetrain.errors import BatchError
 from safetrain.guard import Guard
 from safetrain.guard.batches import batch_rows, compute_loss, row_findings, split_batch
-from tests.conftest import mlp
+from tests.helpers.models import mlp
 
 Pair = collections.namedtuple("Pair", "x y")
 

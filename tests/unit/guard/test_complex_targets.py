@@ -9,7 +9,7 @@ import torch
 
 from safetrain import load_config
 from safetrain.guard import Guard
-from tests.conftest import mlp
+from tests.helpers.models import mlp
 
 
 def complex_mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from safetrain import Guard, TrainingAborted
 from safetrain.guard import machine
 from safetrain.guard.machine import Phase, Verb
 from safetrain.testing import OutputFault
-from tests.conftest import loader, mlp, regression_data
+from tests.helpers.models import loader, mlp, regression_data
 
 CFG = {"snapshot": {"every": 3}, "detect": {"check_weights_every": 0}, "log": {"progress": False}}
 BATCHES = list(loader(regression_data(), shuffle=False))

@@ -16,6 +16,7 @@ from torch import nn
 from safetrain.errors import SnapshotError
 from safetrain.snapshot import SafetensorsStore, TrainState, inspect_snapshot, load_snapshot
 from safetrain.snapshot.fileformat import DTYPES
+from tests.helpers.snapshots import edit_mark, rechecksum, set_offsets, sharded_snapshot
 
 CODES = sorted(DTYPES.values())
 
@@ -186,7 +187,7 @@ def test_hostile_headers_are_read_or_refused_within_a_second(tmp_path_factory, h
     Fails before: a shape of 80,000 huge dimensions took tens of seconds; some sound-looking
     headers made torch raise (stride overflow) when the tensor was allocated."""
     from safetrain.snapshot.header import read_layout
-    from tests.bounds import bounded
+    from tests.helpers.bounds import bounded
 
     path = tmp_path_factory.mktemp("hdr") / "snapshot-0000000001.safetensors"
     raw = json.dumps(header).encode()
@@ -219,32 +220,28 @@ json_values = st.recursive(
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
-    from tests.unit.snapshot.test_snapshot_untrusted import _sharded
-
-    return _sharded(tmp_path_factory.mktemp("sharded"))
+    return sharded_snapshot(tmp_path_factory.mktemp("sharded"))
 
 
 def _damage_sharded(draw, snap) -> str:
     """One hostile edit of a copied sharded snapshot; returns what kind it was."""
-    from tests.unit.snapshot.test_snapshot_untrusted import _edit_mark, _rechecksum, _set_offsets
-
     kind = draw(st.sampled_from(["mark", "names", "rank", "offsets", "flip", "fifo", "link"]))
     if kind == "mark":
-        _edit_mark(
+        edit_mark(
             snap, **{draw(st.sampled_from(["counters", "created", "world", "run_id", "files"])): draw(json_values)}
         )
     elif kind == "names":
         files = json.loads((snap / "safetrain.json").read_text())["files"]
-        _edit_mark(snap, files={**files, draw(st.sampled_from(NAMES)): draw(st.text(max_size=8))})
+        edit_mark(snap, files={**files, draw(st.sampled_from(NAMES)): draw(st.text(max_size=8))})
     elif kind == "rank":
         path = snap / "rank-0.json"
         key = draw(st.sampled_from(["counters", "optimizer_type", "extra", "accepted", "scaler", "own", "created"]))
         path.write_text(json.dumps({**json.loads(path.read_text()), key: draw(json_values)}))
         if draw(st.booleans()):
-            _rechecksum(snap)
+            rechecksum(snap)
     elif kind == "offsets":
         offsets = draw(st.lists(st.integers(0, 8) | st.sampled_from(HUGE) | st.integers(-2, -1), max_size=3))
-        _set_offsets(snap, draw(st.sampled_from(["model/w", "model/b"])), offsets)
+        set_offsets(snap, draw(st.sampled_from(["model/w", "model/b"])), offsets)
     elif kind == "flip":
         file = draw(st.sampled_from(sorted(p for p in snap.iterdir() if p.name != "safetrain.json")))
         data = bytearray(file.read_bytes())
@@ -279,7 +276,7 @@ def test_hostile_sharded_marks_and_metadata_are_read_or_refused_within_a_second(
     from safetrain.distributed.export import export_model
     from safetrain.distributed.inspection import inspect_sharded
     from safetrain.snapshot import format_inspection
-    from tests.bounds import bounded
+    from tests.helpers.bounds import bounded
 
     root = tmp_path_factory.mktemp("case")
     snap = root / sharded.name

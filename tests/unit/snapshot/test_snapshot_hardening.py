@@ -21,7 +21,7 @@ from safetrain.snapshot import SafetensorsStore, TrainState, inspect_snapshot, l
 from safetrain.snapshot.checksums import blocksum64
 from safetrain.snapshot.fileformat import CHECKSUM_KEY, FileWriter, checksum, read_header
 from safetrain.trainer import SafeTrainer
-from tests.conftest import regression_data
+from tests.helpers.models import regression_data
 
 
 def _state(seed: int = 0) -> TrainState:

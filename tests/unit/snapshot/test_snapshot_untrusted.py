@@ -15,7 +15,6 @@ import json
 import os
 import threading
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,6 +26,7 @@ from safetrain.cli import main
 from safetrain.errors import SnapshotError
 from safetrain.snapshot import SafetensorsStore, TrainState, inspect_snapshot
 from safetrain.snapshot.header import MAX_DIMS, read_header, read_layout
+from tests.helpers.snapshots import edit_mark, rechecksum, set_offsets, sharded_snapshot
 
 
 def _cli(*argv: str) -> tuple:
@@ -159,55 +159,8 @@ def test_a_cli_error_quoting_a_file_is_escaped(monkeypatch):
 # --- sharded snapshots: made in one process (DCP without a process group) ---------------------------
 
 
-def _sharded(root: Path, step: int = 3, **mark: Any) -> Path:
-    """A complete one-rank sharded snapshot: model/w, model/b, an optimizer tensor; checksums recorded."""
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter, save
-
-    from safetrain.distributed.mark import write_mark
-    from safetrain.distributed.snapdir import rank_path, step_dir, write_json
-
-    snap = Path(step_dir(str(root), step))
-    snap.mkdir(parents=True)
-    meta = {"counters": {"step": step}, "created": 1.7e9, "run_id": "r1", "world": 1, "optim": {}, "own": {}}
-    write_json(rank_path(str(snap), 0), {**meta, "optimizer_type": "torch.optim.sgd.SGD"})
-    tensors = {"model/w": torch.randn(4, 3), "model/b": torch.zeros(4), "optim/w/momentum_buffer": torch.ones(4, 3)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        save(tensors, storage_writer=HuggingFaceStorageWriter(str(snap), save_distributed=True), no_dist=True)
-    write_mark(str(snap), meta, None, "r1")
-    if mark:
-        _edit_mark(snap, **mark)
-    return snap
-
-
-def _edit_mark(snap: Path, **changes: Any) -> None:
-    path = snap / "safetrain.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
-
-
-def _rechecksum(snap: Path) -> None:
-    """What a planter does after editing a file: record its new checksum in the mark."""
-    from safetrain.distributed.verify import checksum_files
-
-    _edit_mark(snap, files=checksum_files(str(snap), None))
-
-
-def _set_offsets(snap: Path, name: str, offsets: list) -> None:
-    shard = next(snap.glob("*.safetensors"))
-    data = shard.read_bytes()
-    n = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8 : 8 + n])
-    info = json.loads(header["__metadata__"]["DCP_SHARDING_INFO"])
-    info[name]["saved_offsets"] = offsets
-    header["__metadata__"]["DCP_SHARDING_INFO"] = json.dumps(info)
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    shard.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n :])
-    _rechecksum(snap)
-
-
 def test_a_sound_sharded_snapshot_inspects_and_exports(tmp_path):
-    snap = _sharded(tmp_path)
+    snap = sharded_snapshot(tmp_path)
     code, out, err = _cli("inspect", str(snap))
     assert code == 0 and "checksum   ok" in out and "finite     ok" in out, out + err
     assert _cli("export", str(snap), str(tmp_path / "m.safetensors"))[0] == 0
@@ -219,8 +172,8 @@ def test_sharding_offsets_past_the_bytes_present_are_refused_before_anything_is_
 
     Fails before: export wrote a 300 MB file and exited 0; inspect allocated 300 MB and said ok.
     """
-    snap = _sharded(tmp_path)
-    _set_offsets(snap, "model/w", [25_000_000, 0])  # 25,000,004 x 3 float32: 300 MB, from 48 bytes
+    snap = sharded_snapshot(tmp_path)
+    set_offsets(snap, "model/w", [25_000_000, 0])  # 25,000,004 x 3 float32: 300 MB, from 48 bytes
     out = tmp_path / "model.safetensors"
     start = time.perf_counter()
     code, _, err = _cli("export", str(snap), str(out))
@@ -236,8 +189,8 @@ def test_sharding_offsets_past_the_bytes_present_are_refused_before_anything_is_
     [([0], r"saved_offsets \[0\] is not 2 integer"), ([0, -1], "is not 2 integer"), (None, "is not 2 integer")],
 )
 def test_malformed_sharding_offsets_are_refused_by_name(tmp_path, offsets, why):
-    snap = _sharded(tmp_path)
-    _set_offsets(snap, "model/w", offsets)
+    snap = sharded_snapshot(tmp_path)
+    set_offsets(snap, "model/w", offsets)
     with pytest.raises(SnapshotError, match=why):
         from safetrain.distributed.inspection import inspect_sharded
 
@@ -255,10 +208,10 @@ def test_mark_names_outside_the_snapshot_are_refused_never_read(tmp_path):
 
     secret = tmp_path / "secret.json"
     secret.write_text('{"token": "guess"}')
-    snap = _sharded(tmp_path / "snaps")
+    snap = sharded_snapshot(tmp_path / "snaps")
     files = json.loads((snap / "safetrain.json").read_text())["files"]
     for name in ("../../secret.json", str(secret), "sub/../../../secret.json"):
-        _edit_mark(snap, files={**files, name: file_checksum(str(secret))})
+        edit_mark(snap, files={**files, name: file_checksum(str(secret))})
         with pytest.raises(SnapshotError, match="the completion mark lists .*not the name of a file in the snapshot"):
             inspect_sharded(str(snap))
 
@@ -273,9 +226,9 @@ def test_a_link_in_the_snapshot_is_not_followed(tmp_path):
 
     secret = tmp_path / "secret.json"
     secret.write_text("{}")
-    snap = _sharded(tmp_path / "snaps")
+    snap = sharded_snapshot(tmp_path / "snaps")
     (snap / "rank-1.json").symlink_to(secret)
-    _edit_mark(
+    edit_mark(
         snap,
         files={**json.loads((snap / "safetrain.json").read_text())["files"], "rank-1.json": file_checksum(str(secret))},
     )
@@ -284,7 +237,7 @@ def test_a_link_in_the_snapshot_is_not_followed(tmp_path):
     shard = next(snap.glob("*.safetensors"))
     shard.rename(tmp_path / "elsewhere.safetensors")
     shard.symlink_to(tmp_path / "elsewhere.safetensors")
-    _edit_mark(
+    edit_mark(
         snap,
         files={
             n: c for n, c in json.loads((snap / "safetrain.json").read_text())["files"].items() if n != "rank-1.json"
@@ -299,7 +252,7 @@ def test_a_fifo_in_place_of_a_snapshot_json_is_refused_without_blocking(tmp_path
 
     Fails before: inspect blocked (released by this test after 5 s).
     """
-    snap = _sharded(tmp_path)
+    snap = sharded_snapshot(tmp_path)
     fifo = snap / "rank-0.json"
     fifo.unlink()
     os.mkfifo(fifo)
@@ -312,13 +265,13 @@ def test_a_huge_created_time_is_a_clear_error(tmp_path):
 
     Fails before: OverflowError escaped from `safetrain inspect`.
     """
-    snap = _sharded(tmp_path, created=1e300)
+    snap = sharded_snapshot(tmp_path, created=1e300)
     code, _, err = _cli("inspect", str(snap))
     assert code == 2 and "created 1e+300 is not a date" in err, err
 
 
 def test_a_sharded_snapshot_prints_its_run_id_escaped(tmp_path):
-    snap = _sharded(tmp_path, run_id="r1\x1b[2J\x1b[32msnapshot OK")
+    snap = sharded_snapshot(tmp_path, run_id="r1\x1b[2J\x1b[32msnapshot OK")
     code, out, _ = _cli("inspect", str(snap))
     assert code == 0 and "\x1b" not in out and "run r1\\x1b[2J" in out, repr(out)
 
@@ -329,7 +282,7 @@ def test_a_resume_from_a_planted_sharded_snapshot_is_a_clear_error(tmp_path, mar
     snapshot is a CorruptSnapshotError, before anything is allocated or read."""
     from safetrain.distributed.loading import load_sharded
 
-    snap = _sharded(tmp_path, **mark)
+    snap = sharded_snapshot(tmp_path, **mark)
     with pytest.raises(SnapshotError, match="world|not the name of a file"):
         load_sharded(str(snap), object())
 
@@ -339,9 +292,9 @@ def test_a_rank_part_asking_for_a_tensor_its_shards_do_not_hold_is_refused_befor
     100 MB for a tensor no shard holds). Fails before: no check; the load went on (to the state)."""
     from safetrain.distributed.loading import load_sharded
 
-    snap = _sharded(tmp_path)
+    snap = sharded_snapshot(tmp_path)
     part = snap / "rank-0.json"
     part.write_text(json.dumps({**json.loads(part.read_text()), "own": {"rng": [[25_000_000], "torch.float32"]}}))
-    _rechecksum(snap)
+    rechecksum(snap)
     with pytest.raises(SnapshotError, match=r"own tensor 'rng' .* does not match the shards \(None\)"):
         load_sharded(str(snap), object())

@@ -17,8 +17,8 @@ from safetrain import load_config
 from safetrain.detect import HUGE_NORM
 from safetrain.guard import Guard
 from safetrain.testing import GradFault
-from tests.conftest import finite_params, loader, mlp, regression_data
-from tests.integration.test_engine import anomalies, fit
+from tests.helpers.engine import anomalies, fit
+from tests.helpers.models import finite_params, loader, mlp, regression_data
 
 FACTOR = 1e25  # gradient entries ~1e23..1e24: finite, their squares overflow float32
 

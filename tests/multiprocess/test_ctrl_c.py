@@ -19,13 +19,15 @@ from torch.utils.data import DataLoader
 from safetrain import SafetrainError, TrainingInterrupted, TrainingKeyboardInterrupt
 from safetrain.rundir import read_run
 from safetrain.snapshot import list_snapshots
-from tests.conftest import regression_data
-from tests.integration.test_preempt import SignalAt
-from tests.integration.test_preempt import _trainer as preempt_trainer
+from tests.helpers.models import regression_data
+from tests.helpers.signals import SignalAt, signal_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGINT") or os.name == "nt", reason="POSIX signals")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not hasattr(signal, "SIGINT") or os.name == "nt", reason="POSIX signals"),
+]
 
 # A user's script: trains (paced, so that the signal lands mid-run) and handles the interruption
 # the way its argument says, saving the model there as scripts do.
@@ -121,7 +123,7 @@ def _no_default_sigterm():
 
 
 def _trainer(tmp_path, *overrides):
-    return preempt_trainer(tmp_path, *overrides)[1]  # (the model is not needed here)
+    return signal_trainer(tmp_path, *overrides)[1]  # (the model is not needed here)
 
 
 def test_sigint_raises_a_keyboard_interrupt_that_every_handler_kind_catches(tmp_path):

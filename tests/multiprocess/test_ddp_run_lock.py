@@ -19,6 +19,8 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow
+
 TIMEOUT = 120  # the launch; the scenario takes a few seconds, a hang ~GROUP_TIMEOUT more
 GROUP_TIMEOUT = 30
 
@@ -29,7 +31,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
 
     from safetrain import SafeTrainer, load_config
     from safetrain.rundir import RunDirBusy
-    from tests.conftest import join_gloo_group
+    from tests.helpers.processes import join_gloo_group
 
     join_gloo_group(rank, world, tmp, GROUP_TIMEOUT)
     torch.manual_seed(0)
@@ -57,7 +59,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: Any) -> List[Dict[str, Any]]:
     from safetrain.rundir import lock_run_dir
-    from tests.conftest import run_two_ranks  # here, not in the ranks' processes
+    from tests.helpers.processes import run_two_ranks  # here, not in the ranks' processes
 
     tmp = tmp_path_factory.mktemp("busy")
     (tmp / "run").mkdir()

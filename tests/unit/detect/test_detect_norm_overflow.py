@@ -12,9 +12,9 @@ import math
 
 import pytest
 import torch
-from torch import nn
 
 from safetrain.detect import HUGE_NORM, GradCheck, StepFlags, true_norm, true_norms
+from tests.helpers.models import model_with_grads
 
 
 def reference(t: torch.Tensor) -> float:
@@ -58,13 +58,6 @@ def test_true_norms_works_out_only_the_non_finite_norms_again():
     tensors = [torch.full((4,), 1e20), torch.ones(4)]
     assert true_norms(tensors, [math.inf, 12.5]) == [pytest.approx(2e20, rel=1e-6), 12.5], "a finite norm is kept"
     assert true_norms(tensors) == [pytest.approx(2e20, rel=1e-6), 2.0]
-
-
-def model_with_grads(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-    model(torch.randn(5, 4)).pow(2).sum().backward()
-    return model
 
 
 def test_finite_gradients_whose_norm_overflows_are_grad_norm_with_the_true_norm():

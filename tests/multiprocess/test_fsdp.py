@@ -1,7 +1,7 @@
 """FSDP2 (``fully_shard``) on 2 gloo ranks: sharded gradients and parameters, one read, one decision.
 
 Issue #17 (first slice). The scenarios run once, in ONE subprocess that spawns 2 ranks (as
-tests/integration/test_ddp.py does); each test asserts on its part of the ranks' JSON results.
+tests/multiprocess/test_ddp.py does); each test asserts on its part of the ranks' JSON results.
 A fault is injected on rank 1 only. Parameters are compared as full tensors (every shard
 gathered), so "equal across ranks" means the ranks hold one consistent model.
 """
@@ -14,7 +14,10 @@ from typing import Any, Callable, Dict, List
 import pytest
 import torch
 
-from tests.fsdp_tools import full_digest, launch, spawn_ranks
+from tests.helpers.fsdp import full_digest, launch, spawn_ranks
+from tests.helpers.ranks import decisions, poisoned_batches
+
+pytestmark = pytest.mark.slow
 
 TIMEOUT = 150  # seconds for all scenarios together
 MARK = 1e31  # an input value that the Spike layer turns into +inf (the loss stays finite)
@@ -68,17 +71,6 @@ def _model() -> torch.nn.Module:
     return net
 
 
-def _batches(rank: int, n: int, poison: Callable[[int, torch.Tensor], None]) -> List[Any]:
-    g = torch.Generator().manual_seed(100 + rank)
-    out = []
-    for step in range(1, n + 1):
-        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
-        if rank == 1:
-            poison(step, x)
-        out.append((x, y))
-    return out
-
-
 def _full(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """Every parameter as its full tensor (a collective: every rank calls it)."""
     return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
@@ -117,7 +109,7 @@ def _run(
         )
         guard.begin_epoch(0)
         try:
-            for i, batch in enumerate(batches if batches is not None else _batches(rank, steps, poison)):
+            for i, batch in enumerate(batches if batches is not None else poisoned_batches(rank, steps, poison)):
                 before(i + 1, guard)
                 with count_host_syncs() as syncs:
                     result = guard.step(batch)
@@ -148,7 +140,9 @@ def _reference(steps: int, clip: float) -> Dict[str, torch.Tensor]:
         torch.nn.Linear(6, 1),
     )
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    for (x0, y0), (x1, y1) in zip(_batches(0, steps, lambda s, x: None), _batches(1, steps, lambda s, x: None)):
+    for (x0, y0), (x1, y1) in zip(
+        poisoned_batches(0, steps, lambda s, x: None), poisoned_batches(1, steps, lambda s, x: None)
+    ):
         opt.zero_grad()
         F.mse_loss(net(torch.cat([x0, x1])), torch.cat([y0, y1])).backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
@@ -229,7 +223,7 @@ def _spike(rank: int, tmp: str) -> Dict[str, Any]:
     def poison(step: int, x: torch.Tensor) -> None:
         pass
 
-    batches = _batches(rank, 9, poison)
+    batches = poisoned_batches(rank, 9, poison)
 
     def before(step: int, guard: Any) -> None:
         if step == 7 and rank == 1:
@@ -309,13 +303,9 @@ def ranks(tmp_path_factory: Any) -> List[Dict[str, Any]]:
     return launch(__file__, tmp, "scenarios", TIMEOUT, "the 2-rank FSDP2 run")
 
 
-def _decisions(run: Dict[str, Any]) -> List[Any]:
-    return [s[:3] for s in run["steps"]]
-
-
 def test_a_healthy_fsdp2_run_trains_with_one_host_sync_per_step_and_one_model(ranks):
     r0, r1 = ranks[0]["healthy"], ranks[1]["healthy"]
-    assert _decisions(r0) == _decisions(r1) and all(s[1] and not s[2] for s in r0["steps"]), r0["steps"]
+    assert decisions(r0) == decisions(r1) and all(s[1] and not s[2] for s in r0["steps"]), r0["steps"]
     for run in (r0, r1):
         healthy = [s[3] for s in run["steps"][1:] if not s[4]]  # step 1 takes the first snapshot
         assert len(healthy) >= 4 and set(healthy) == {1}, run["steps"]
@@ -328,7 +318,7 @@ def test_a_healthy_fsdp2_run_trains_with_one_host_sync_per_step_and_one_model(ra
 
 def test_faults_on_one_rank_are_detected_on_both_at_the_same_step_with_the_same_action(ranks):
     r0, r1 = ranks[0]["faults"], ranks[1]["faults"]
-    assert _decisions(r0) == _decisions(r1), (r0["steps"], r1["steps"])
+    assert decisions(r0) == decisions(r1), (r0["steps"], r1["steps"])
     assert [s[2] for s in r0["steps"]] == ["", "", "skip_batch", "", "skip_batch", "", "zero_grads", "", ""]
     for run in (r0, r1):
         assert [a[:3] for a in run["anomalies"]] == [
@@ -346,7 +336,7 @@ def test_faults_on_one_rank_are_detected_on_both_at_the_same_step_with_the_same_
 
 def test_a_restore_from_memory_snapshots_puts_every_rank_back_in_place(ranks):
     r0, r1 = ranks[0]["restore"], ranks[1]["restore"]
-    assert _decisions(r0) == _decisions(r1)
+    assert decisions(r0) == decisions(r1)
     assert r0["steps"][7][2] == "restore", r0["steps"]
     assert r0["restored"] == r1["restored"] and len(r0["restored"]) == 1, r0["restored"]
     assert r0["final_restore"] == r1["final_restore"] and r0["same_after_restore"] and r1["same_after_restore"]
@@ -359,7 +349,7 @@ def test_weights_poisoned_in_one_ranks_shard_restore_every_rank_at_that_step(ran
     the snapshot of step 3 (``recovery.actions.weights: restore``)."""
     for how in ("forward", "periodic"):
         r0, r1 = ranks[0]["poisoned"][how], ranks[1]["poisoned"][how]
-        assert _decisions(r0) == _decisions(r1), (how, r0["steps"], r1["steps"])
+        assert decisions(r0) == decisions(r1), (how, r0["steps"], r1["steps"])
         assert [s[2] for s in r0["steps"]] == ["", "", "", "", "", "restore", "", "", ""], (how, r0["steps"])
         for run in (r0, r1):
             assert [a[:3] for a in run["anomalies"]] == [[6, "weights", "restore"]], (how, run["anomalies"])
@@ -375,7 +365,7 @@ def test_a_loss_spike_on_one_rank_is_skipped_by_every_rank_at_that_step(ranks):
     """Issue #17 acceptance: rank 1's targets x1e4 at step 7; the loss is the mean over ranks, so
     both see the same ~1e7 loss against 6 healthy ones (``guard.spike.hard_ratio``) and skip it."""
     r0, r1 = ranks[0]["spike"], ranks[1]["spike"]
-    assert _decisions(r0) == _decisions(r1), (r0["steps"], r1["steps"])
+    assert decisions(r0) == decisions(r1), (r0["steps"], r1["steps"])
     assert [s[2] for s in r0["steps"]] == ["", "", "", "", "", "", "skip_batch", "", ""], r0["steps"]
     assert r0["steps"][6][5] == r1["steps"][6][5] > 1e5, r0["steps"][6]
     for run in (r0, r1):
@@ -388,7 +378,7 @@ def test_what_safetrain_cannot_protect_is_refused_at_construction(ranks):
     said = ranks[0]["refused"]
     assert "tensor parallel" in said["tensor_parallel"] and "FSDP2" in said["tensor_parallel"], said
     assert "not to the root module" in said["root_not_sharded"], said
-    # Since the second slice a safetensors store under FSDP2 writes sharded snapshots (test_fsdp_resume.py):
+    # Since the second slice a safetensors store under FSDP2 writes sharded snapshots (test_fsdp_snapshots.py):
     # it is built without error, and resuming a directory without a sharded snapshot names what is missing.
     assert said["safetensors"] == "", said
     assert "no complete sharded snapshot" in said["resume"], said

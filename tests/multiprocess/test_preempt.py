@@ -11,18 +11,21 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from safetrain import SafeTrainer, TrainingInterrupted, load_config
+from safetrain import TrainingInterrupted, load_config
 from safetrain.rundir import read_run
 from safetrain.snapshot import list_snapshots
-from tests.conftest import mlp, regression_data
+from tests.helpers.models import regression_data
+from tests.helpers.signals import SignalAt, signal_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "requeue.py"
 
-pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGTERM") or os.name == "nt", reason="POSIX signals")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not hasattr(signal, "SIGTERM") or os.name == "nt", reason="POSIX signals"),
+]
 
 
 def _env() -> dict:
@@ -86,26 +89,6 @@ def test_sigterm_in_a_subprocess_stops_within_a_step_and_auto_resume_ends_bitwis
         assert torch.equal(a[k], b[k]), f"{k} differs from the uninterrupted run"
 
 
-class SignalAt:
-    """Yields a loader's batches and sends this process ``sig`` before batch ``at`` (0-based).
-
-    ``fit`` pulls a fresh run's first three batches before its first step (to measure the start,
-    ``Guard.measure_start``): from ``at`` = 3 on, the signal comes during step ``at + 1``."""
-
-    def __init__(self, loader, at, sig=signal.SIGTERM, times=1):
-        self.loader, self.at, self.sig, self.times = loader, at, sig, times
-
-    def __len__(self):
-        return len(self.loader)
-
-    def __iter__(self):
-        for i, batch in enumerate(self.loader):
-            if i == self.at:
-                for _ in range(self.times):
-                    os.kill(os.getpid(), self.sig)
-            yield batch
-
-
 @pytest.fixture(autouse=True)
 def _no_default_sigterm():
     """A recording SIGTERM handler around each test: were fit's handler missing, the signal would
@@ -116,20 +99,11 @@ def _no_default_sigterm():
     signal.signal(signal.SIGTERM, old)
 
 
-def _trainer(tmp_path, *overrides):
-    model = mlp()
-    cfg = load_config(
-        None,
-        ["log.progress=false", "snapshot.store=safetensors", "snapshot.every=100", f"log.dir={tmp_path}", *overrides],
-    )
-    return model, SafeTrainer(model, torch.optim.SGD(model.parameters(), lr=0.01), cfg, loss_fn=F.mse_loss)
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_stops_after_the_step_snapshots_and_restores_the_handlers(tmp_path, sig):
     """Fails before: SIGTERM killed the process (no snapshot, no journal end); SIGINT ended 'done'."""
     loader = DataLoader(regression_data(64), batch_size=8)
-    model, trainer = _trainer(tmp_path)
+    model, trainer = signal_trainer(tmp_path)
     previous = signal.getsignal(sig)
     with pytest.raises(TrainingInterrupted, match=signal.Signals(sig).name) as info:
         trainer.fit(SignalAt(loader, 3, sig), epochs=2)
@@ -144,17 +118,17 @@ def test_a_signal_stops_after_the_step_snapshots_and_restores_the_handlers(tmp_p
 def test_on_signal_return_returns_the_result_and_signals_off_lets_sigterm_through(tmp_path, _no_default_sigterm):
     _no_default_sigterm_got = _no_default_sigterm
     loader = DataLoader(regression_data(64), batch_size=8)
-    _, trainer = _trainer(tmp_path, "log.on_signal=return")
+    _, trainer = signal_trainer(tmp_path, "log.on_signal=return")
     result = trainer.fit(SignalAt(loader, 3), epochs=1)
     assert result.ended == "interrupted" and result.steps == 4
-    _, trainer = _trainer(tmp_path / "b", "log.signals=off")
+    _, trainer = signal_trainer(tmp_path / "b", "log.signals=off")
     result = trainer.fit(SignalAt(loader, 2), epochs=1)
     assert _no_default_sigterm_got == [signal.SIGTERM] and result.ended == "done" and result.steps == 8
 
 
 def test_a_second_signal_stops_at_once(tmp_path):
     loader = DataLoader(regression_data(64), batch_size=8)
-    _, trainer = _trainer(tmp_path)
+    _, trainer = signal_trainer(tmp_path)
     with pytest.raises(TrainingInterrupted, match="again"):
         trainer.fit(SignalAt(loader, 2, times=2), epochs=1)
     assert read_run(tmp_path).events[-1]["action"] == "interrupted"
@@ -162,10 +136,10 @@ def test_a_second_signal_stops_at_once(tmp_path):
 
 def test_resume_auto_starts_fresh_without_a_snapshot_and_resumes_with_one(tmp_path):
     loader = DataLoader(regression_data(64), batch_size=8)
-    _, trainer = _trainer(tmp_path)
+    _, trainer = signal_trainer(tmp_path)
     with pytest.raises(TrainingInterrupted):
         trainer.fit(SignalAt(loader, 3), epochs=1, resume="auto")  # nothing there: a fresh start
-    _, trainer = _trainer(tmp_path)
+    _, trainer = signal_trainer(tmp_path)
     result = trainer.fit(loader, epochs=1, resume="auto")
     assert result.steps == 8 and result.ended == "done"
     started = [e for e in read_run(tmp_path).events if e["event"] == "run_started"]
@@ -176,7 +150,7 @@ def test_signal_handlers_are_left_alone_off_the_main_thread(tmp_path):
     import threading
 
     loader = DataLoader(regression_data(32), batch_size=8)
-    _, trainer = _trainer(tmp_path)
+    _, trainer = signal_trainer(tmp_path)
     out, before = {}, signal.getsignal(signal.SIGTERM)
     t = threading.Thread(target=lambda: out.setdefault("r", trainer.fit(loader, epochs=1)))
     t.start()

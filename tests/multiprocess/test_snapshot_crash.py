@@ -17,10 +17,13 @@ import sys
 import textwrap
 import time
 
+import pytest
 import torch
 from torch import nn
 
 from safetrain.snapshot import TrainState, inspect_snapshot, list_snapshots, load_snapshot
+
+pytestmark = pytest.mark.slow
 
 KILLS = 20
 

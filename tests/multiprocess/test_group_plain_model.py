@@ -23,6 +23,8 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow
+
 TIMEOUT = 180  # the whole launch; the scenarios take ~15 s, a hang in the group ~2 x GROUP_TIMEOUT
 GROUP_TIMEOUT = 20  # seconds a collective waits before it fails (a hang turns into an error)
 BAD = 5
@@ -86,7 +88,7 @@ def _train_alone(phase: str, tmp: str) -> Dict[str, Any]:
 def _worker(rank: int, world: int, tmp: str) -> None:
     import torch.distributed as dist
 
-    from tests.conftest import join_gloo_group
+    from tests.helpers.processes import join_gloo_group
 
     join_gloo_group(rank, world, tmp, GROUP_TIMEOUT)
     out: Dict[str, Any] = {}
@@ -110,7 +112,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: Any) -> List[Dict[str, Any]]:
-    from tests.conftest import run_two_ranks  # here, not in the ranks' processes
+    from tests.helpers.processes import run_two_ranks  # here, not in the ranks' processes
 
     tmp = tmp_path_factory.mktemp("plain")
     run_two_ranks(__file__, tmp, TIMEOUT, "the plain model in a 2-rank group")

@@ -9,7 +9,7 @@ float64 and "the same" is equality, not a tolerance: float rounding, the one dif
 rules allow, cannot blur the test. (The spreads are kept well above float32 resolution after the
 shift, ``1e-6 x |loss|``, the floor the rules put on a spread: a converged curve around 1e-4
 shifted by 100 would be below what a float32 loss can even hold.) ``a`` = 0.01 and 100 are exercised end to end in
-tests/integration/test_invariance.py.
+tests/integration/test_fit_loss_invariance.py.
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ the everyday case of an offset loss: "Negative loss values for GaussianNLLLoss"
 from __future__ import annotations
 
 import math
-import types
 from typing import List, Tuple
 
 import pytest
@@ -20,11 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from safetrain import SafeTrainer, TrainingAborted, load_config
-from tests.conftest import loader
-from tests.contract import test_outcome_promise as promise
-from tests.contract.test_outcome_promise import Fault
-from tests.integration.test_divergence import BASE, unscaled_regression
-from tests.integration.test_false_alarms import flat_run
+from tests.helpers import outcome
+from tests.helpers.models import loader, unscaled_regression
+from tests.helpers.outcome import Fault
+from tests.helpers.runs import flat_run
+
+BASE = ["log.progress=false"]  # test_divergence.py's
 
 
 def decisions(ended: str, journal: List[str]) -> Tuple[str, List[str]]:
@@ -34,11 +34,9 @@ def decisions(ended: str, journal: List[str]) -> Tuple[str, List[str]]:
     ]
 
 
-def promise_run(optimizer: str, steps: int, faults: List[Fault], offset: float, scale: float, monkeypatch):
+def promise_run(optimizer: str, steps: int, faults: List[Fault], offset: float, scale: float):
     """tests/contract's run with its loss (``F.mse_loss``) replaced by ``scale * mse + offset``."""
-    shim = types.SimpleNamespace(mse_loss=lambda out, y: scale * F.mse_loss(out, y) + offset)
-    monkeypatch.setattr(promise, "F", shim)
-    ended, _, _, _, journal = promise.run(optimizer, steps, faults)
+    ended, _, _, _, journal = outcome.run(optimizer, steps, faults, lambda out, y: scale * F.mse_loss(out, y) + offset)
     return decisions(ended, journal[:-1])
 
 
@@ -58,15 +56,15 @@ SCENARIOS = [
 
 
 @pytest.mark.parametrize("optimizer,steps,faults", SCENARIOS)
-def test_fault_scenarios_decide_the_same_for_a_shifted_or_scaled_loss(optimizer, steps, faults, monkeypatch):
-    base = promise_run(optimizer, steps, faults, 0.0, 1.0, monkeypatch)
+def test_fault_scenarios_decide_the_same_for_a_shifted_or_scaled_loss(optimizer, steps, faults):
+    base = promise_run(optimizer, steps, faults, 0.0, 1.0)
     # a x loss under Adam: not under an LR left x1000, where eps (1e-8) against 100x smaller
     # gradients changes the trajectory itself (301 vs 300.2 at step 9, 34 vs 0.76 at step 15); the
-    # decisions on a recorded sequence are covered by tests/unit/test_invariance.py
+    # decisions on a recorded sequence are covered by tests/unit/stats/test_judgment_invariance.py
     scaled = optimizer == "adam" and not any(f.kind == "lr" and f.persistent for f in faults)
     moved = [(100.0, 1.0), (-100.0, 1.0)] + ([(0.0, 0.01), (0.0, 100.0)] if scaled else [])
     for offset, scale in moved:
-        assert promise_run(optimizer, steps, faults, offset, scale, monkeypatch) == base, (offset, scale, base)
+        assert promise_run(optimizer, steps, faults, offset, scale) == base, (offset, scale, base)
 
 
 def diverging(offset: float):
@@ -93,9 +91,12 @@ def test_divergence_from_the_first_steps_decides_the_same_for_a_shifted_loss(off
 
 
 @pytest.mark.parametrize("offset", [-100.0, -1.0])
-def test_a_flat_noisy_run_with_a_negative_loss_finishes_without_an_anomaly(offset, monkeypatch):
+def test_a_flat_noisy_run_with_a_negative_loss_finishes_without_an_anomaly(offset):
     """test_false_alarms' flat, noisy run (pure-noise targets), its MSE shifted below zero."""
-    monkeypatch.setattr(F, "mse_loss", lambda out, y, _mse=F.mse_loss: _mse(out, y) + offset)
+
+    def shifted(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out, y) + offset
+
     for seed in range(5):
-        result = flat_run(seed, batch=4)  # raises TrainingAborted on a false alarm
+        result = flat_run(seed, batch=4, loss_fn=shifted)  # raises TrainingAborted on a false alarm
         assert result.ended == "done" and [e for e in result.events if e.name == "anomaly"] == [], seed

@@ -1,8 +1,11 @@
 """The Lightning callback under ``Trainer(accelerator="cpu", devices=2, strategy="ddp")``, launched
-as a user launches it (issue #25): this file is also the script; ``python this_file TMP SCENARIO``
-runs ``trainer.fit`` and Lightning's own launcher starts rank 1 by running it again. A fault is
-injected on rank 1 only. Each launch is one subprocess session killed on a timeout, so a hang
-fails the test instead of blocking CI; each rank writes what it saw to ``TMP/SCENARIO-rank{r}.json``.
+as a user launches it (issue #25): this file is also the script; ``python this_file TMP S1,S2,...``
+runs ``trainer.fit`` for each scenario in turn (one ``Trainer`` each, as a script that fits twice)
+and Lightning's own launcher starts rank 1 by running it again. A fault is injected on rank 1 only.
+Each launch is one subprocess session killed on a timeout, so a hang fails the test instead of
+blocking CI; each rank writes what it saw to ``TMP/HOME/SCENARIO-rank{r}.json``, HOME being the
+scenario's own directory (a resume's is the run it resumes). The four ``ddp`` scenarios that start
+a run share one launch: the launch, not the 8 steps, is what costs (~10-20 s on a shared CPU).
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
-TIMEOUT = 90  # seconds for one 2-rank launch; each takes ~10-20 s on a shared CPU
+TIMEOUT = 90  # seconds per scenario of a 2-rank launch; each takes ~10-20 s on a shared CPU
 FAULT_STEP = 4
 CFG: Dict[str, Any] = {"snapshot": {"every": 3}, "detect": {"check_weights_every": 0}, "log": {"level": "WARNING"}}
 
@@ -86,13 +91,27 @@ def _loader() -> Any:
     return DataLoader(TensorDataset(x, x.sum(1, keepdim=True) / 2), batch_size=8, shuffle=False)
 
 
-def _digest(model: torch.nn.Module) -> str:
+def _full_digest(model: torch.nn.Module) -> str:
     flat = torch.cat([_full(p.detach()).reshape(-1) for p in model.parameters()])
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
 
 
-def main(tmp: str, scenario: str) -> None:
-    """One rank's run of ``scenario`` (rank 0 is this process; Lightning starts rank 1)."""
+def _home(scenario: str) -> str:
+    """The directory of ``scenario`` under a launch's root: a resume's is the run it resumes."""
+    return {"resume": "first", "fsdp_resume": "fsdp_first"}.get(scenario, scenario)
+
+
+def main(root: str, scenarios: str) -> None:
+    """One rank's runs of the comma-separated ``scenarios``, in order (rank 0 is this process;
+    Lightning starts rank 1 at the first ``fit`` and reuses it for the others)."""
+    for scenario in scenarios.split(","):
+        tmp = os.path.join(root, _home(scenario))
+        os.makedirs(tmp, exist_ok=True)
+        _run(tmp, scenario)
+
+
+def _run(tmp: str, scenario: str) -> None:
+    """One rank's run of ``scenario`` in ``tmp``."""
 
     from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.strategies import ModelParallelStrategy
@@ -158,12 +177,12 @@ def main(tmp: str, scenario: str) -> None:
         trainer.save_checkpoint(f"{tmp}/{scenario}.ckpt")  # every rank calls (FSDP2: each writes its shards)
     if scenario == "spawn":  # the guard lived in the spawned ranks; the main process has the journal
         with open(os.path.join(tmp, "spawn-rank0.json"), "w") as f:
-            json.dump({"guard": cb.guard is None, "digest": _digest(model), "finite": True}, f)
+            json.dump({"guard": cb.guard is None, "digest": _full_digest(model), "finite": True}, f)
         with open(os.path.join(tmp, "spawn-rank1.json"), "w") as f:
             json.dump({}, f)
         return
     out["end"] = vars(cb.guard.counts)
-    out["digest"], out["finite"] = _digest(model), all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    out["digest"], out["finite"] = _full_digest(model), all(bool(torch.isfinite(p).all()) for p in model.parameters())
     out["ended"] = cb.result.ended if cb.result is not None else None
     with open(os.path.join(tmp, f"{scenario}-rank{rank}.json"), "w") as f:
         json.dump(out, f)
@@ -172,23 +191,25 @@ def main(tmp: str, scenario: str) -> None:
 # ----------------------------------------------------------------------------- the test's side
 
 
-def launch(tmp: Path, scenario: str, timeout: float = TIMEOUT) -> List[Dict[str, Any]]:
-    """Run ``scenario`` on 2 ranks as a user would (``python script``; Lightning launches rank 1),
-    in its own session killed on the timeout; the ranks' results in rank order."""
-    from tests.conftest import run_session  # here, not in the ranks' processes
+def launch(root: Path, *scenarios: str) -> Dict[str, List[Dict[str, Any]]]:
+    """Run ``scenarios`` in turn on 2 ranks as a user would (``python script``; Lightning launches
+    rank 1), in one session killed on the timeout; each scenario's results in rank order."""
+    from tests.helpers.processes import run_session  # here, not in the ranks' processes
 
     log = run_session(
-        [sys.executable, __file__, str(tmp), scenario],
-        timeout,
-        f"the 2-rank Lightning run {scenario!r}",
+        [sys.executable, __file__, str(root), ",".join(scenarios)],
+        TIMEOUT * len(scenarios),
+        f"the 2-rank Lightning run {scenarios}",
         env={"PL_DISABLE_FORK": "1"},
         drop=("LOCAL_RANK", "WORLD_SIZE", "RANK", "NODE_RANK"),  # Lightning launches rank 1 itself
     )
-    results = []
-    for r in range(2):
-        f = tmp / f"{scenario}-rank{r}.json"
-        assert f.exists(), f"rank {r} wrote no result:\n{log[-4000:]}"
-        results.append(json.loads(f.read_text()))
+    results = {}
+    for scenario in scenarios:
+        results[scenario] = []
+        for r in range(2):
+            f = root / _home(scenario) / f"{scenario}-rank{r}.json"
+            assert f.exists(), f"rank {r} wrote no result for {scenario!r}:\n{log[-4000:]}"
+            results[scenario].append(json.loads(f.read_text()))
     return results
 
 
@@ -202,9 +223,16 @@ def anomalies(run_dir: Path, rank: int = 0) -> List[Dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def first(tmp_path_factory: Any) -> Any:
-    tmp = tmp_path_factory.mktemp("first")
-    return tmp, launch(tmp, "first")
+def ddp_runs(tmp_path_factory: Any) -> Any:
+    """One launch of the ``ddp`` scenarios that start a run (the abort last: it ends the run)."""
+    root = tmp_path_factory.mktemp("ddp")
+    return root, launch(root, "first", "weight", "output", "abort")
+
+
+@pytest.fixture
+def first(ddp_runs: Any) -> Any:
+    root, runs = ddp_runs
+    return root / "first", runs["first"]
 
 
 def test_a_nan_forward_on_rank_1_is_retried_on_both_ranks_at_that_step(first):
@@ -225,7 +253,7 @@ def test_a_nan_forward_on_rank_1_is_retried_on_both_ranks_at_that_step(first):
 
 def test_resume_from_lightnings_checkpoint_in_a_new_launch_restores_the_guard_on_every_rank(first):
     tmp, _ = first
-    r0, r1 = launch(tmp, "resume")
+    r0, r1 = launch(tmp.parent, "resume")["resume"]
     for r in (r0, r1):
         assert r["start"]["steps"] == 8 and r["start"]["retries"] == 1, r["start"]
         assert r["end"]["steps"] == 12 and r["end"]["retries"] == 1 and r["ended"] == "done", r["end"]
@@ -234,36 +262,38 @@ def test_resume_from_lightnings_checkpoint_in_a_new_launch_restores_the_guard_on
     assert [e["action"] for e in started] == ["start", "resume"], started
 
 
-def test_a_nan_weight_on_rank_1_is_restored_on_both_ranks_bitwise_equal(tmp_path):
+def test_a_nan_weight_on_rank_1_is_restored_on_both_ranks_bitwise_equal(ddp_runs):
     """After step 5's update a weight entry of rank 1 turns NaN (a bit flip on one replica): step 6
     trips on rank 1 only; both ranks restore the last good snapshot and end equal and finite."""
-    r0, r1 = launch(tmp_path, "weight")
+    root, runs = ddp_runs
+    tmp, (r0, r1) = root / "weight", runs["weight"]
     assert r0["digest"] == r1["digest"] and r0["finite"] and r1["finite"], "parameters differ across ranks"
     assert r0["end"] == r1["end"] and r0["end"]["restores"] == 1 and r0["ended"] == "done", r0["end"]
-    (found,) = anomalies(tmp_path / "run")
+    (found,) = anomalies(tmp / "run")
     assert (found["kind"], found["step"], found["action"]) == ("weights", 6, "restore"), found
     finding = found["detail"]["finding"]
     assert finding["ranks"] == [1] and finding["nonfinite"] == ["module.head.weight"], finding
 
 
-def test_a_persistent_fault_on_rank_1_aborts_both_ranks_at_the_same_step_without_a_hang(tmp_path):
-    r0, r1 = launch(tmp_path, "abort")  # the launch's timeout: a rank left waiting fails the test
+def test_a_persistent_fault_on_rank_1_aborts_both_ranks_at_the_same_step_without_a_hang(ddp_runs):
+    root, runs = ddp_runs  # the launch's timeout: a rank left waiting fails the test
+    tmp, (r0, r1) = root / "abort", runs["abort"]
     assert r0["aborted_at"] is not None and r0["aborted_at"] == r1["aborted_at"], (r0, r1)
     assert r0["finite"] and r0["digest"] == r1["digest"], "not both at the last good snapshot"
     assert "forward" in r0["abort_message"]
-    ended = [e for e in journal(tmp_path / "run") if e["event"] == "run_ended"]
+    ended = [e for e in journal(tmp / "run") if e["event"] == "run_ended"]
     assert ended and ended[-1]["action"] == "aborted", ended
 
 
-def test_csv_logger_keeps_its_metrics_file_and_gets_the_lr_and_the_counters(tmp_path):
+def test_csv_logger_keeps_its_metrics_file_and_gets_the_lr_and_the_counters(ddp_runs):
     """docs/lightning.md's snippet with Lightning's CSV logger (no tensorboard installed): the callback's
     journal and metrics go to ``<log_dir>/safetrain/``, Lightning's ``metrics.csv`` stays Lightning's
     alone, carries the LR in force and the intervention counters, and ``safetrain report`` reads
     the run from the logger's directory."""
     from safetrain.rundir.runlog import read_run
 
-    launch(tmp_path, "output")
-    version = tmp_path / "lightning_logs" / "version_0"
+    root, _ = ddp_runs
+    version = root / "output" / "lightning_logs" / "version_0"
     rows = list(csv.DictReader((version / "metrics.csv").open()))
     assert rows and all(set(r) == set(rows[0]) for r in rows)
     assert "step" in rows[0] and "loss" not in rows[0], "safetrain's own rows are in Lightning's file"
@@ -280,19 +310,20 @@ def test_ddp_spawn_agrees_like_ddp_and_the_callback_pickles_without_its_config_m
     """``strategy="ddp_spawn"`` pickles the callback into each spawned rank (the validated config's
     read-only mappings did not pickle); the ranks agree as under ``ddp``; the journal is the record
     (the guard and its result live in the spawned processes)."""
-    r0, _ = launch(tmp_path, "spawn")
+    r0, _ = launch(tmp_path, "spawn")["spawn"]
+    tmp = tmp_path / "spawn"
     assert r0["guard"], "the main process's callback never built a guard"
-    (found,) = anomalies(tmp_path / "run")
+    (found,) = anomalies(tmp / "run")
     assert (found["kind"], found["step"], found["action"]) == ("forward", FAULT_STEP, "retry"), found
     assert found["detail"]["ranks"] == {"forward": [1]}
-    ended = [e for e in journal(tmp_path / "run") if e["event"] == "run_ended"]
-    assert [e["action"] for e in ended] == ["done"] and anomalies(tmp_path / "run", rank=1)
+    ended = [e for e in journal(tmp / "run") if e["event"] == "run_ended"]
+    assert [e["action"] for e in ended] == ["done"] and anomalies(tmp / "run", rank=1)
 
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory: Any) -> Any:
-    tmp = tmp_path_factory.mktemp("fsdp")
-    return tmp, launch(tmp, "fsdp_first")
+    root = tmp_path_factory.mktemp("fsdp")
+    return root / "fsdp_first", launch(root, "fsdp_first")["fsdp_first"]
 
 
 def test_fsdp2_through_model_parallel_strategy_agrees_on_a_forward_and_a_weight_fault(sharded):
@@ -318,7 +349,7 @@ def test_fsdp2_through_model_parallel_strategy_agrees_on_a_forward_and_a_weight_
 
 def test_fsdp2_resume_from_lightnings_distributed_checkpoint_restores_the_guard_on_every_rank(sharded):
     tmp, (first0, _) = sharded
-    r0, r1 = launch(tmp, "fsdp_resume")
+    r0, r1 = launch(tmp.parent, "fsdp_resume")["fsdp_resume"]
     for r in (r0, r1):
         assert r["start"] == {**first0["end"]}, (r["start"], first0["end"])
         assert r["end"]["steps"] == 12 and r["end"]["restores"] == 1 and r["ended"] == "done", r["end"]

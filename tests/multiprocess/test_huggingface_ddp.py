@@ -11,7 +11,6 @@ are NaN (e.g. https://discuss.huggingface.co/t/nan-loss-when-training-with-multi
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -21,6 +20,10 @@ from typing import Any, Dict, List
 
 import pytest
 import torch
+
+from tests.helpers.ranks import digest
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 150  # seconds per launch; a launch takes ~20-40 s on 2 shared cores
@@ -52,11 +55,6 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "attention_mask": torch.ones_like(self.ids[i]), "labels": self.ids[i]}
 
 
-def _digest(model: torch.nn.Module) -> str:
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
-
-
 def _train(
     out: Path, steps: int, cfg: Dict[str, Any], fault: Any = None, resume: Any = None, guarded: bool = True, **kw: Any
 ) -> Dict:
@@ -77,7 +75,7 @@ def _train(
 
     class Moves(TrainerCallback):
         def on_step_begin(self, args: Any, state: Any, control: Any, **k: Any) -> None:
-            self.before = _digest(model)
+            self.before = digest(model)
             self.counting = count_host_syncs()
             self.seen = self.counting.__enter__()
 
@@ -86,7 +84,7 @@ def _train(
             last = cb.last if guarded else None
             snap = last is not None and any(e.name == "snapshot" for e in last.events)
             syncs.append([self.seen.count, last.action if last is not None else "", snap])
-            moved[state.global_step] = _digest(model) != self.before
+            moved[state.global_step] = digest(model) != self.before
 
     cb = SafeTrainingCallback({**QUIET, **cfg}, on_abort="stop")  # its abort test: train() returns, then asserts
     base = dict(
@@ -112,7 +110,7 @@ def _train(
     )
     trainer.train(resume_from_checkpoint=resume)
     if not guarded:
-        return {"syncs": syncs, "digest": _digest(model)}
+        return {"syncs": syncs, "digest": digest(model)}
     return {
         "syncs": syncs,
         "rank": rank,
@@ -131,7 +129,7 @@ def _train(
         ],
         "started": [[e.action, e.step] for e in cb.result.events if e.name == "run_started"],
         "moved": {str(k): v for k, v in moved.items()},
-        "digest": _digest(model),
+        "digest": digest(model),
         "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
         "logged": [h for h in trainer.state.log_history if "loss" in h or "safetrain/skipped_batches" in h],
     }
@@ -197,7 +195,7 @@ def _launch(tmp: Path, phase: str, launcher: str = "torchrun") -> List[Dict[str,
     ``--multi_gpu`` launches through torch.distributed.run, and ``use_cpu=True`` keeps the CPU.)"""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    from tests.conftest import run_session  # here, not in the ranks' processes
+    from tests.helpers.processes import run_session  # here, not in the ranks' processes
 
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]

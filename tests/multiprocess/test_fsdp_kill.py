@@ -30,7 +30,9 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from tests.fsdp_tools import batches, fsdp_mlp, full_digest, launch, spawn_ranks
+from tests.helpers.fsdp import batches, fsdp_mlp, full_digest, launch, spawn_ranks
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 60  # seconds per launch

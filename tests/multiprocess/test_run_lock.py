@@ -19,11 +19,11 @@ import torch.nn.functional as F
 from safetrain import Guard, SafeTrainer, load_config
 from safetrain.errors import SnapshotError
 from safetrain.rundir import RunDirBusy, lock_run_dir, read_run
-from tests.conftest import mlp
+from tests.helpers.models import mlp
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(os.name == "nt", reason="fcntl locks and POSIX signals")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.name == "nt", reason="fcntl locks and POSIX signals")]
 
 # A training job: `race` waits for a line on stdin before fit (so that two start together);
 # it prints each step (paced) and exits 3 when the run directory is busy.
