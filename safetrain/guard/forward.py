@@ -80,13 +80,14 @@ class Forward:
             self.buffers.keep()
         return self.scan(batch, pending)
 
-    def run(self, batch: Any, pending: Pending) -> None:
-        """Scan, forward and backward one micro-batch (a re-run's); its loss and scan values go to ``pending``."""
+    def run(self, batch: Any, pending: Pending, divide: int) -> None:
+        """Scan, forward and backward one micro-batch (a re-run's), its loss divided by ``divide``
+        for the backward; its loss and scan values go to ``pending``."""
         clean = self.begin(batch, pending)
         loss = self.loss(clean, pending)
         pending.calls.append(self.monitor.recorded)  # which micro-batch a forward finding is in
         self.add_loss(loss, pending)
-        self.backward(loss)
+        self.backward(loss, divide)
 
     def loss(self, clean: Any, pending: Pending) -> Tensor:
         """The forward of a scanned micro-batch (under autocast): its loss, as the model computes it."""
@@ -101,9 +102,10 @@ class Forward:
             if held is not None:
                 self.monitor.put_back(held)
 
-    def backward(self, loss: Tensor) -> None:
-        """The backward of a micro-batch's loss, divided by the accumulation (and scaled in fp16)."""
-        k = self.accumulate
+    def backward(self, loss: Tensor, divide: int = 0) -> None:
+        """The backward of a micro-batch's loss, divided by ``divide`` (``0``: by the accumulation;
+        a re-run of a short last window divides as the caller did), and scaled in fp16."""
+        k = divide or self.accumulate
         self.plumbing.scaler.scale(loss / k if k > 1 else loss).backward()
 
     @staticmethod

@@ -47,13 +47,21 @@ class Outcome:
 
 @dataclass
 class Verdict:
-    """A step's decision loop, done: its last read, events, the re-run's action if one ran, and the
-    outcome of the anomaly it ended on (``None``: the last read was clean)."""
+    """A step's decision loop as it stands after a turn: its last read, the events so far, the
+    re-run's action if one ran, and the outcome of the anomaly it ended on (``None``: the last
+    read was clean).
+
+    While ``rerun`` is set the loop is not done: the protocol runs the step again as it says and
+    hands the next read back to :meth:`Decisions.run <safetrain.guard.decisions.Decisions.run>`
+    with this verdict, which carries what the next turn must know (``rerun_action``, ``retried``).
+    """
 
     read: Any
     events: List[Event]
     rerun_action: str = ""
     outcome: Optional[Outcome] = None
+    rerun: Optional[Rerun] = None
+    retried: bool = False
 
     @property
     def trains(self) -> bool:

@@ -354,12 +354,11 @@ class Guard(Parts):
             self.plumbing.drop_grads()
             event = self.recovery.empty_batch(True, self._step_scheduler)
             return None, nan_result(self.counters.steps, "skip_batch", (event,))
-        k, restores = self.forward.accumulate, self.counters.restores
-        self.forward.accumulate = window if window else k  # re-runs divide as the caller did
-        try:
-            verdict = self.decisions.run(self._read(), self._pending, self.last_loss, self.rules, self._again)
-        finally:
-            self.forward.accumulate = k
+        restores, rules, decisions = self.counters.restores, self.rules, self.decisions
+        verdict = decisions.run(self._read(), self._pending, self.last_loss, rules)
+        while verdict.rerun is not None:  # a re-run is the next turn: run here, then handed back
+            read = self._again(verdict.rerun, verdict.read, window or self.forward.accumulate)
+            verdict = decisions.run(read, self._pending, self.last_loss, rules, verdict)
         clipped_to = math.nan
         if verdict.trains:
             clipped_to, clip_event = self.updates.prepare(
@@ -389,12 +388,12 @@ class Guard(Parts):
         self.last_grad_norm = read.total_norm if read.total_norm is not None else math.nan
         return read
 
-    def _again(self, rerun: Rerun, read: detect.StepRead) -> Tuple[detect.StepRead, Pending, float]:
-        """The next turn's read, pending step and loss: the step run again on ``rerun.batches`` (its
-        gradients dropped first; it counts as the same step), or the same read with the replaced
-        rows' flags cleared."""
+    def _again(self, rerun: Rerun, read: detect.StepRead, divide: int) -> detect.StepRead:
+        """The next turn's read: the step run again on ``rerun.batches`` (its gradients dropped
+        first; it counts as the same step), each micro-batch's loss divided by ``divide`` as the
+        caller's was; or the same read with the replaced rows' flags cleared."""
         if rerun.batches is None:
-            return dataclasses.replace(read, input=False, target=False), self._pending, self.last_loss
+            return dataclasses.replace(read, input=False, target=False)
         self.plumbing.drop_grads()
         self.plumbing.before_rerun()
         self.counters.steps -= 1
@@ -404,8 +403,8 @@ class Guard(Parts):
             p.micro.append(batch)
             p.indices.append(rerun.indices[i] if rerun.indices else [])
             p.places.append(rerun.places[i] if rerun.places else self.position)
-            self.forward.run(batch, p)
-        return self._read(), self._pending, self.last_loss
+            self.forward.run(batch, p, divide)
+        return self._read()
 
     def diagnose(self) -> Diagnosis:
         """Replay the pending step from its pre-step state and say where it goes non-finite.
