@@ -328,12 +328,7 @@ class Guard(Parts):
         self.recovery.abort(Kind.WEIGHTS, reason)
 
     def _start_step(self) -> None:
-        probe = self._probe
-        if not self.plumbing.grads_dropped or (probe and (probe[0].grad is not None or probe[1].grad is not None)):
-            # The first step, or gradients made outside the guard since its last step (a user's
-            # own backward): dropped, or this step's backward would add to them.
-            self.plumbing.free_grads()
-        self.plumbing.grads_dropped = False
+        self.plumbing.begin_step()
         self._pending = Pending()
         self.monitor.reset()
         self.diagnoser.begin_step()
@@ -344,6 +339,7 @@ class Guard(Parts):
     def _decide(self, window: Optional[int]) -> Tuple[Optional[Verdict], StepResult]:
         """The step's read and decision loop; a step of skipped data or of empty batches has neither."""
         facts = self.machine.facts
+        self.counters.steps += 1  # (its one writer: a step counts once, skipped or re-run)
         if facts.skipping:  # the data that led into a restore: the window is one whole step skipped
             self.plumbing.drop_grads()
             if facts.forwarded:  # the caller's forward ran on it: its buffer updates go
@@ -382,7 +378,6 @@ class Guard(Parts):
         self.updates.skipped_data(self.last_loss)
 
     def _read(self) -> detect.StepRead:
-        self.counters.steps += 1
         p, read = self._pending, self.forward.read(self._pending)  # host sync: the one per step
         self.last_loss = read.loss / (1 if self.loss_shares else len(p.micro)) if read.loss is not None else math.nan
         self.last_grad_norm = read.total_norm if read.total_norm is not None else math.nan
@@ -390,13 +385,12 @@ class Guard(Parts):
 
     def _again(self, rerun: Rerun, read: detect.StepRead, divide: int) -> detect.StepRead:
         """The next turn's read: the step run again on ``rerun.batches`` (its gradients dropped
-        first; it counts as the same step), each micro-batch's loss divided by ``divide`` as the
+        first; it is the same step, not counted again), each micro-batch's loss divided by ``divide`` as the
         caller's was; or the same read with the replaced rows' flags cleared."""
         if rerun.batches is None:
             return dataclasses.replace(read, input=False, target=False)
         self.plumbing.drop_grads()
         self.plumbing.before_rerun()
-        self.counters.steps -= 1
         self._start_step()
         p = self._pending
         for i, batch in enumerate(rerun.batches):
