@@ -121,12 +121,16 @@ class Forward:
         flags, pipes = self.flags, self.plumbing
         pipes.scaler.join_read(flags)  # fp16: unscaled, found_inf and the scale join the read (else: nothing)
         grads = self.grads.run()
-        flags.put("loss", pending.loss)  # the sum over micro-batches; the mean is taken on the host
-        flags.put("grad_norms", grads.norm_list if grads is not None else None)
-        flags.put("input", pending.input_values)
-        flags.put("target", pending.target_values)
-        flags.put("forward", self.monitor.records)
-        flags.put("weights", pending.weights)
+        flags.put_many(
+            (
+                ("loss", pending.loss),  # the sum over micro-batches; the mean is taken on the host
+                ("grad_norms", grads.norm_list if grads is not None else None),
+                ("input", pending.input_values),
+                ("target", pending.target_values),
+                ("forward", self.monitor.records),
+                ("weights", pending.weights),
+            )
+        )
         return flags.read()  # host sync: the one per step (flags, loss and norms together)
 
     def scan(self, batch: Any, pending: Optional[Pending] = None) -> Any:
