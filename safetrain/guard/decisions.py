@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 from .. import detect
 from ..diagnose import Diagnoser, Diagnosis
@@ -192,7 +192,7 @@ class Decisions:
                 self.judge.observe(loss)  # a trained step's loss joins the spike and divergence windows
             return decided
         # A step that read clean; a re-run of an anomalous step trains but is not healthy.
-        events = list(decided.events)
+        events: List[Event] = []  # (those this adds to the decided step's)
         rs.count_loss(loss)  # before the snapshot below, which keeps the epoch's losses
         self.judge.observe(loss)
         # Mid-climb, or the loss above its level (_unsettled), a read vouches for no snapshot and none is taken.
@@ -209,7 +209,7 @@ class Decisions:
         rs.since_snapshot += 1
         if cadence.due(rs.since_snapshot) and not climbing:
             events.append(snapshot())
-        return dataclasses.replace(decided, events=tuple(events)) if len(events) != len(decided.events) else decided
+        return dataclasses.replace(decided, events=decided.events + tuple(events)) if events else decided
 
 
 def nan_result(steps: int, action: str, events: tuple) -> StepResult:

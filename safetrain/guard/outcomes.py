@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
 from ..events import Event
@@ -62,18 +62,17 @@ class Verdict:
     outcome: Optional[Outcome] = None
     rerun: Optional[Rerun] = None
     retried: bool = False
+    #: Whether the step's update is applied.
+    trains: bool = field(init=False)
+    #: The action the step comes to (``""``: healthy): the outcome's, else the re-run's.
+    action: str = field(init=False)
+    #: The gradient norm to clip with.
+    total_norm: Optional[float] = field(init=False)
 
-    @property
-    def trains(self) -> bool:
-        """Whether the step's update is applied."""
-        return self.outcome is None or self.outcome.apply
-
-    @property
-    def action(self) -> str:
-        """The action the step comes to (``""``: healthy): the outcome's, else the re-run's."""
-        return (str(self.outcome.action) if self.outcome is not None else "") or self.rerun_action
-
-    @property
-    def total_norm(self) -> Optional[float]:
-        """The gradient norm to clip with."""
-        return self.read.total_norm if self.outcome is None else self.outcome.total_norm
+    def __post_init__(self) -> None:  # (set once: the healthy path reads them as attributes)
+        outcome = self.outcome
+        if outcome is None:
+            self.trains, self.action, self.total_norm = True, self.rerun_action, self.read.total_norm
+        else:
+            self.trains, self.total_norm = outcome.apply, outcome.total_norm
+            self.action = str(outcome.action) or self.rerun_action
