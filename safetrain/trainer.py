@@ -237,8 +237,8 @@ class SafeTrainer:
             seen = 0
             for batch in iterator:
                 seen += 1
-                indices = keeper.indices_for(batch, (epoch, guard.counters.batch)) if keeper.sampler else None
-                step = guard.step(batch, indices)  # (at: the batch's place, once it arrives)
+                at = (epoch, guard.position[1] + 1) if keeper.sampler else None  # the batch's place, once it arrives
+                step = guard.step(batch, keeper.indices_for(batch, at) if at else None)
                 if step is None:
                     continue
                 run.record(guard, step)

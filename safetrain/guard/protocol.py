@@ -339,7 +339,7 @@ class Guard(Parts):
     def _decide(self, window: Optional[int]) -> Tuple[Optional[Verdict], StepResult]:
         """The step's read and decision loop; a step of skipped data or of empty batches has neither."""
         facts = self.machine.facts
-        self.counters.steps += 1  # (its one writer: a step counts once, skipped or re-run)
+        self.counters.steps += 1  # (written here and in _again only: a step counts once, skipped or re-run)
         if facts.skipping:  # the data that led into a restore: the window is one whole step skipped
             self.plumbing.drop_grads()
             if facts.forwarded:  # the caller's forward ran on it: its buffer updates go
@@ -385,7 +385,7 @@ class Guard(Parts):
 
     def _again(self, rerun: Rerun, read: detect.StepRead, divide: int) -> detect.StepRead:
         """The next turn's read: the step run again on ``rerun.batches`` (its gradients dropped
-        first; it is the same step, not counted again), each micro-batch's loss divided by ``divide`` as the
+        first; the same step, counted once), each micro-batch's loss divided by ``divide`` as the
         caller's was; or the same read with the replaced rows' flags cleared."""
         if rerun.batches is None:
             return dataclasses.replace(read, input=False, target=False)
@@ -393,11 +393,13 @@ class Guard(Parts):
         self.plumbing.before_rerun()
         self._start_step()
         p = self._pending
+        self.counters.steps -= 1  # its forward sees the step not yet counted, as the first run's did
         for i, batch in enumerate(rerun.batches):
             p.micro.append(batch)
             p.indices.append(rerun.indices[i] if rerun.indices else [])
             p.places.append(rerun.places[i] if rerun.places else self.position)
             self.forward.run(batch, p, divide)
+        self.counters.steps += 1
         return self._read()
 
     def diagnose(self) -> Diagnosis:
