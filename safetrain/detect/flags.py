@@ -166,7 +166,7 @@ class StepFlags:
         if isinstance(value, Tensor):
             if value.requires_grad:
                 value = value.detach()
-            if value.dim() == 0:
+            if value.ndim == 0:
                 self._scalars.append(value)
                 self._layout.append((name, 1, value.dtype is _BOOL, False))
             else:
@@ -187,6 +187,9 @@ class StepFlags:
                 if value:
                     self._scalars += value
                     self._layout.append((name, len(value), value[0].dtype is _BOOL, False))
+            elif value.__class__ is Tensor and value.ndim == 0 and not value.requires_grad:  # (the loss)
+                self._scalars.append(value)
+                self._layout.append((name, 1, value.dtype is _BOOL, False))
             elif value is not None:
                 self.put(name, value)
 

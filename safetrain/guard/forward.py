@@ -148,7 +148,7 @@ class Forward:
                 new_inputs = scan.batch
                 p.input_values += scan.values
             if s.targets != "off" and (
-                type(targets) is not Tensor or targets.is_floating_point() or targets.is_complex()
+                type(targets) is not Tensor or targets.dtype.is_floating_point or targets.dtype.is_complex
             ):
                 # (class indices, the usual targets, hold no NaN/Inf: nothing to scan; complex ones are)
                 scan = detect.scan_batch(targets, replace=self._replace_targets, clean=self.clean)
