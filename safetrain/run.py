@@ -205,8 +205,8 @@ class Run:
         """A decided step: its row in ``metrics.csv`` (flushed when it carries events: a killed run
         keeps every row up to an anomaly or a snapshot), the final loss, the progress bar."""
         guard = self.guard
-        epoch, batch = guard.position
         if self.metrics is not None:
+            epoch, batch = guard.position
             self.metrics.write(
                 step.step,
                 epoch,

@@ -237,8 +237,8 @@ class SafeTrainer:
             seen = 0
             for batch in iterator:
                 seen += 1
-                at = (epoch, guard.position[1] + 1)  # the batch's place, once it arrives
-                step = guard.step(batch, keeper.indices_for(batch, at))
+                at = (epoch, guard.position[1] + 1) if keeper.sampler else None  # the batch's place, once it arrives
+                step = guard.step(batch, keeper.indices_for(batch, at) if at else None)
                 if step is None:
                     continue
                 run.record(guard, step)

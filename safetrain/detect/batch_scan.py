@@ -113,12 +113,12 @@ def _row_mask(sources: List[Tensor], size: Optional[int]) -> Optional[Tensor]:
 
 
 def _lead(t: Tensor) -> Optional[int]:
-    return t.shape[0] if t.dim() > 0 else None
+    return t.shape[0] if t.ndim > 0 else None
 
 
 def _value(d: Tensor) -> Tensor:
     """The 0-dim real sum of a floating or complex tensor: non-finite when any value (part) is."""
-    if d.is_complex():
+    if d.dtype.is_complex:  # (dtype attributes, not methods: no call a tensor on the healthy path)
         return torch.view_as_real(d.resolve_conj()).sum(dtype=_F32 if d.dtype is torch.complex32 else None)
     return d.sum(dtype=_F32) if d.dtype is _F16 else d.sum()
 
@@ -135,9 +135,9 @@ class _Scanner:
         self.sources: List[Tensor] = []
 
     def tensor(self, t: Tensor) -> Tensor:
-        if self.size is None and t.dim() > 0:
+        if self.size is None and t.ndim > 0:
             self.size = t.shape[0]
-        if not t.is_floating_point() and not t.is_complex():
+        if not t.dtype.is_floating_point and not t.dtype.is_complex:
             return t
         d = t.detach() if t.requires_grad else t
         self.values.append(_value(d))
@@ -223,7 +223,7 @@ def scan_batch(
     """
     del path  # the hot path builds no strings; paths are for describe_rows
     if type(batch) is Tensor and replace is None:  # the common case, without the walk
-        if not batch.is_floating_point() and not batch.is_complex():
+        if not batch.dtype.is_floating_point and not batch.dtype.is_complex:
             return BatchScan(batch, [], [], batch_size if batch_size is not None else _lead(batch))
         d = batch.detach() if batch.requires_grad else batch
         value = _value(d)

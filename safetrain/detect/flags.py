@@ -152,6 +152,7 @@ class StepFlags:
         self._vectors: List[Tensor] = []
         self._layout: Layout = []  # (name, count, is_bool, is_vector)
         self._reduce = reduce
+        self._last: Tuple[Layout, Plan] = ([], ())  # the last read's layout and plan (each step puts the same)
 
     def put(self, name: str, value: Value) -> None:
         """Add a device value; ``None`` (and an empty list) is ignored.
@@ -165,7 +166,7 @@ class StepFlags:
         if isinstance(value, Tensor):
             if value.requires_grad:
                 value = value.detach()
-            if value.dim() == 0:
+            if value.ndim == 0:
                 self._scalars.append(value)
                 self._layout.append((name, 1, value.dtype is _BOOL, False))
             else:
@@ -177,6 +178,20 @@ class StepFlags:
         if n:
             self._scalars.extend(value)
             self._layout.append((name, n, value[0].dtype is _BOOL, False))
+
+    def put_many(self, entries: Sequence[Tuple[str, Value]]) -> None:
+        """:meth:`put` each ``(name, value)`` in order; a list or tuple of 0-dim tensors (the step's
+        usual value) is taken without a call of its own (the healthy path puts a handful each step)."""
+        for name, value in entries:
+            if type(value) is list or type(value) is tuple:
+                if value:
+                    self._scalars += value
+                    self._layout.append((name, len(value), value[0].dtype is _BOOL, False))
+            elif value.__class__ is Tensor and value.ndim == 0 and not value.requires_grad:  # (the loss)
+                self._scalars.append(value)
+                self._layout.append((name, 1, value.dtype is _BOOL, False))
+            elif value is not None:
+                self.put(name, value)
 
     def clear(self) -> None:
         """Drop everything put so far (``read()`` does it too)."""
@@ -190,10 +205,11 @@ class StepFlags:
         Returns:
             A :class:`StepRead`; the flags are cleared for the next step.
         """
-        scalars, vectors = self._scalars, self._vectors
+        scalars, vectors, layout = self._scalars, self._vectors, self._layout
         if not scalars and not vectors:
             self.clear()
             return StepRead()
+        self._scalars, self._vectors, self._layout = [], [], []  # (cleared for the next step)
         try:
             packed = torch.stack(scalars) if scalars else None
             if vectors:
@@ -208,10 +224,11 @@ class StepFlags:
         if self._reduce is None:
             host = packed.tolist()  # type: ignore[union-attr]  # host sync: the step's one read
         else:  # host sync: the step's one read, after one collective (inside the hook)
-            host = self._reduce(packed, self._layout)  # type: ignore[arg-type]
-        read = _parse(host, self._layout)
-        self.clear()
-        return read
+            host = self._reduce(packed, layout)  # type: ignore[arg-type]
+        last = self._last
+        if layout != last[0]:  # (compared by value: no lookup of the plan while the names stay the same)
+            last = self._last = (layout, _plan(layout))
+        return _parse(host, layout, last[1])
 
 
 def gather_device(tensors: Sequence[Tensor]) -> torch.device:
@@ -277,13 +294,14 @@ def _plan(layout: Layout) -> Plan:
     return plan
 
 
-def _parse(host: Sequence[float], layout: Layout) -> StepRead:
-    """Slice the packed host values back into named fields (scalars first, then vectors)."""
+def _parse(host: Sequence[float], layout: Layout, plan: Optional[Plan] = None) -> StepRead:
+    """Slice the packed host values back into named fields (scalars first, then vectors);
+    ``plan``: the layout's, when known."""
     out: Dict[str, Any] = {}
     extra: Dict[str, Tuple[float, ...]] = {}
     extra_tripped: List[str] = []
     isfinite = math.isfinite
-    for name, lo, hi, role, is_bool in _plan(layout):
+    for name, lo, hi, role, is_bool in plan if plan is not None else _plan(layout):
         if role == _NUMBER:
             out[name] = host[lo] if hi - lo == 1 else sum(host[lo:hi])
         elif role == _FLAG:

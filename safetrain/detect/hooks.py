@@ -123,7 +123,7 @@ def floating_tensors(obj: Any) -> List[Tensor]:
         The floating tensors, depth first; non-floating tensors and other objects are skipped.
     """
     if isinstance(obj, Tensor):
-        return [obj] if obj.is_floating_point() else []
+        return [obj] if obj.dtype.is_floating_point else []
     if isinstance(obj, (list, tuple)):
         return [t for o in obj for t in floating_tensors(o)]
     if isinstance(obj, Mapping):
@@ -194,7 +194,7 @@ def make_hook(
 
         def careful_hook(module: nn.Module, args: Any, out: Any) -> None:
             if not nan_only and out.__class__ is tensor_cls:
-                value = _reduce(out, False) if out.is_floating_point() else None
+                value = _reduce(out, False) if out.dtype.is_floating_point else None
             else:
                 value = _reduce_nested(out, nan_only)
             if value is not None:
@@ -207,7 +207,7 @@ def make_hook(
 
     def hook(module: nn.Module, args: Any, out: Any) -> None:
         if out.__class__ is tensor_cls:
-            if out.is_floating_point():
+            if out.dtype.is_floating_point:  # (an attribute: no call per hooked module)
                 d = out.detach()
                 vals_append(d.sum(dtype=_F32) if d.dtype is _F16 else d.sum())
                 ids_append(index)
@@ -236,7 +236,7 @@ def _deduping_hook(
         seen = prev[0]() if prev is not None else None
         value = None
         for t in (out,) if out.__class__ is tensor_cls else floating_tensors(out):
-            if not t.is_floating_point():
+            if not t.dtype.is_floating_point:
                 continue
             # that tensor, or a view of all of it (GPT-2 returns ln_f's output reshaped), unchanged
             if seen is not None and (t is seen or (t._base is seen and t.numel() == seen.numel())):

@@ -169,7 +169,7 @@ class WeightReplay:
             return
         self._applied += 1
         if self._applied <= self.keep and not self._over_budget:
-            self._bytes += sum(t.numel() * t.element_size() for b in micro for _, t in iter_tensors(b))
+            self._bytes += sum([t.nbytes for b in micro for _, t in iter_tensors(b)])  # (no call per tensor)
             if self._bytes <= self.budget:
                 lrs = [g["lr"] for g in self.state.optimizer.param_groups]
                 self._steps.append(_Applied(step, micro, lrs, total, rng, self.clip if clip is ... else clip))

@@ -149,14 +149,14 @@ def batch_rows(batch: Any) -> Optional[int]:
         >>> batch_rows((torch.zeros(0, 3), torch.zeros(0))), batch_rows({"x": torch.zeros(5, 2)})
         (0, 5)
     """
-    if type(batch) in (tuple, list) and batch and type(batch[0]) is torch.Tensor and batch[0].dim():
+    if type(batch) in (tuple, list) and batch and type(batch[0]) is torch.Tensor and batch[0].ndim:
         return batch[0].shape[0]  # the common case, without the walk
     return _first_rows(batch)
 
 
 def _first_rows(obj: Any) -> Optional[int]:
     if isinstance(obj, torch.Tensor):
-        return obj.shape[0] if obj.dim() > 0 else None
+        return obj.shape[0] if obj.ndim > 0 else None
     if isinstance(obj, (list, tuple)):
         items: Any = obj
     elif is_dataclass_instance(obj):
@@ -194,7 +194,7 @@ def compute_loss(
             f"batch tensors {', '.join(meta[:4])} are on the 'meta' device (shapes only, no data); expected "
             "tensors with data, on the model's device or the CPU"
         ) from exc
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise BatchError(f"the loss must be a scalar tensor; got {shape} (use reduction='mean' or 'sum')")
     if loss.is_meta:
@@ -202,7 +202,7 @@ def compute_loss(
             "the loss is on the 'meta' device (shapes only, no data); expected a model and batch with data "
             "(a model built on 'meta' needs to_empty() and its weights loaded first)"
         )
-    if not loss.is_floating_point():
+    if not loss.dtype.is_floating_point:
         raise BatchError(
             f"the loss has dtype {str(loss.dtype).replace('torch.', '')}; expected a floating-point scalar "
             "computed from the model's output (an integer or bool loss has no gradient)"

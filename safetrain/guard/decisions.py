@@ -1,15 +1,17 @@
 """The decision loop of a step that read anomalous, and what a decided step comes to.
 
 Each turn judges the read, diagnoses (the slow path's replay), decides (the policy) and carries
-the decision out (the recovery executor); a re-run (``drop_rows``, ``replace``, ``retry``) is
-the next turn, never a call back into the step. A step that reads clean costs one judgment.
+the decision out (the recovery executor). A re-run (``drop_rows``, ``replace``, ``retry``) is the
+next turn: :meth:`Decisions.run` returns to the protocol with the ``Rerun`` (:mod:`.outcomes`) in its verdict,
+and the protocol runs the step again and hands the new read back; the loop never calls into the
+step. A step that reads clean costs one judgment.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Tuple
+from typing import Callable, List, Optional
 
 from .. import detect
 from ..diagnose import Diagnoser, Diagnosis
@@ -21,7 +23,7 @@ from ..steps import Counters, Pending, StepResult
 from .cadence import Cadence
 from .judge import Judge
 from .lr import LRBackoff
-from .outcomes import Outcome, Rerun, Verdict
+from .outcomes import Outcome, Verdict
 from .recovery import Recovery
 from .state import RecoveryState
 
@@ -59,42 +61,53 @@ class Decisions:
         self.backoff, self.counters = backoff, counters
 
     def run(
-        self,
-        read: detect.StepRead,
-        pending: Pending,
-        loss: float,
-        rules: Rules,
-        again: Callable[[Rerun, detect.StepRead], Tuple[detect.StepRead, Pending, float]],
+        self, read: detect.StepRead, pending: Pending, loss: float, rules: Rules, so_far: Optional[Verdict] = None
     ) -> Verdict:
-        """The decision loop from the step's read, its pending micro-batches and its loss: each turn
-        judges, diagnoses, decides and carries out; ``again(rerun, read)`` runs the step again and
-        returns the next turn's read, pending step and loss."""
-        rs, events = self.recovery_state, []
-        rerun_action, retried = "", False
-        while (anomaly := self.judge(read, pending, loss)) is not None:
-            anomaly = dataclasses.replace(anomaly, retried=retried, again=bool(rerun_action))
-            if raises(anomaly.kind, rules):
-                self.recovery.reject_rows(anomaly)
-            if self._tests_cause(anomaly, rules):  # before the ladder escalates: which cause?
-                anomaly = self._cause(anomaly, pending)
-            replays = rules.reruns and self.diagnoser.explains(anomaly.kind)  # (a replay runs the step's forward)
-            diagnosis = self._explain(anomaly, pending) if replays else None
-            # A typed fact for the policy: is there a snapshot to restore (slow path: lists a directory)?
-            history = rs.for_policy(has_snapshot=bool(len(self.store)))
-            decision, rs.history = decide(anomaly, history, rules, diagnosis)
-            outcome = self.recovery.carry_out(anomaly, decision, read, pending, diagnosis)
-            events += outcome.events
-            if anomaly.cause is not None and anomaly.cause.cause is Cause.DATA_CHANGE:
-                self.judge.rebase()  # the new level is the run's level from here on
-                rs.rebase()
-            if outcome.rerun is None:
-                return Verdict(read, events, rerun_action, outcome)
-            rerun_action, retried = str(outcome.action), retried or decision.action is Action.RETRY
-            read, pending, loss = again(outcome.rerun, read)
-        if not self._unsettled:  # (mid-climb, or the loss above its level, a read vouches for nothing)
-            self.backoff.read_clean()  # the last update's LRs are trusted: a restore holds the schedule to them
-            rs.clean_reads.append(self.counters.steps)
-        return Verdict(read, events, rerun_action)
+        """One turn of the decision loop on the step's read, its pending micro-batches and its loss:
+        judge, diagnose, decide, carry out.
+
+        Args:
+            so_far: the verdict the last turn returned, when this read is its re-run's (``None``:
+                the step's first read).
+
+        Returns:
+            The step's verdict; while its ``rerun`` is set the protocol runs the step again as it
+            says and calls again with the next read and this verdict::
+
+                verdict = decisions.run(read, pending, loss, rules)
+                while verdict.rerun is not None:
+                    read = ...  # the step run again
+                    verdict = decisions.run(read, pending, loss, rules, verdict)
+        """
+        anomaly = self.judge(read, pending, loss)
+        if anomaly is None:
+            if not self._unsettled:  # (mid-climb, or the loss above its level, a read vouches for nothing)
+                self.backoff.read_clean()  # the last update's LRs are trusted: a restore holds the schedule to them
+                self.recovery_state.clean_reads.append(self.counters.steps)
+            return Verdict(read, []) if so_far is None else Verdict(read, so_far.events, so_far.rerun_action)
+        events, rerun_action, retried = (
+            ([], "", False) if so_far is None else (so_far.events, so_far.rerun_action, so_far.retried)
+        )
+        rs = self.recovery_state
+        anomaly = dataclasses.replace(anomaly, retried=retried, again=bool(rerun_action))
+        if raises(anomaly.kind, rules):
+            self.recovery.reject_rows(anomaly)
+        if self._tests_cause(anomaly, rules):  # before the ladder escalates: which cause?
+            anomaly = self._cause(anomaly, pending)
+        replays = rules.reruns and self.diagnoser.explains(anomaly.kind)  # (a replay runs the step's forward)
+        diagnosis = self._explain(anomaly, pending) if replays else None
+        # A typed fact for the policy: is there a snapshot to restore (slow path: lists a directory)?
+        history = rs.for_policy(has_snapshot=bool(len(self.store)))
+        decision, rs.history = decide(anomaly, history, rules, diagnosis)
+        outcome = self.recovery.carry_out(anomaly, decision, read, pending, diagnosis)
+        events += outcome.events
+        if anomaly.cause is not None and anomaly.cause.cause is Cause.DATA_CHANGE:
+            self.judge.rebase()  # the new level is the run's level from here on
+            rs.rebase()
+        if outcome.rerun is None:
+            return Verdict(read, events, rerun_action, outcome)
+        retried = retried or decision.action is Action.RETRY
+        return Verdict(read, events, str(outcome.action), rerun=outcome.rerun, retried=retried)
 
     @property
     def _unsettled(self) -> bool:
@@ -178,7 +191,7 @@ class Decisions:
                 self.judge.observe(loss)  # a trained step's loss joins the spike and divergence windows
             return decided
         # A step that read clean; a re-run of an anomalous step trains but is not healthy.
-        events = list(decided.events)
+        events: List[Event] = []  # (those this adds to the decided step's)
         rs.count_loss(loss)  # before the snapshot below, which keeps the epoch's losses
         self.judge.observe(loss)
         # Mid-climb, or the loss above its level (_unsettled), a read vouches for no snapshot (run()
@@ -196,7 +209,7 @@ class Decisions:
             rs.left_level = self.counters.steps if unsettled else None
         if cadence.due(rs.since_snapshot) and not unsettled:
             events.append(snapshot())
-        return dataclasses.replace(decided, events=tuple(events)) if len(events) != len(decided.events) else decided
+        return dataclasses.replace(decided, events=decided.events + tuple(events)) if events else decided
 
 
 def nan_result(steps: int, action: str, events: tuple) -> StepResult:

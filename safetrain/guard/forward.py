@@ -80,13 +80,14 @@ class Forward:
             self.buffers.keep()
         return self.scan(batch, pending)
 
-    def run(self, batch: Any, pending: Pending) -> None:
-        """Scan, forward and backward one micro-batch (a re-run's); its loss and scan values go to ``pending``."""
+    def run(self, batch: Any, pending: Pending, divide: int) -> None:
+        """Scan, forward and backward one micro-batch (a re-run's), its loss divided by ``divide``
+        for the backward; its loss and scan values go to ``pending``."""
         clean = self.begin(batch, pending)
         loss = self.loss(clean, pending)
         pending.calls.append(self.monitor.recorded)  # which micro-batch a forward finding is in
         self.add_loss(loss, pending)
-        self.backward(loss)
+        self.backward(loss, divide)
 
     def loss(self, clean: Any, pending: Pending) -> Tensor:
         """The forward of a scanned micro-batch (under autocast): its loss, as the model computes it."""
@@ -101,9 +102,10 @@ class Forward:
             if held is not None:
                 self.monitor.put_back(held)
 
-    def backward(self, loss: Tensor) -> None:
-        """The backward of a micro-batch's loss, divided by the accumulation (and scaled in fp16)."""
-        k = self.accumulate
+    def backward(self, loss: Tensor, divide: int = 0) -> None:
+        """The backward of a micro-batch's loss, divided by ``divide`` (``0``: by the accumulation;
+        a re-run of a short last window divides as the caller did), and scaled in fp16."""
+        k = divide or self.accumulate
         self.plumbing.scaler.scale(loss / k if k > 1 else loss).backward()
 
     @staticmethod
@@ -119,12 +121,16 @@ class Forward:
         flags, pipes = self.flags, self.plumbing
         pipes.scaler.join_read(flags)  # fp16: unscaled, found_inf and the scale join the read (else: nothing)
         grads = self.grads.run()
-        flags.put("loss", pending.loss)  # the sum over micro-batches; the mean is taken on the host
-        flags.put("grad_norms", grads.norm_list if grads is not None else None)
-        flags.put("input", pending.input_values)
-        flags.put("target", pending.target_values)
-        flags.put("forward", self.monitor.records)
-        flags.put("weights", pending.weights)
+        flags.put_many(
+            (
+                ("loss", pending.loss),  # the sum over micro-batches; the mean is taken on the host
+                ("grad_norms", grads.norm_list if grads is not None else None),
+                ("input", pending.input_values),
+                ("target", pending.target_values),
+                ("forward", self.monitor.records),
+                ("weights", pending.weights),
+            )
+        )
         return flags.read()  # host sync: the one per step (flags, loss and norms together)
 
     def scan(self, batch: Any, pending: Optional[Pending] = None) -> Any:
@@ -142,7 +148,7 @@ class Forward:
                 new_inputs = scan.batch
                 p.input_values += scan.values
             if s.targets != "off" and (
-                type(targets) is not Tensor or targets.is_floating_point() or targets.is_complex()
+                type(targets) is not Tensor or targets.dtype.is_floating_point or targets.dtype.is_complex
             ):
                 # (class indices, the usual targets, hold no NaN/Inf: nothing to scan; complex ones are)
                 scan = detect.scan_batch(targets, replace=self._replace_targets, clean=self.clean)

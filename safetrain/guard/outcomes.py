@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
 from ..events import Event
@@ -47,25 +47,32 @@ class Outcome:
 
 @dataclass
 class Verdict:
-    """A step's decision loop, done: its last read, events, the re-run's action if one ran, and the
-    outcome of the anomaly it ended on (``None``: the last read was clean)."""
+    """A step's decision loop as it stands after a turn: its last read, the events so far, the
+    re-run's action if one ran, and the outcome of the anomaly it ended on (``None``: the last
+    read was clean).
+
+    While ``rerun`` is set the loop is not done: the protocol runs the step again as it says and
+    hands the next read back to :meth:`Decisions.run <safetrain.guard.decisions.Decisions.run>`
+    with this verdict, which carries what the next turn must know (``rerun_action``, ``retried``).
+    """
 
     read: Any
     events: List[Event]
     rerun_action: str = ""
     outcome: Optional[Outcome] = None
+    rerun: Optional[Rerun] = None
+    retried: bool = False
+    #: Whether the step's update is applied.
+    trains: bool = field(init=False)
+    #: The action the step comes to (``""``: healthy): the outcome's, else the re-run's.
+    action: str = field(init=False)
+    #: The gradient norm to clip with.
+    total_norm: Optional[float] = field(init=False)
 
-    @property
-    def trains(self) -> bool:
-        """Whether the step's update is applied."""
-        return self.outcome is None or self.outcome.apply
-
-    @property
-    def action(self) -> str:
-        """The action the step comes to (``""``: healthy): the outcome's, else the re-run's."""
-        return (str(self.outcome.action) if self.outcome is not None else "") or self.rerun_action
-
-    @property
-    def total_norm(self) -> Optional[float]:
-        """The gradient norm to clip with."""
-        return self.read.total_norm if self.outcome is None else self.outcome.total_norm
+    def __post_init__(self) -> None:  # (set once: the healthy path reads them as attributes)
+        outcome = self.outcome
+        if outcome is None:
+            self.trains, self.action, self.total_norm = True, self.rerun_action, self.read.total_norm
+        else:
+            self.trains, self.total_norm = outcome.apply, outcome.total_norm
+            self.action = str(outcome.action) or self.rerun_action

@@ -226,8 +226,6 @@ class Parts:
         self.last_loss = math.nan
         self.last_grad_norm = math.nan
         self._run_start = (0, 0)  # steps and optimizer steps when this run (or its resume) began
-        # Two parameters looked at per step for gradients left by someone else (O(1), not O(P)).
-        self._probe = (params[0][1], params[-1][1]) if params else ()
 
     @property
     def loss_fn(self) -> Optional[Callable[..., torch.Tensor]]:

@@ -66,7 +66,10 @@ class Plumbing:
         # may run its set_to_none loop itself. Decided here: a zero_grad patched in later is not
         # seen; a wrapper forwarding through __getattr__ always goes through optimizer.zero_grad.
         self._plain_zero_grad = all(_plain_zero_grad(opt) for _, opt in members(optimizer))  # (each of several)
-        self.grads_dropped = False  # set_to_none done at the end of the last step
+        self.grads_dropped = False  # set_to_none done at the end of the last step (written here only)
+        # Two parameters looked at per step for gradients left by someone else (O(1), not O(P)).
+        params = [p for p in model.parameters() if p.requires_grad]
+        self._probe = (params[0], params[-1]) if params else ()
 
     # ------------------------------------------------------------------ batches
     def move(self, batch: Any) -> Any:
@@ -144,9 +147,19 @@ class Plumbing:
             self.optimizer.zero_grad(set_to_none=True)
 
     def drop_grads(self) -> None:
-        """Drop the step's gradients (the scaler's update follows the step, as after any other)."""
+        """Drop the step's gradients (the scaler's update follows the step, as after any other);
+        the next step need not free them again."""
         self.free_grads()
         self.grads_dropped = True
+
+    def begin_step(self) -> None:
+        """A step begins: its backward must not add to gradients left from before it. They are
+        freed unless the last step dropped them and none were made since (the first step, or a
+        user's own backward between two steps: two parameters are looked at, O(1), not O(P))."""
+        probe = self._probe
+        if not self.grads_dropped or (probe and (probe[0].grad is not None or probe[1].grad is not None)):
+            self.free_grads()
+        self.grads_dropped = False
 
 
 class Buffers:

@@ -328,12 +328,7 @@ class Guard(Parts):
         self.recovery.abort(Kind.WEIGHTS, reason)
 
     def _start_step(self) -> None:
-        probe = self._probe
-        if not self.plumbing.grads_dropped or (probe and (probe[0].grad is not None or probe[1].grad is not None)):
-            # The first step, or gradients made outside the guard since its last step (a user's
-            # own backward): dropped, or this step's backward would add to them.
-            self.plumbing.free_grads()
-        self.plumbing.grads_dropped = False
+        self.plumbing.begin_step()
         self._pending = Pending()
         self.monitor.reset()
         self.diagnoser.begin_step()
@@ -344,6 +339,7 @@ class Guard(Parts):
     def _decide(self, window: Optional[int]) -> Tuple[Optional[Verdict], StepResult]:
         """The step's read and decision loop; a step of skipped data or of empty batches has neither."""
         facts = self.machine.facts
+        self.counters.steps += 1  # (written here and in _again only: a step counts once, skipped or re-run)
         if facts.skipping:  # the data that led into a restore: the window is one whole step skipped
             self.plumbing.drop_grads()
             if facts.forwarded:  # the caller's forward ran on it: its buffer updates go
@@ -354,12 +350,11 @@ class Guard(Parts):
             self.plumbing.drop_grads()
             event = self.recovery.empty_batch(True, self._step_scheduler)
             return None, nan_result(self.counters.steps, "skip_batch", (event,))
-        k, restores = self.forward.accumulate, self.counters.restores
-        self.forward.accumulate = window if window else k  # re-runs divide as the caller did
-        try:
-            verdict = self.decisions.run(self._read(), self._pending, self.last_loss, self.rules, self._again)
-        finally:
-            self.forward.accumulate = k
+        restores, rules, decisions = self.counters.restores, self.rules, self.decisions
+        verdict = decisions.run(self._read(), self._pending, self.last_loss, rules)
+        while verdict.rerun is not None:  # a re-run is the next turn: run here, then handed back
+            read = self._again(verdict.rerun, verdict.read, window or self.forward.accumulate)
+            verdict = decisions.run(read, self._pending, self.last_loss, rules, verdict)
         clipped_to = math.nan
         if verdict.trains:
             clipped_to, clip_event = self.updates.prepare(
@@ -383,29 +378,29 @@ class Guard(Parts):
         self.updates.skipped_data(self.last_loss)
 
     def _read(self) -> detect.StepRead:
-        self.counters.steps += 1
         p, read = self._pending, self.forward.read(self._pending)  # host sync: the one per step
         self.last_loss = read.loss / (1 if self.loss_shares else len(p.micro)) if read.loss is not None else math.nan
         self.last_grad_norm = read.total_norm if read.total_norm is not None else math.nan
         return read
 
-    def _again(self, rerun: Rerun, read: detect.StepRead) -> Tuple[detect.StepRead, Pending, float]:
-        """The next turn's read, pending step and loss: the step run again on ``rerun.batches`` (its
-        gradients dropped first; it counts as the same step), or the same read with the replaced
-        rows' flags cleared."""
+    def _again(self, rerun: Rerun, read: detect.StepRead, divide: int) -> detect.StepRead:
+        """The next turn's read: the step run again on ``rerun.batches`` (its gradients dropped
+        first; the same step, counted once), each micro-batch's loss divided by ``divide`` as the
+        caller's was; or the same read with the replaced rows' flags cleared."""
         if rerun.batches is None:
-            return dataclasses.replace(read, input=False, target=False), self._pending, self.last_loss
+            return dataclasses.replace(read, input=False, target=False)
         self.plumbing.drop_grads()
         self.plumbing.before_rerun()
-        self.counters.steps -= 1
         self._start_step()
         p = self._pending
+        self.counters.steps -= 1  # its forward sees the step not yet counted, as the first run's did
         for i, batch in enumerate(rerun.batches):
             p.micro.append(batch)
             p.indices.append(rerun.indices[i] if rerun.indices else [])
             p.places.append(rerun.places[i] if rerun.places else self.position)
-            self.forward.run(batch, p)
-        return self._read(), self._pending, self.last_loss
+            self.forward.run(batch, p, divide)
+        self.counters.steps += 1
+        return self._read()
 
     def diagnose(self) -> Diagnosis:
         """Replay the pending step from its pre-step state and say where it goes non-finite.

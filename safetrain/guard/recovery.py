@@ -207,8 +207,7 @@ class Recovery:
         """An empty batch (0 rows) is a data event: skipped and journaled, never a reason to recover.
         With ``whole_step`` (one micro-batch a step) it is a skipped step, counted toward
         ``recovery.max_skip_fraction``; else it is left out of the step being accumulated."""
-        if whole_step:
-            self.counters.steps += 1
+        if whole_step:  # (the step is counted by the protocol)
             self.counters.skipped_batches += 1
             self.state.history = record_step(self.state.history, self.cfg.recovery, skipped=True)
             step_scheduler()  # (moves only when it follows batches)
@@ -360,8 +359,7 @@ class Recovery:
     def skip_data(self, step_scheduler: Callable[[], None]) -> Event:
         """Skip the data that led into a restore, a whole step (its micro-batches) at a time; returns its event."""
         s = self.state
-        s.skip_after_restore -= 1
-        self.counters.steps += 1
+        s.skip_after_restore -= 1  # (the step is counted by the protocol)
         self.counters.skipped_batches += 1
         s.history = record_step(s.history, self.cfg.recovery, skipped=True)
         step_scheduler()  # (moves only when it follows batches)

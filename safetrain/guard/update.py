@@ -119,8 +119,7 @@ class Updates:
         self.counters.optimizer_steps += 1
         if self.per_step:
             self.backoff.step(self.scheduler, loss)
-        self.plumbing.free_grads()
-        self.plumbing.grads_dropped = True  # the next step need not zero them again
+        self.plumbing.drop_grads()  # (the next step need not free them again)
 
     def follow(self, scheduler: Any) -> None:
         """Make a scheduler that the caller's loop steps keep the LR backoff on top of it

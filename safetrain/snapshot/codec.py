@@ -26,6 +26,7 @@ _TUPLE, _FLOAT, _DICT, _TENSOR, _NUMPY = "$tuple", "$float", "$dict", "$tensor",
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 # Values JSON holds as they are (exact types: bool/int subclasses such as numpy's or IntEnum are not).
 _AS_IS = frozenset({bool, int, str, type(None)})
+_LEAVES = _AS_IS | {float}  # what decode returns as it is
 
 
 def encode(obj: Any, path: str, sink: Callable[[str, torch.Tensor], None]) -> Any:
@@ -46,6 +47,14 @@ def encode(obj: Any, path: str, sink: Callable[[str, torch.Tensor], None]) -> An
         SnapshotError: ``obj`` holds a value that cannot be stored without pickle; the message
             gives its path and type.
     """
+    kind = type(obj)  # (exact types first, without a call: a snapshot encodes hundreds of values)
+    if kind in _AS_IS or (kind is float and obj - obj == 0.0):
+        return obj
+    if kind is dict and all([type(k) is str and k[:1] != "$" for k in obj]):  # (a plain value: no call)
+        return {
+            k: v if type(v) in _AS_IS or (type(v) is float and v - v == 0.0) else encode(v, f"{path}/{k}", sink)
+            for k, v in obj.items()
+        }
     if isinstance(obj, (np.number, np.bool_)):  # before float: np.float64 subclasses float
         return {_NUMPY: [obj.dtype.str, encode(obj.item(), path, sink)]}
     if obj is None or isinstance(obj, (bool, str)):
@@ -94,8 +103,8 @@ def decode(obj: Any, tensors: Mapping[str, torch.Tensor], where: str = "snapshot
     Raises:
         SnapshotError: a reference names a missing tensor, or a tag is malformed.
     """
-    if isinstance(obj, list):
-        return [decode(v, tensors, where) if isinstance(v, (list, dict)) else v for v in obj]
+    if isinstance(obj, list):  # (a plain number or string item as it is: no call per item)
+        return [v if type(v) in _LEAVES else decode(v, tensors, where) for v in obj]
     if not isinstance(obj, dict):
         return obj
     if len(obj) == 1:
@@ -114,7 +123,7 @@ def decode(obj: Any, tensors: Mapping[str, torch.Tensor], where: str = "snapshot
             return np.dtype(value[0]).type(decode(value[1], tensors, where))
         if tag == _DICT:
             return {decode(k, tensors, where): decode(v, tensors, where) for k, v in value}
-    return {k: decode(v, tensors, where) for k, v in obj.items()}
+    return {k: v if type(v) in _LEAVES else decode(v, tensors, where) for k, v in obj.items()}
 
 
 def tensor_refs(obj: Any) -> Dict[str, None]:
