@@ -237,8 +237,10 @@ class SafeTrainer:
             seen = 0
             for batch in iterator:
                 seen += 1
-                at = (epoch, guard.position[1] + 1) if keeper.sampler else None  # the batch's place, once it arrives
-                step = guard.step(batch, keeper.indices_for(batch, at) if at else None)
+                indices = None  # the rows' dataset indices, when a quarantine sampler knows them
+                if keeper.sampler is not None:
+                    indices = keeper.indices_for(batch, (epoch, guard.position[1] + 1))  # (its place, once it arrives)
+                step = guard.step(batch, indices)
                 if step is None:
                     continue
                 run.record(guard, step)
