@@ -18,9 +18,9 @@ from ..diagnose import Diagnoser, Diagnosis
 from ..events import Event
 from ..kinds import CAUSE_TESTED, Action, Cause
 from ..policy import Anomaly, Rules, decide, raises, read_clean
-from ..stats.divergence import DivergenceDetector
-from ..steps import Counters, Pending, StepResult
+from ..steps import Pending, StepResult
 from .cadence import Cadence
+from .context import Context
 from .judge import Judge
 from .lr import LRBackoff
 from .outcomes import Outcome, Verdict
@@ -34,31 +34,27 @@ class Decisions:
     """Runs a step's decision loop and closes the decided step.
 
     Args:
-        judge: a read -> its anomaly (``None``: clean).
-        recovery: carries out a decision.
-        diagnoser: the slow path's replays.
-        store: the snapshot store (whether there is one to restore).
+        context: the run's counters.
+        judge: a read -> its anomaly (``None``: clean); its loss detectors say whether the loss
+            is settled (mid-climb, or above its level, a clean read vouches for nothing).
+        recovery: carries out a decision; its store says whether there is a snapshot to restore.
+        diagnoser: the slow path's replays and the cause test.
         recovery_state: the policy's history and what recovery remembers.
-        divergence: the divergence detector (mid-climb, a clean read vouches for nothing).
         backoff: the LR backoff (a clean read trusts the last update's LRs).
-        counters: the guard's counters.
     """
 
     def __init__(
         self,
-        *,
+        context: Context,
         judge: Judge,
         recovery: Recovery,
         diagnoser: Diagnoser,
-        store: object,
         recovery_state: RecoveryState,
-        divergence: DivergenceDetector,
         backoff: LRBackoff,
-        counters: Counters,
     ) -> None:
-        self.judge, self.recovery, self.diagnoser, self.store = judge, recovery, diagnoser, store
-        self.recovery_state, self.divergence = recovery_state, divergence
-        self.backoff, self.counters = backoff, counters
+        self.judge, self.recovery, self.diagnoser, self.store = judge, recovery, diagnoser, recovery.store
+        self.recovery_state, self.divergence = recovery_state, judge.divergence
+        self.backoff, self.counters = backoff, context.counters
 
     def run(
         self, read: detect.StepRead, pending: Pending, loss: float, rules: Rules, so_far: Optional[Verdict] = None
@@ -91,7 +87,7 @@ class Decisions:
         rs = self.recovery_state
         anomaly = dataclasses.replace(anomaly, retried=retried, again=bool(rerun_action))
         if raises(anomaly.kind, rules):
-            self.recovery.reject_rows(anomaly)
+            self.recovery.reject_rows(anomaly, loss)
         if self._tests_cause(anomaly, rules):  # before the ladder escalates: which cause?
             anomaly = self._cause(anomaly, pending)
         replays = rules.reruns and self.diagnoser.explains(anomaly.kind)  # (a replay runs the step's forward)
@@ -99,7 +95,7 @@ class Decisions:
         # A typed fact for the policy: is there a snapshot to restore (slow path: lists a directory)?
         history = rs.for_policy(has_snapshot=bool(len(self.store)))
         decision, rs.history = decide(anomaly, history, rules, diagnosis)
-        outcome = self.recovery.carry_out(anomaly, decision, read, pending, diagnosis)
+        outcome = self.recovery.carry_out(anomaly, decision, read, pending, diagnosis, loss=loss)
         events += outcome.events
         if anomaly.cause is not None and anomaly.cause.cause is Cause.DATA_CHANGE:
             self.judge.rebase()  # the new level is the run's level from here on
@@ -155,7 +151,7 @@ class Decisions:
             rs.damage = (began, verdict.step)
         return dataclasses.replace(anomaly, detail=detail, cause=verdict)
 
-    def after_update(self, anomaly: Anomaly, verdict: Verdict, pending: Pending, rules: Rules) -> Outcome:
+    def after_update(self, anomaly: Anomaly, verdict: Verdict, pending: Pending, rules: Rules, loss: float) -> Outcome:
         """An anomaly found inside the update itself, after the step was judged (an evaluation of a
         closure optimizer's line search went non-finite): decided and carried out as one turn of the
         loop (no replay, no re-run: the update has already moved the state; the ladder restores).
@@ -165,7 +161,7 @@ class Decisions:
             rs.history = read_clean(rs.history)
         read = verdict.read
         decision, rs.history = decide(anomaly, rs.for_policy(has_snapshot=bool(len(self.store))), rules, None)
-        return self.recovery.carry_out(anomaly, decision, read, pending, None)
+        return self.recovery.carry_out(anomaly, decision, read, pending, None, loss=loss)
 
     def _explain(self, anomaly: Anomaly, p: Pending) -> Diagnosis:
         """The slow path's replay: the step's (its parameters were finite: the judge checked), or

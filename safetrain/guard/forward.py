@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import detect, distributed
-from ..adapters.compiled import can_force_eager, plain_namer, run_eagerly
+from ..adapters.compiled import can_force_eager, run_eagerly
 from ..config import SanitizeConfig
 from ..detect import TARGET_KEYS
 from ..steps import Pending
@@ -37,6 +37,9 @@ class Forward:
         named: the module inside a compile wrapper (replays run it eagerly on an old torch).
         monitor: the activation monitor whose hooks record each forward.
         plumbing: device, autocast and scaler.
+        buffers: what a forward changes before the step is judged (BatchNorm's running
+            statistics): kept before each step's first forward, put back when the step is not
+            applied or runs again.
         sanitize: the ``sanitize`` section (what to scan, what to replace with).
         accumulate: ``guard.accumulate_steps`` (each micro-batch's loss is divided by it).
         loss_fn: ``loss_fn(model(inputs), targets)`` for pair batches.
@@ -51,6 +54,7 @@ class Forward:
         named: torch.nn.Module,
         monitor: detect.ActivationMonitor,
         plumbing: Plumbing,
+        buffers: Buffers,
         sanitize: SanitizeConfig,
         accumulate: int,
         loss_fn: Optional[Callable[..., Tensor]],
@@ -63,9 +67,7 @@ class Forward:
         # Zero-fill bad input values before the optimistic forward only where the forward updates
         # state: a model without buffers changes nothing until the step is judged.
         self.clean = any(True for _ in model.buffers())
-        # What a forward changes before the step is judged (BatchNorm's running statistics): kept
-        # before each step's first forward, put back when the step is not applied or runs again.
-        self.buffers = Buffers(named, plain_namer(named))
+        self.buffers = buffers
         self._replace_inputs = self._replacement(sanitize.inputs)
         self._replace_targets = self._replacement(sanitize.targets)
 

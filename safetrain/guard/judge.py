@@ -15,11 +15,11 @@ from .. import detect
 from ..config import SanitizeConfig, TrainConfig
 from ..kinds import Kind
 from ..policy import Anomaly
-from ..stats.divergence import DivergenceDetector
-from ..stats.gradclip import NormStats
-from ..stats.spike import SpikeDetector
-from ..steps import Counters, Pending
+from ..steps import Pending
 from .batches import row_findings
+from .context import Context, Detectors
+from .forward import Forward
+from .lr import LRBackoff
 from .plumbing import Plumbing
 
 __all__ = ["Judge", "micro_rows"]
@@ -43,17 +43,18 @@ class Judge:
     growing geometrically (divergence), a loss spike.
 
     Args:
-        cfg: the configuration (``detect.mode``, ``sanitize``, ``guard.grad_norm_threshold``).
-        counters: the guard's counters (findings say where: step, epoch, batch).
-        monitor, grads, all_weights, spike: the detectors whose values the read holds.
+        cfg: the configuration (``detect.mode``, ``sanitize``, ``guard.grad_norm_threshold``,
+            ``recovery.cause_test``).
+        context: the run's counters (findings say where: step, epoch, batch) and the sync
+            (agreement across ranks on the slow path; a no-op in one process).
+        detectors: the detectors whose values the read holds, and the loss and norm statistics:
+            ``guard.grad_norm_threshold: adaptive`` judges by the norm's (a far z-score; nothing
+            before their warm-up is over); a divergence's evidence carries the schedule's LRs.
         plumbing: the scaler's backoff factor.
-        sync: agreement across ranks on the slow path (a no-op in one process).
-        confirm: ``confirm(micro)`` runs the step's forwards again exactly (confirms an activation flag).
-        divergence: the divergence detector (``None``: off); ``lrs()`` gives the schedule's LRs
-            (the held ones under an LR hold) its evidence carries, for the policy's
-            ``recovery.min_lr`` limit and abort message.
-        norm_stats: the gradient norm's EMA statistics, which ``guard.grad_norm_threshold: adaptive``
-            judges by (a far z-score; nothing before their warm-up is over).
+        forward: runs the step's forwards again exactly (:meth:`~.forward.Forward.confirm`), to
+            confirm an activation flag.
+        backoff: the LRs in force, the held ones under an LR hold (a divergence's evidence carries
+            them, for the policy's ``recovery.min_lr`` limit and abort message); ``None``: none known.
 
     A loss that rose to a new level and stays (:meth:`~safetrain.stats.spike.SpikeDetector.level`) is
     judged a ``spike`` of rule ``level`` while ``recovery.cause_test`` is on (the cause test
@@ -63,27 +64,23 @@ class Judge:
     def __init__(
         self,
         cfg: TrainConfig,
-        counters: Counters,
-        monitor: detect.ActivationMonitor,
-        grads: detect.GradCheck,
-        all_weights: detect.WeightCheck,
-        spike: SpikeDetector,
+        context: Context,
+        detectors: Detectors,
         plumbing: Plumbing,
-        sync: Any,
-        confirm: Callable[[List[Any]], None],
-        divergence: Optional[DivergenceDetector] = None,
-        lrs: Callable[[], List[float]] = list,
-        norm_stats: Optional[NormStats] = None,
+        forward: Forward,
+        backoff: Optional[LRBackoff] = None,
     ) -> None:
-        self.counters, self.monitor, self.grads, self.all_weights = counters, monitor, grads, all_weights
-        self.spike, self.plumbing, self.sync, self._confirm = spike, plumbing, sync, confirm
+        d = detectors
+        self.counters, self.sync = context.counters, context.sync
+        self.monitor, self.grads, self.all_weights, self.spike = d.monitor, d.grads, d.all_weights, d.spike
+        self.plumbing, self._confirm = plumbing, forward.confirm
         self.sanitize = cfg.sanitize
         threshold = cfg.guard.grad_norm_threshold
         self.threshold: Optional[float] = None if threshold == "adaptive" else threshold  # type: ignore[assignment]
-        self.norm_stats = norm_stats if threshold == "adaptive" else None
+        self.norm_stats = d.norm_stats if threshold == "adaptive" else None
         self.weights_checked = cfg.detect.mode != "off"
-        self.divergence = divergence if divergence is not None else DivergenceDetector(enabled=False)
-        self.lrs = lrs
+        self.divergence = d.divergence
+        self.lrs: Callable[[], List[float]] = backoff.effective if backoff is not None else list
         self.levels = cfg.recovery.cause_test  # a level rise is the cause test's to explain
 
     def where(self, pending: Optional[Pending] = None, micro: Optional[int] = None) -> Dict[str, int]:

@@ -29,6 +29,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from ..events import LRChanged
+from ..kinds import Action
 from ..optimizers import Schedulers
 
 __all__ = ["LRBackoff", "step_scheduler"]
@@ -71,15 +73,16 @@ class LRBackoff:
         self,
         optimizer: torch.optim.Optimizer,
         min_lr: float = 0.0,
-        on_hold: Optional[Callable[[str, Dict[str, Any]], None]] = None,
+        journal: Optional[Callable[..., Any]] = None,
         release_after: int = 20,
     ) -> None:
         self.optimizer = optimizer
         self.min_lr = float(min_lr)
         self.scale = 1.0
         self.unscaled: List[float] = [float(g["lr"]) for g in optimizer.param_groups]
-        #: ``on_hold(message, detail)``: the hold started to bind, or lifted (the guard journals it).
-        self.on_hold = on_hold
+        #: ``journal(cls, kind, action, message, detail)`` (the guard's :class:`~.journal.StepJournal`):
+        #: an ``LRChanged`` event when the hold starts to bind, or lifts.
+        self.journal = journal
         self.release_after = release_after
         self.used: Optional[List[float]] = None  # the (unscaled) LRs the last update used
         self.trusted: Optional[List[float]] = None  # ...of the last update a clean read followed
@@ -197,8 +200,8 @@ class LRBackoff:
         self._tell(f"LR hold lifted ({why}); lr {self.lrs()}", {"held_lr": was, "new_lr": self.lrs()})
 
     def _tell(self, message: str, detail: Dict[str, Any]) -> None:
-        if self.on_hold is not None:
-            self.on_hold(message, detail)
+        if self.journal is not None:
+            self.journal(LRChanged, "lr", Action.SCALE_LR, message, detail)
 
     def follow(self, scheduler: Any, may_step: Optional[Callable[[], bool]] = None) -> None:
         """Make a scheduler that someone else steps (a framework's loop) keep this backoff on top:

@@ -21,8 +21,7 @@ from .. import detect, distributed, snapshot
 from ..adapters.compiled import plain_namer, unwrap_compiled
 from ..config import ConfigLike, TrainConfig, as_config
 from ..diagnose import Diagnoser
-from ..events import Event, EventBus, LRChanged
-from ..kinds import Action
+from ..events import Event, EventBus
 from ..optimizers import as_optimizer, as_scheduler
 from ..policy import History, Rules
 from ..snapshot import SnapshotInfo
@@ -30,6 +29,7 @@ from ..stats.divergence import DivergenceDetector
 from ..stats.gradclip import NormStats
 from ..stats.spike import SpikeDetector
 from ..steps import Counters, Pending
+from .context import Context, Detectors
 from .decisions import Decisions
 from .forward import Forward
 from .journal import StepJournal
@@ -38,7 +38,7 @@ from .lazy import LazyParams
 from .lr import LRBackoff
 from .machine import MID_STEP, Machine, Phase
 from .measure import measure
-from .plumbing import Plumbing
+from .plumbing import Buffers, Plumbing
 from .recovery import Recovery
 from .snapshots import Snapshots
 from .state import RecoveryState
@@ -58,28 +58,34 @@ class Parts:
     The arguments are :class:`~safetrain.guard.Guard`'s (documented there).
     """
 
-    # What the guard is made of (a table of contents; each part takes its own config section).
+    # What the guard is made of, in the order it is built (each part from its config section, the
+    # context and the parts it reads; no part is handed a callable into another).
     cfg: TrainConfig
-    counters: Counters  # read by FitResult, the progress bar and the journal (through counts)
-    recovery_state: RecoveryState  # the policy's history and what recovery remembers
     plumbing: Plumbing  # device, autocast, scaler, freeing gradients
-    forward: Forward  # one micro-batch through the model
+    sync: Any  # distributed.LocalSync or DistributedSync
+    counters: Counters  # one writer each; read by FitResult, the progress bar and the journal (through counts)
+    context: Context  # what every part shares: the counters, the journal, the sync
+    state: snapshot.TrainState  # the whole training state, for snapshots
+    recovery_state: RecoveryState  # the policy's history and what recovery remembers
+    detectors: Detectors  # what the step's read holds values of, and the loss and norm statistics:
     monitor: detect.ActivationMonitor  # forward hooks (detect.mode)
     grads: detect.GradCheck  # the fused gradient norms
     weights: detect.WeightCheck  # the periodic weight check
     spike: SpikeDetector  # loss spikes
     divergence: DivergenceDetector  # a loss growing geometrically
     norm_stats: NormStats  # the gradient norm's EMA statistics (adaptive clipping, the adaptive grad_norm anomaly)
-    judge: Judge  # a step's read -> its anomaly
-    recovery: Recovery  # carries out decisions
-    updates: Updates  # applies a step's update, or drops it; the scheduler
-    decisions: Decisions  # the decision loop: judge, diagnose, decide, carry out
-    state: snapshot.TrainState  # the whole training state, for snapshots
+    backoff: LRBackoff  # the LR scale on top of the schedule
+    forward: Forward  # one micro-batch through the model
+    stepper: Stepper  # moves the optimizer: every one, a named step's, or with a closure (LBFGS)
+    diagnoser: Diagnoser  # the slow path's replays and the cause test
+    lazy: LazyParams  # a lazy module's parameters, once its first forward made them
     store: Any  # where snapshots go
     snapshots: Snapshots  # takes them, and records what each owes before it is vouched for
-    backoff: LRBackoff  # the LR scale on top of the schedule
-    stepper: Stepper  # moves the optimizer: every one, a named step's, or with a closure (LBFGS)
-    sync: Any  # distributed.LocalSync or DistributedSync
+    updates: Updates  # applies a step's update, or drops it; the scheduler
+    judge: Judge  # a step's read -> its anomaly
+    recovery: Recovery  # carries out decisions
+    decisions: Decisions  # the decision loop: judge, diagnose, decide, carry out
+    machine: Machine  # the step's state machine: its phase, its driver, the facts of the step under way
 
     def __init__(
         self,
@@ -105,127 +111,88 @@ class Parts:
         # One process, DDP or FSDP2; anything else is refused here (FSDP2: replays off, sharded snapshots).
         self.layout = layout = distributed.layout_of(named)
         self.cfg = c = distributed.for_layout(layout, as_config(cfg))
-        self.bus = bus if bus is not None else EventBus()
-        self.counters = counters = Counters()
         self.rules = Rules.of(c)
-        self.recovery_state = RecoveryState(c.recovery)
+        self.bus = bus if bus is not None else EventBus()
+
+        # The run every part works in: device, autocast and scaler; the sync (under DDP one
+        # collective combines every rank's flags, and snapshots and replays agree across ranks);
+        # the counters and the journal.
         self.plumbing = pipes = Plumbing(model, optimizer, c.amp, scaler, c.guard.to_device)
         self.device = pipes.device
         self.scaler: Optional[torch.amp.GradScaler] = pipes.scaler.scaler  # the GradScaler in use (snapshots keep it)
-        self.backoff = backoff = LRBackoff(optimizer, c.recovery.min_lr, release_after=c.recovery.reset_after)
-        backoff.on_hold = lambda message, detail: self._emit(LRChanged, "lr", Action.SCALE_LR, message, detail)
-        sp = c.guard.spike
-        self.spike = SpikeDetector(sp.window, sp.min_history, sp.zscore, sp.enabled, sp.min_ratio, sp.hard_ratio)
-        self.divergence = DivergenceDetector.from_config(c.guard.divergence, recover_after=c.recovery.reset_after)
-        cl = c.guard.clip
-        self.norm_stats = NormStats(cl.alpha, cl.zscore, cl.warmup_steps, cl.anomaly_zscore)
-        self.state = state = distributed.train_state(layout, named, optimizer, scheduler=scheduler, scaler=self.scaler)
-        # Buffers non-finite by design (a -inf causal mask) are part of the model: snapshots take them
-        # while their pattern is unchanged (host sync: once, at the start).
-        state.accept_nonfinite_buffers()
-        plain = plain_namer(named)
-        # Every parameter, frozen ones too, for the exact check after a trip (a snapshot restores them).
-        self._all_params = all_params = [(plain(n), p) for n, p in named.named_parameters()]
-        self._params = params = [(n, p) for n, p in all_params if p.requires_grad]
-        # Gradients are always checked (clipping and the scaler need the norm anyway); the
-        # activation and weight checks follow detect.mode. Disabled parts are no-ops, not ifs.
-        self.grads = grads = detect.GradCheck(all_params)  # (frozen ones watched: one may be unfrozen mid-run)
-        self.monitor = monitor = detect.ActivationMonitor.from_config(named, c.detect)
-        monitor.attach()
-        # Distributed (a process group of > 1 rank and a DDP model): the one read combines every
-        # rank's flags with one collective, and snapshots and replays agree across ranks.
         self.sync = sync = distributed.make_sync(self.device, named)
         self.rank = sync.rank  # stamped on every event
-        self._emit = StepJournal(self.bus, counters, sync)
-        flags, k = detect.StepFlags(reduce=sync.reduce), c.guard.accumulate_steps
+        self.counters = counters = Counters()
+        self.context = ctx = Context(counters, StepJournal(self.bus, counters, sync), sync)
+
+        # What a snapshot holds, and what the checks watch: every parameter, frozen ones too (one
+        # may be unfrozen mid-run; a snapshot restores them), by the name the user's code gives it.
+        self.state = state = distributed.train_state(layout, named, optimizer, scheduler=scheduler, scaler=self.scaler)
+        state.accept_nonfinite_buffers()  # a -inf causal mask is part of the model (host sync: once)
+        plain = plain_namer(named)
+        self._all_params = all_params = [(plain(n), p) for n, p in named.named_parameters()]
+        self._params = [(n, p) for n, p in all_params if p.requires_grad]
+        buffers = Buffers(named, plain)  # what a forward changes before the step is judged (BatchNorm's)
+
+        # The parts, each from its section, the context and the parts it reads.
+        self.recovery_state = rs = RecoveryState(c.recovery)
+        self.detectors = det = Detectors.of(c, named, all_params, buffers, state)
+        self.monitor, self.grads, self.weights = det.monitor, det.grads, det.weights  # (by name: read every step)
+        self.spike, self.divergence, self.norm_stats = det.spike, det.divergence, det.norm_stats
+        self.backoff = backoff = LRBackoff(optimizer, c.recovery.min_lr, ctx.journal, c.recovery.reset_after)
         steps = dict(step_fn) if isinstance(step_fn, Mapping) else {}  # named steps: a GAN's "d" and "g"
         self.forward = fwd = Forward(
-            flags,
-            grads,
+            detect.StepFlags(reduce=sync.reduce),
+            det.grads,
             model,
             named,
-            monitor,
+            det.monitor,
             pipes,
+            buffers,
             c.sanitize,
-            k,
+            c.guard.accumulate_steps,
             loss_fn=loss_fn,
             step_fn=None if steps else step_fn,
         )
-        self.stepper = Stepper(optimizer, fwd, grads, pipes, steps)  # plain, a named step's, or a closure (LBFGS)
-        # The weight checks cover floating buffers (BatchNorm statistics), and a mask's -inf by its pattern.
-        bufs, probes = fwd.buffers.checked(), fwd.buffers.patterned(state)
-        on = c.detect.mode != "off"
-        self.weights = detect.WeightCheck(params + bufs, c.detect.check_weights_every, enabled=on, probes=probes)
+        self.stepper = Stepper(optimizer, fwd, det.grads, pipes, steps)  # plain, a named step's, or a closure (LBFGS)
+        self.diagnoser = diag = self._diagnoser(bool(steps))
+        self.lazy = LazyParams(named, fwd, pipes, det.monitor, state, (det.grads, det.weights, det.all_weights))
         self.store = store = distributed.make_store(layout, c.snapshot, run_dir, sync)
-        self.diagnoser = diag = Diagnoser(
-            named,
-            monitor,
-            c.detect.replay,
-            state=state,
-            params=params,
-            loss_of=fwd.eager_loss,
-            autocast=pipes.autocast,
-            prepare=fwd.scan,
-            accumulate=k,
-            clip=c.guard.clip_grad_norm,
-            sync=sync,
-        )
-        diag.wrap_step_replay(lambda replay: distributed.wrap_replayer(replay, sync, named))
-        if steps:  # each update has its own loss and optimizer: the weight replay cannot redo them in order
-            diag.weight_replay.never = "named steps (each update its own loss and optimizer) are not replayed"
-        kept = fwd.buffers.checked(kept=True), fwd.buffers.patterned(state, kept=True)  # as before the step
-        all_weights = detect.WeightCheck(all_params + kept[0], 0, probes=kept[1])
-        self.lazy = LazyParams(named, fwd, pipes, monitor, state, (grads, self.weights, all_weights))
-        self.judge = Judge(
-            c,
-            counters,
-            monitor,
-            grads,
-            all_weights,
-            self.spike,
-            pipes,
-            sync,
-            fwd.confirm,
-            divergence=self.divergence,
-            lrs=backoff.effective,
-            norm_stats=self.norm_stats,
-        )
-        self.updates = Updates(
-            c.guard, pipes, grads, counters, scheduler, backoff, diag.record_update, self.norm_stats, self._emit
-        )
-        self.recovery = Recovery(
-            c,
-            counters,
-            self.recovery_state,
-            store,
-            state,
-            backoff,
-            grads,
-            dict(all_params),  # (a frozen parameter may be unfrozen mid-run)
-            emit=self._emit,
-            not_applied=self._not_applied,
-            after_restore=self._after_restore,
-            sync=sync,
-            put_back=fwd.buffers.put_back,
-        )
-        rs = self.recovery_state
-        self.snapshots = Snapshots(store, state, counters, rs, diag.clear, self._emit, c.snapshot, sync)
-        self.decisions = Decisions(
-            judge=self.judge,
-            recovery=self.recovery,
-            diagnoser=diag,
-            store=store,
-            recovery_state=self.recovery_state,
-            divergence=self.divergence,
-            backoff=backoff,
-            counters=counters,
-        )
+        self.snapshots = snaps = Snapshots(c.snapshot, ctx, store, state, rs, diag)
+        self.updates = updates = Updates(c.guard, ctx, det, pipes, scheduler, backoff, diag)
+        self.judge = judge = Judge(c, ctx, det, pipes, fwd, backoff)
+        params = dict(all_params)
+        self.recovery = recovery = Recovery(c, ctx, rs, snaps, det, backoff, updates, buffers, diag, params)
+        self.decisions = Decisions(ctx, judge, recovery, diag, rs, backoff)
+
         self.machine = Machine()  # the step's phase, its driver, the facts of the step under way
         self._pending = Pending()
         self.epoch_rng: Optional[torch.Tensor] = None  # torch RNG at the start of the current epoch
         self.last_loss = math.nan
         self.last_grad_norm = math.nan
         self._run_start = (0, 0)  # steps and optimizer steps when this run (or its resume) began
+
+    def _diagnoser(self, named_steps: bool) -> Diagnoser:
+        """The slow path's replays (:mod:`safetrain.diagnose`), over the parts that run a step;
+        under DDP a replay runs on every rank and they agree."""
+        c, fwd, sync = self.cfg, self.forward, self.sync
+        diag = Diagnoser(
+            self._named,
+            self.detectors.monitor,
+            c.detect.replay,
+            state=self.state,
+            params=self._params,
+            loss_of=fwd.eager_loss,
+            autocast=self.plumbing.autocast,
+            prepare=fwd.scan,
+            accumulate=c.guard.accumulate_steps,
+            clip=c.guard.clip_grad_norm,
+            sync=sync,
+        )
+        diag.wrap_step_replay(lambda replay: distributed.wrap_replayer(replay, sync, self._named))
+        if named_steps:  # each update has its own loss and optimizer: the weight replay cannot redo them in order
+            diag.weight_replay.never = "named steps (each update its own loss and optimizer) are not replayed"
+        return diag
 
     @property
     def loss_fn(self) -> Optional[Callable[..., torch.Tensor]]:
@@ -437,17 +404,3 @@ class Parts:
         self.judge.load_state_dict(state)
         self.recovery_state.load_state_dict(state)
         self._run_start = (self.counters.steps, self.counters.optimizer_steps)
-
-    # ----------------------------------------------------------------- the parts' callbacks
-    def _not_applied(self) -> None:
-        self.updates.not_applied(self.last_loss)
-
-    def _after_restore(self, step: int, extra: Mapping[str, Any]) -> None:
-        # The gradient norm's statistics and the loss-spike window go back with the weights they
-        # describe (the divergence episode does not: it is what the restore answers).
-        self.norm_stats.load_state_dict(extra.get("grad_norm", {}))
-        if "spike" in extra:
-            self.spike.load_state_dict(extra["spike"])
-        self.diagnoser.rng_reset()  # the snapshot's RNG state is back
-        self.diagnoser.clear(step)
-        self._pending.weights = None

@@ -193,7 +193,7 @@ class Guard(Parts):
         if not facts.skipping and self.sync.steps_alone and batch_rows(batch) == 0:  # (under DDP every rank steps)
             m.phase = m.move(Verb.UNTRAINED)
             if self.cfg.guard.accumulate_steps > 1:  # left out; with one micro-batch a step, decide() skips the step
-                self.recovery.empty_batch(False, self._step_scheduler)
+                self.recovery.empty_batch(False, self.last_loss)
             return batch
         facts.window += 1
         if facts.skipping:  # the data that led into a restore: no gradient of it is used
@@ -344,11 +344,11 @@ class Guard(Parts):
             self.plumbing.drop_grads()
             if facts.forwarded:  # the caller's forward ran on it: its buffer updates go
                 self.forward.buffers.put_back()
-            event = self.recovery.skip_data(self._step_scheduler)
+            event = self.recovery.skip_data(self.last_loss)
             return None, nan_result(self.counters.steps, "skip_batch", (event,))
         if not self._pending.micro:  # only empty batches: a skipped step
             self.plumbing.drop_grads()
-            event = self.recovery.empty_batch(True, self._step_scheduler)
+            event = self.recovery.empty_batch(True, self.last_loss)
             return None, nan_result(self.counters.steps, "skip_batch", (event,))
         restores, rules, decisions = self.counters.restores, self.rules, self.decisions
         verdict = decisions.run(self._read(), self._pending, self.last_loss, rules)
@@ -373,9 +373,6 @@ class Guard(Parts):
             clipped_to=clipped_to,
         )
         return verdict, result
-
-    def _step_scheduler(self) -> None:
-        self.updates.skipped_data(self.last_loss)
 
     def _read(self) -> detect.StepRead:
         p, read = self._pending, self.forward.read(self._pending)  # host sync: the one per step

@@ -11,79 +11,82 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, NoReturn, Optional, Tuple
+from typing import Any, Dict, List, Mapping, NoReturn, Optional, Tuple
 
 import torch
 
 from ..config import TrainConfig
 from ..detect import batch_error
+from ..diagnose import Diagnoser
 from ..errors import SnapshotError, TrainingAborted
 from ..events import Aborted, AnomalyFound, Event, LRChanged, Restored
 from ..kinds import DATA_KINDS, Action, Cause, Kind
 from ..optimizers import lrs_by_name
 from ..policy import Anomaly, Decision, mark_last_skipped, record_step
 from ..policy.causes import Verdict as CauseVerdict
-from ..steps import Counters, Pending
+from ..steps import Pending
 from .batches import without_rows
+from .context import Context, Detectors
 from .end_check import check_end
 from .judge import micro_rows
 from .lr import LRBackoff
 from .messages import micro_batch_of, payload_of, place_of, summary, with_hint
 from .outcomes import Outcome, Rerun, Verdict
+from .plumbing import Buffers
 from .returns import MAX_RESTORES, MAX_RETURNS, loop_reason
+from .snapshots import Snapshots
 from .state import RecoveryState
+from .update import Updates
 
-__all__ = ["Recovery", "Outcome", "Rerun", "Verdict", "Emit", "with_hint"]
+__all__ = ["Recovery", "Outcome", "Rerun", "Verdict", "with_hint"]
 
 logger = logging.getLogger(__name__)
 
-#: How the executor journals: ``emit(event_class, kind, action, message, detail, at=None) -> event``;
-#: ``at``: the ``(epoch, batch index)`` of the micro-batch the event is about (``None``: the step's).
-Emit = Callable[..., Event]
 
-
-@dataclass
 class Recovery:
     """Carries out decisions on the training state; each method is one action.
 
-    Attributes:
+    Args:
         cfg: the configuration (``recovery.skip_batches_after_restore``, ``guard.*``, ``sanitize``).
-        counters: the guard's counters (every action is counted).
-        state: the recovery state (history, data to skip after a restore).
-        store: the snapshot store; ``train_state`` is what it restores into.
+        context: the run's counters (every action is counted), journal and sync (agreement
+            across ranks: the micro-batches left after ``drop_rows``, the snapshot passed over).
+        recovery_state: the recovery state (history, data to skip after a restore).
+        snapshots: the snapshot store and the training state it restores into.
+        detectors: the gradient check (the norm of what is left after zeroing); the gradient
+            norm's statistics and the loss-spike window go back with a restored snapshot's weights.
         backoff: the LR scale kept on top of the schedule.
-        grads: the gradient check (the norm of what is left after zeroing).
+        updates: a step not applied drops its gradients and is counted as skipped there.
+        buffers: the buffers as they were before the step's first forward; a step not applied, or
+            run again, leaves none of its BatchNorm updates behind (those it had changed are
+            journaled as the event's ``buffers_put_back``).
+        diagnoser: the replays, which forget what came after a restored snapshot.
         params: every parameter by name (frozen ones too: one may be unfrozen mid-run).
-        emit: journals an event.
-        not_applied: drops the step's gradients and counts it as skipped.
-        after_restore: called with the restored step and the snapshot's guard state (replays forget
-            what came after it; the gradient norm's statistics go back).
-        sync: agreement across ranks (the micro-batches left after ``drop_rows``).
-        put_back: puts the buffers back as they were before the step's first forward (a step
-            not applied, or run again, leaves none of its BatchNorm updates behind); returns the
-            names of those the step had changed, journaled as the event's ``buffers_put_back``.
     """
 
-    cfg: TrainConfig
-    counters: Counters
-    state: RecoveryState
-    store: Any
-    train_state: Any
-    backoff: LRBackoff
-    grads: Any
-    params: Dict[str, torch.Tensor]
-    emit: Emit
-    not_applied: Callable[[], None]
-    after_restore: Callable[[int, Mapping[str, Any]], None]
-    sync: Any
-    put_back: Callable[[], Tuple[str, ...]] = tuple
-    masked_targets: int = 0  # steps whose targets held NaN/Inf while their loss was finite
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        context: Context,
+        recovery_state: RecoveryState,
+        snapshots: Snapshots,
+        detectors: Detectors,
+        backoff: LRBackoff,
+        updates: Updates,
+        buffers: Buffers,
+        diagnoser: Diagnoser,
+        params: Dict[str, torch.Tensor],
+    ) -> None:
+        self.cfg, self.counters, self.emit, self.sync = cfg, context.counters, context.journal, context.sync
+        self.state, self.store, self.train_state = recovery_state, snapshots.store, snapshots.state
+        self.detectors, self.grads, self.backoff = detectors, detectors.grads, backoff
+        self.updates, self.buffers, self.diagnoser, self.params = updates, buffers, diagnoser, params
+        self.masked_targets = 0  # steps whose targets held NaN/Inf while their loss was finite
 
     def carry_out(
-        self, anomaly: Anomaly, decision: Decision, read: Any, pending: Pending, diagnosis: Any = None
+        self, anomaly: Anomaly, decision: Decision, read: Any, pending: Pending, diagnosis: Any = None, *, loss: float
     ) -> Outcome:
-        """Carry out ``decision`` about ``anomaly`` (found in ``read``, for the step in ``pending``).
+        """Carry out ``decision`` about ``anomaly`` (found in ``read``, for the step in ``pending``,
+        whose loss as a scheduler steps on it is ``loss``).
 
         Raises:
             TrainingAborted: the decision was ``abort``; the state is at the last good snapshot.
@@ -103,7 +106,7 @@ class Recovery:
             rerun = Rerun(list(pending.micro), list(pending.indices), list(pending.places))
             return Outcome(action, (event,), rerun=rerun)
         if anomaly.kind is Kind.OVERFLOW and kind is Kind.OVERFLOW:  # normal in fp16: the scaler backs off
-            self.not_applied()
+            self.updates.not_applied(loss)
             self.counters.scaler_skips += 1
             event = self.emit(
                 AnomalyFound,
@@ -120,7 +123,7 @@ class Recovery:
         if kind is Kind.TARGET and read.loss is not None and math.isfinite(read.loss):
             self.masked_targets += 1  # NaN targets, yet a finite loss: the loss masks them
         if kind in DATA_KINDS and action is not Action.ABORT:
-            return self.fix_rows(kind, decision, detail["rows"], pending)
+            return self.fix_rows(kind, decision, detail["rows"], pending, loss)
         if anomaly.cause is not None and anomaly.cause.cause is Cause.DATA_CHANGE and decision.trains:
             return self.level_shift(anomaly.cause, read)
         replayed = f"; replay: {diagnosis.describe()}" if diagnosis is not None else ""
@@ -140,10 +143,11 @@ class Recovery:
                 apply=True,
                 total_norm=total if total is not None and math.isfinite(total) else None,
             )
-        self.not_applied()
+        self.updates.not_applied(loss)
         if decision.restore or (action is Action.ABORT and len(self.store)):  # an abort goes back too, if it can
             restored = self.restore(decision)
             events += [restored] if restored is not None else []
+            pending.weights = None  # (the periodic check's value was of the weights before the restore)
         if action is Action.SCALE_LR:
             self.counters.lr_backoffs += 1
             events.append(self.lr_changed(decision.lr_scale, f"backoff after {kind}"))
@@ -193,9 +197,9 @@ class Recovery:
         """
         check_end(self, seen, trained)
 
-    def reject_rows(self, anomaly: Anomaly) -> None:
+    def reject_rows(self, anomaly: Anomaly, loss: float) -> None:
         """``sanitize.*: raise``: the step is not applied, the rows are journaled, then BatchError."""
-        self.not_applied()
+        self.updates.not_applied(loss)
         self.counters.rejected_batches += 1
         rows = anomaly.detail["rows"]
         error = batch_error(rows)
@@ -203,14 +207,14 @@ class Recovery:
         self.emit(AnomalyFound, anomaly.kind, Action.RAISE, str(error), detail, at=place_of(anomaly.detail))
         raise error
 
-    def empty_batch(self, whole_step: bool, step_scheduler: Callable[[], None]) -> Event:
+    def empty_batch(self, whole_step: bool, loss: float) -> Event:
         """An empty batch (0 rows) is a data event: skipped and journaled, never a reason to recover.
         With ``whole_step`` (one micro-batch a step) it is a skipped step, counted toward
         ``recovery.max_skip_fraction``; else it is left out of the step being accumulated."""
         if whole_step:  # (the step is counted by the protocol)
             self.counters.skipped_batches += 1
             self.state.history = record_step(self.state.history, self.cfg.recovery, skipped=True)
-            step_scheduler()  # (moves only when it follows batches)
+            self.updates.skipped_data(loss)  # (the scheduler moves only when it follows batches)
         return self.emit(AnomalyFound, Kind.INPUT, Action.SKIP_BATCH, "empty batch (0 rows): skipped", {"rows": 0})
 
     def zero_nonfinite_grads_(self, finding: Any) -> Optional[float]:
@@ -226,7 +230,7 @@ class Recovery:
             return None
         return math.hypot(*(float(n) for n in torch.stack(grads.norm_list).tolist()))  # host sync: slow path
 
-    def fix_rows(self, kind: Kind, decision: Decision, rows: List[Any], pending: Pending) -> Outcome:
+    def fix_rows(self, kind: Kind, decision: Decision, rows: List[Any], pending: Pending, loss: float) -> Outcome:
         """Non-finite input or target rows: skip the step, replace (already done before the
         forward: judge the rest), or drop them and run the step again on what is left."""
         action = decision.action
@@ -252,7 +256,7 @@ class Recovery:
         message = f"non-finite {kind} rows: {where} -> {action}{why}"
         event = self.emit(AnomalyFound, kind, action, message, detail, at=place_of({"rows": rows}))
         if action is Action.SKIP_BATCH:
-            self.not_applied()
+            self.updates.not_applied(loss)
             return Outcome(action, (event,))
         if action is Action.REPLACE:
             self.counters.replaced_rows += n_rows
@@ -262,7 +266,7 @@ class Recovery:
     def _put_back(self, detail: Mapping[str, Any]) -> Dict[str, Any]:
         """Put the buffers back as they were before the step; ``detail`` with the names of those
         the step had changed (``buffers_put_back``), when any."""
-        changed = self.put_back()
+        changed = self.buffers.put_back()
         return {**detail, "buffers_put_back": list(changed)} if changed else dict(detail)
 
     def restore(self, decision: Decision, why: str = "") -> Optional[Event]:
@@ -305,7 +309,7 @@ class Recovery:
                 f"{decision.kind}: {decision.action} found no usable snapshot ({exc}); model and optimizer left as "
                 "they were; fix: check the snapshot directory (disk full, files damaged or from another model)",
             )
-        self.after_restore(info.step, info.extra)
+        self._rewind(info.step, info.extra)
         self.backoff.load_state_dict({"unscaled": info.extra["lr"]["unscaled"]})
         self.counters.restores += 1
         self.state.since_snapshot = 0
@@ -356,13 +360,14 @@ class Recovery:
         self.lr_changed(scale, "restore loop: the run keeps failing at the same point under this LR")
         return True
 
-    def skip_data(self, step_scheduler: Callable[[], None]) -> Event:
-        """Skip the data that led into a restore, a whole step (its micro-batches) at a time; returns its event."""
+    def skip_data(self, loss: float) -> Event:
+        """Skip the data that led into a restore, a whole step (its micro-batches) at a time; returns
+        its event (``loss``: the step's, as a scheduler stepping on the loss gets it)."""
         s = self.state
         s.skip_after_restore -= 1  # (the step is counted by the protocol)
         self.counters.skipped_batches += 1
         s.history = record_step(s.history, self.cfg.recovery, skipped=True)
-        step_scheduler()  # (moves only when it follows batches)
+        self.updates.skipped_data(loss)  # (the scheduler moves only when it follows batches)
         return self.emit(
             Restored,
             "restore",
@@ -370,6 +375,16 @@ class Recovery:
             "skipped a step's batches after a restore (recovery.skip_batches_after_restore)",
             {"remaining": s.skip_after_restore},
         )
+
+    def _rewind(self, step: int, extra: Mapping[str, Any]) -> None:
+        """What goes back with a restored snapshot's weights besides the training state: the
+        gradient norm's statistics and the loss-spike window that describe them (the divergence
+        episode does not: it is what the restore answers); the replays forget what came after it."""
+        self.detectors.norm_stats.load_state_dict(extra.get("grad_norm", {}))
+        if "spike" in extra:
+            self.detectors.spike.load_state_dict(extra["spike"])
+        self.diagnoser.rng_reset()  # the snapshot's RNG state is back
+        self.diagnoser.clear(step)
 
     def lr_changed(self, scale: float, why: str) -> Event:
         """Set the LR scale and journal the change."""

@@ -9,16 +9,17 @@ non-finite by design (masks), once. How often the periodic one is due is the :cl
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional
 
 import torch
 
 from ..config import SnapshotConfig
+from ..diagnose import Diagnoser
 from ..events import Event, SnapshotTaken
 from ..snapshot import TrainState
 from ..snapshot.accepted import describe as describe_accepted
-from ..steps import Counters
 from .cadence import Cadence
+from .context import Context
 from .state import RecoveryState
 
 __all__ = ["Snapshots"]
@@ -28,34 +29,31 @@ class Snapshots:
     """Takes the guard's snapshots into its store and records what they owe.
 
     Args:
-        store: where snapshots go.
-        state: the whole training state (model, optimizer, scheduler, scaler, RNG).
-        counters: the guard's counters (saved with each snapshot).
-        recovery_state: the recovery state whose history learns of each snapshot.
-        clear: forget the replay's kept updates up to a step (a new snapshot starts them afresh).
-        emit: the guard's journal call, ``emit(cls, kind, action, message, detail)``.
         cfg: the ``snapshot`` section: when the periodic snapshot is due (:attr:`cadence`; each
             snapshot is timed for it and re-plans it).
-        sync: under DDP/FSDP every rank takes the largest rank's interval (``None``: one process).
+        context: the run's counters (saved with each snapshot), journal, and sync (under DDP/FSDP
+            every rank takes the largest rank's interval).
+        store: where snapshots go.
+        state: the whole training state (model, optimizer, scheduler, scaler, RNG).
+        recovery_state: the recovery state whose history learns of each snapshot.
+        diagnoser: the replays, whose kept updates a new snapshot starts afresh.
     """
 
     def __init__(
         self,
+        cfg: SnapshotConfig,
+        context: Context,
         store: Any,
         state: TrainState,
-        counters: Counters,
         recovery_state: RecoveryState,
-        clear: Callable[[int], None],
-        emit: Callable[..., Event],
-        cfg: Optional[SnapshotConfig] = None,
-        sync: Any = None,
+        diagnoser: Diagnoser,
     ) -> None:
-        self.store, self.state, self.counters, self.recovery_state = store, state, counters, recovery_state
-        self._clear, self._emit = clear, emit
+        self.store, self.state, self.counters, self.recovery_state = store, state, context.counters, recovery_state
+        self._clear, self._emit = diagnoser.clear, context.journal
         #: when the periodic snapshot is due
-        cfg = cfg if cfg is not None else SnapshotConfig()
         self.cadence = Cadence(cfg.every, cfg.overhead, cfg.min_every, cfg.max_every)
-        self._sync = sync if sync is not None and not sync.steps_alone else None
+        sync = context.sync
+        self._sync = sync if not sync.steps_alone else None
         self._accepted_named = False  # the first snapshot's event names the accepted buffers
 
     def take(self, extra: Mapping[str, Any], epoch_rng: Optional[torch.Tensor], force: bool = False) -> Event:

@@ -183,7 +183,7 @@ def after_fault(
         "evaluation": fault.evaluation,
         "loss": fault.loss,
     }
-    outcome = decisions.after_update(Anomaly(Kind.WEIGHTS, detail), verdict, pending, rules)
+    outcome = decisions.after_update(Anomaly(Kind.WEIGHTS, detail), verdict, pending, rules, result.loss)
     verdict = dataclasses.replace(verdict, events=verdict.events + list(outcome.events), outcome=outcome)
     result = dataclasses.replace(
         result,

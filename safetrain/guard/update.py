@@ -14,11 +14,10 @@ from __future__ import annotations
 import math
 from typing import Any, List, Optional, Set, Tuple
 
-from .. import detect
 from ..config import GuardConfig
+from ..diagnose import Diagnoser
 from ..events import Clipped, Event
-from ..stats.gradclip import NormStats
-from ..steps import Counters
+from .context import Context, Detectors
 from .lr import LRBackoff
 from .plumbing import Plumbing
 
@@ -29,15 +28,16 @@ class Updates:
     """Applies or drops a step's update, and steps the scheduler as configured.
 
     Args:
-        cfg: the ``guard`` section (``clip_grad_norm``, ``scheduler_follows``, ``scheduler_interval``).
+        cfg: the ``guard`` section (``clip_grad_norm``, ``clip``, ``grad_norm_threshold``,
+            ``scheduler_follows``, ``scheduler_interval``).
+        context: the run's counters (``optimizer_steps`` and ``skipped_batches`` move here) and
+            journal (a clip episode's start).
+        detectors: the gradient check, whose norm clipping reuses, and the gradient norm's EMA
+            statistics (adaptive clipping and the adaptive ``grad_norm`` anomaly).
         plumbing: the optimizer step (and the scaler's update) and freeing gradients.
-        grads: the gradient check, whose norm clipping reuses.
-        counters: ``optimizer_steps`` and ``skipped_batches`` move here.
         scheduler: the user's LR scheduler, if any.
         backoff: the LR scale kept on top of the schedule.
-        record: ``record(step, micro, total, clip=limit)`` just before an update (the weight replay keeps references).
-        stats: the gradient norm's EMA statistics (adaptive clipping and the adaptive ``grad_norm`` anomaly).
-        emit: ``emit(cls, kind, action, message, detail)`` journals an event (a clip episode's start).
+        diagnoser: keeps references to each update's batches just before it (the weight replay).
 
     A scheduler the caller's loop steps is followed (:meth:`follow`) instead of stepped.
     """
@@ -45,22 +45,20 @@ class Updates:
     def __init__(
         self,
         cfg: GuardConfig,
+        context: Context,
+        detectors: Detectors,
         plumbing: Plumbing,
-        grads: detect.GradCheck,
-        counters: Counters,
         scheduler: Any,
         backoff: LRBackoff,
-        record: Any,
-        stats: Optional[NormStats] = None,
-        emit: Any = None,
+        diagnoser: Diagnoser,
     ) -> None:
-        self.plumbing, self.grads, self.counters = plumbing, grads, counters
-        self.scheduler, self.backoff, self.record = scheduler, backoff, record
+        self.plumbing, self.grads, self.counters = plumbing, detectors.grads, context.counters
+        self.scheduler, self.backoff, self.record = scheduler, backoff, diagnoser.record_update
         self.clip = cfg.clip_grad_norm
         self.adaptive = cfg.clip.mode == "adaptive"
         # The statistics run when adaptive clipping or the adaptive grad_norm anomaly reads them.
-        self.stats = stats if stats is not None and (self.adaptive or cfg.grad_norm_threshold == "adaptive") else None
-        self.emit = emit
+        self.stats = detectors.norm_stats if self.adaptive or cfg.grad_norm_threshold == "adaptive" else None
+        self.emit = context.journal
         self.episode = False  # the last trained step was clipped: a clipped step goes on its episode (state)
         self.per_step = scheduler is not None and cfg.scheduler_interval == "step"
         self.on_skips = cfg.scheduler_follows == "batch"
@@ -100,7 +98,7 @@ class Updates:
             self.episode = False
             return math.nan, None
         self.counters.clipped_steps += 1
-        if self.episode or self.emit is None:
+        if self.episode:
             return float(limit), None  # type: ignore[arg-type]
         self.episode = True
         detail = {"total_norm": total, "clipped_to": limit, "mode": "adaptive" if self.adaptive else "fixed"}

@@ -18,9 +18,12 @@ from torch import nn
 
 from safetrain import detect, load_config
 from safetrain.distributed import LocalSync
+from safetrain.guard.context import Context, Detectors
 from safetrain.guard.judge import Judge
 from safetrain.guard.plumbing import Plumbing
 from safetrain.kinds import Kind
+from safetrain.stats.divergence import DivergenceDetector
+from safetrain.stats.gradclip import NormStats
 from safetrain.stats.spike import SpikeDetector
 from safetrain.steps import Counters, Pending
 from safetrain.testing import OutputFault
@@ -49,17 +52,17 @@ class Bench:
         self.spike = SpikeDetector(sp.window, sp.min_history, sp.zscore, sp.enabled, sp.min_ratio)
         self.plumbing = Plumbing(self.model, self.opt, cfg.amp)
         self.reruns = []
-        self.judge = Judge(
-            cfg,
-            self.counters,
-            self.monitor,
-            self.grads,
-            detect.WeightCheck(list(self.params.items()), 0),
-            self.spike,
-            self.plumbing,
-            LocalSync(),
-            self.rerun,
+        detectors = Detectors(
+            monitor=self.monitor,
+            grads=self.grads,
+            weights=self.periodic,
+            all_weights=detect.WeightCheck(list(self.params.items()), 0),
+            spike=self.spike,
+            divergence=DivergenceDetector(enabled=False),
+            norm_stats=NormStats(),
         )
+        context = Context(self.counters, journal=None, sync=LocalSync())
+        self.judge = Judge(cfg, context, detectors, self.plumbing, types.SimpleNamespace(confirm=self.rerun))
 
     def rerun(self, micro):
         """What ``Forward.rerun`` does: the step's forwards again (on the zero-filled batch)."""

@@ -113,7 +113,7 @@ def test_a_restore_holds_the_schedule_to_the_last_healthy_updates_lr():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     sched = _spiky(opt, {3, 4})
     told = []
-    backoff = LRBackoff(opt, on_hold=lambda message, detail: told.append((message, detail)))
+    backoff = LRBackoff(opt, journal=lambda cls, kind, action, message, detail: told.append((message, detail)))
     for _ in range(2):  # two updates at 0.1, each read clean after it
         backoff.read_clean()
         backoff.mark_used()
@@ -167,7 +167,7 @@ def test_a_hold_is_not_lifted_while_the_schedule_is_above_the_lr_that_failed():
     scale in force) is back at or below the LR the failed update used."""
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     told = []
-    backoff = LRBackoff(opt, release_after=3, on_hold=lambda message, detail: told.append(message))
+    backoff = LRBackoff(opt, release_after=3, journal=lambda cls, kind, action, message, detail: told.append(message))
     backoff.mark_used()
     backoff.read_clean()
     _set(backoff, 0.2)

@@ -8,6 +8,7 @@ it (``decide`` on the state's history) and ``Recovery.carry_out`` carries the de
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
@@ -18,12 +19,15 @@ from safetrain import TrainingAborted, detect, load_config
 from safetrain.diagnose import Diagnosis
 from safetrain.distributed import LocalSync
 from safetrain.guard.batches import row_findings
+from safetrain.guard.context import Context
 from safetrain.guard.lr import LRBackoff
 from safetrain.guard.recovery import Recovery, Rerun
 from safetrain.guard.state import RecoveryState
 from safetrain.kinds import Kind
 from safetrain.policy import Anomaly, History, Rules, decide
 from safetrain.snapshot import MemoryStore, TrainState
+from safetrain.stats.gradclip import NormStats
+from safetrain.stats.spike import SpikeDetector
 from safetrain.steps import Counters, Pending
 
 BASE = ["log.progress=false"]
@@ -32,7 +36,8 @@ ROWS = 4
 
 
 class Rig:
-    """A Recovery over real parts; ``emit``, ``not_applied`` and ``after_restore`` record their calls."""
+    """A Recovery over real parts; the journal (``emit``), the updates' ``not_applied`` and the
+    replays told of a restore (``restored``) record their calls."""
 
     def __init__(self, overrides=(), nan_rows=(), snapshots=(2,)):
         self.cfg = cfg = load_config(None, [*BASE, *overrides])
@@ -65,19 +70,23 @@ class Rig:
         self.batch = (x, y)
         self.pending = Pending(micro=[self.batch], indices=[[10, 11, 12, 13]])
         F.mse_loss(self.model(torch.nan_to_num(x, 0.0)), y).backward()
+        detectors = types.SimpleNamespace(grads=self.grads, norm_stats=NormStats(), spike=SpikeDetector())
+        self.scheduled = []  # the losses a scheduler following batches was stepped on
+        updates = types.SimpleNamespace(
+            not_applied=lambda loss: self.not_applied.append(True), skipped_data=self.scheduled.append
+        )
+        diagnoser = types.SimpleNamespace(rng_reset=lambda: None, clear=self.restored.append)
         self.recovery = Recovery(
             cfg,
-            self.counters,
+            Context(self.counters, self.emit, LocalSync()),
             self.state,
-            self.store,
-            self.train_state,
+            types.SimpleNamespace(store=self.store, state=self.train_state),
+            detectors,
             self.backoff,
-            self.grads,
+            updates,
+            types.SimpleNamespace(put_back=tuple),
+            diagnoser,
             self.params,
-            self.emit,
-            lambda: self.not_applied.append(True),
-            lambda step, extra: self.restored.append(step),
-            LocalSync(),
         )
 
     def emit(self, cls, kind, action, message, detail, at=None):
@@ -105,7 +114,7 @@ class Rig:
         if history is not None:
             self.state.history = history
         decision, self.state.history = decide(anomaly, self.state.history, Rules.of(self.cfg), diagnosis)
-        return self.recovery.carry_out(anomaly, decision, self.read(), self.pending, diagnosis)
+        return self.recovery.carry_out(anomaly, decision, self.read(), self.pending, diagnosis, loss=0.5)
 
     def params_equal(self, reference):
         return all(torch.equal(p, reference[n]) for n, p in self.params.items())
@@ -475,10 +484,9 @@ def test_skip_data_after_a_restore_skips_a_whole_step_each_time(accumulate):
     itself by the protocol, the one writer of ``counters.steps``)."""
     rig = Rig([f"guard.accumulate_steps={accumulate}", "guard.scheduler_follows=batch"])
     rig.state.skip_after_restore = 2
-    stepped = []
-    event = rig.recovery.skip_data(lambda: stepped.append(True))
+    event = rig.recovery.skip_data(0.25)
     assert rig.counters.skipped_batches == 1 and rig.counters.steps == 5, vars(rig.counters)
-    assert rig.state.skip_after_restore == 1 and stepped == [True]
+    assert rig.state.skip_after_restore == 1 and rig.scheduled == [0.25], "the scheduler steps on the step's loss"
     assert (event.name, event.kind, event.action) == ("restored", "restore", "skip_batch")
     assert rig.state.history.recent[-1] == 1, "the skipped step counts toward max_skip_fraction"
 
