@@ -87,19 +87,23 @@ class RecoveryState:
         self._history, self._healthy_run = value, 0
 
     def vouched(self, step: int) -> bool:
-        """Whether a snapshot of ``step`` is vouched for: :data:`~safetrain.policy.VOUCH_READS`
-        steps after it read clean (the last of them the update that used its state and LR)."""
+        """Whether a snapshot of ``step`` is vouched for: sound as taken (the newest, forced or
+        restored), or :data:`~safetrain.policy.VOUCH_READS` steps after it read clean (the last of
+        them the update that used its state and LR). The one rule the policy (:meth:`for_policy`),
+        a restore's pass-over, the cause test and the end check all ask."""
         return self._owed(step) == 0
 
     def _owed(self, step: int) -> int:
         """Clean reads a snapshot of ``step`` still needs before it is vouched for."""
+        if self.newest is not None and self.newest == (step, True):
+            return 0  # sound as taken: the run's start, a resumed state, a snapshot put back
         return max(0, VOUCH_READS - sum(1 for read in self.clean_reads if read > step))
 
     def for_policy(self, has_snapshot: bool) -> History:
         """The history with the facts the guard knows and the policy reads: whether a snapshot
         exists, and how many clean reads the newest one still needs (``History.unverified``,
         derived here from :attr:`clean_reads`; 0 for a snapshot sound as taken)."""
-        owed = 0 if self.newest is None or self.newest[1] else self._owed(self.newest[0])
+        owed = 0 if self.newest is None else self._owed(self.newest[0])
         return replace(self.history, has_snapshot=has_snapshot, unverified=owed)
 
     def healthy(self) -> Optional[float]:

@@ -528,6 +528,8 @@ def test_a_snapshot_is_vouched_for_only_once_an_update_used_its_state_and_read_c
     assert not rs.vouched(4), "the same reads vouch for a later snapshot only once two follow it"
     rs.newest = (7, True)  # forced (the run's start, a resumed state) or restored: sound as it is
     assert rs.for_policy(True).unverified == 0
+    assert rs.vouched(7), "one rule: the end check and a restore's pass-over see it sound too"
+    assert not rs.vouched(8) and not rs.vouched(6), "only the snapshot of that step is sound as taken"
 
 
 @pytest.mark.parametrize(
