@@ -212,9 +212,8 @@ class Recovery:
         With ``whole_step`` (one micro-batch a step) it is a skipped step, counted toward
         ``recovery.max_skip_fraction``; else it is left out of the step being accumulated."""
         if whole_step:  # (the step is counted by the protocol)
-            self.counters.skipped_batches += 1
             self.state.history = record_step(self.state.history, self.cfg.recovery, skipped=True)
-            self.updates.skipped_data(loss)  # (the scheduler moves only when it follows batches)
+            self.updates.skipped_data(loss)  # counted; the scheduler moves only when it follows batches
         return self.emit(AnomalyFound, Kind.INPUT, Action.SKIP_BATCH, "empty batch (0 rows): skipped", {"rows": 0})
 
     def zero_nonfinite_grads_(self, finding: Any) -> Optional[float]:
@@ -365,9 +364,8 @@ class Recovery:
         its event (``loss``: the step's, as a scheduler stepping on the loss gets it)."""
         s = self.state
         s.skip_after_restore -= 1  # (the step is counted by the protocol)
-        self.counters.skipped_batches += 1
         s.history = record_step(s.history, self.cfg.recovery, skipped=True)
-        self.updates.skipped_data(loss)  # (the scheduler moves only when it follows batches)
+        self.updates.skipped_data(loss)  # counted; the scheduler moves only when it follows batches
         return self.emit(
             Restored,
             "restore",

@@ -149,7 +149,9 @@ class Updates:
             self.step_scheduler(loss)
 
     def skipped_data(self, loss: float) -> None:
-        """A step's data was skipped after a restore: the scheduler moves when it follows batches."""
+        """A step's data was skipped (after a restore, or an empty batch): counted as a skipped
+        step, and the scheduler moves when it follows batches."""
+        self.counters.skipped_batches += 1
         self.applied_last = False
         if self.on_skips:
             self.step_scheduler(loss)

@@ -73,7 +73,7 @@ class Rig:
         detectors = types.SimpleNamespace(grads=self.grads, norm_stats=NormStats(), spike=SpikeDetector())
         self.scheduled = []  # the losses a scheduler following batches was stepped on
         updates = types.SimpleNamespace(
-            not_applied=lambda loss: self.not_applied.append(True), skipped_data=self.scheduled.append
+            not_applied=lambda loss: self.not_applied.append(True), skipped_data=self._skipped_data
         )
         diagnoser = types.SimpleNamespace(rng_reset=lambda: None, clear=self.restored.append)
         self.recovery = Recovery(
@@ -88,6 +88,11 @@ class Rig:
             diagnoser,
             self.params,
         )
+
+    def _skipped_data(self, loss):
+        """What ``Updates.skipped_data`` does: a skipped step counted, the scheduler told its loss."""
+        self.counters.skipped_batches += 1
+        self.scheduled.append(loss)
 
     def emit(self, cls, kind, action, message, detail, at=None):
         epoch, batch = at if at is not None else (0, 4)
