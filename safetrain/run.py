@@ -221,7 +221,7 @@ class Run:
             )
         if step.trained:  # the last trained step's loss, non-finite too (a run of `warn` steps)
             self.result.final_loss = step.loss
-        if self.hooks:  # nothing is built per step without a hook
+        if self.hooks.hooks:  # nothing is built per step without a hook
             self.hooks.call("on_step", self.step_record(step))
         if self.bar is not None:
             counts = guard.counts

@@ -280,7 +280,8 @@ class _Loop:
 
     def record(self, guard: Guard, step: StepResult) -> None:
         """One decided step into the quarantine and the run's record (metrics, result, progress)."""
-        self.keeper.after_step(step.events)
+        if self.keeper.sampler is not None:  # (no quarantine sampler: nothing to quarantine, no call)
+            self.keeper.after_step(step.events)
         self.run.record(step)
 
 

@@ -4,7 +4,7 @@
 (:mod:`.step_replay`, kinds ``forward``/``loss``/``gradient``) or the weight replay
 (:mod:`.weight_replay`, kind ``weights``) and spends the run's replay budget
 (``detect.replay.max_per_run``); nothing else spends it. On a healthy step only
-:meth:`Diagnoser.begin_step` runs (a host-side RNG copy, see :mod:`.rng`) and
+:meth:`StepRNG.begin_step <.rng.StepRNG.begin_step>` runs (``diagnoser.rng``: a host-side RNG copy) and
 :meth:`Diagnoser.record_update` keeps references to the update's batches. Row bisection
 (:mod:`.bisect`) and the quarantine of isolated samples (:mod:`.quarantine`) sit beside them, and
 the cause test (:mod:`.cause_test`: the batch under the current model and the snapshots').
@@ -58,7 +58,7 @@ class Diagnoser:
         diagnoser = Diagnoser(model, monitor, cfg.detect.replay, state=state, params=params,
                               loss_of=loss_of, autocast=contextlib.nullcontext, prepare=lambda b: b,
                               sync=LocalSync())
-        diagnoser.begin_step()                                  # every step
+        diagnoser.rng.begin_step()                              # every step
         if diagnoser.enabled:                                   # a step tripped
             diagnosis = diagnoser.explain("loss", micro=[batch])
     """
@@ -102,10 +102,6 @@ class Diagnoser:
         return bool(self.cfg.enabled) and self.used < self.cfg.max_per_run
 
     # ---------------------------------------------------------------- per step (cheap)
-    def begin_step(self) -> None:
-        """A step starts: keep the RNG state it starts from (a host-side copy, no device sync)."""
-        self.rng.begin_step()
-
     def rng_reset(self) -> None:
         """The RNG was set or drawn from outside the steps (a restore, an epoch's shuffle)."""
         self.rng.reset()

@@ -46,17 +46,13 @@ class StepRNG:
 
     def __init__(self, enabled: bool, cuda: bool) -> None:
         self.enabled, self.cuda = bool(enabled), cuda
-        self._rng: Optional[RNGState] = None
+        #: The (CPU, CUDA) RNG states the current step started from: copied at its start, or, while
+        #: the RNG is idle, at the last look (the same state unless something drew since, which
+        #: :meth:`moved` tells); ``None`` with replays off. (An attribute: read at every update.)
+        self.state: Optional[RNGState] = None
         self._idle = False  # no random number was drawn between the last two looks at the RNG
         self._since = 0  # steps since the last look
         self._look: Optional[RNGState] = None  # the state at the last look
-
-    @property
-    def state(self) -> Optional[RNGState]:
-        """The (CPU, CUDA) RNG states the current step started from: copied at its start, or, while
-        the RNG is idle, at the last look (the same state unless something drew since, which
-        :meth:`moved` tells); ``None`` with replays off."""
-        return self._rng
 
     @property
     def idle(self) -> bool:
@@ -78,11 +74,11 @@ class StepRNG:
         self._since += 1
         if self._since < LOOK_EVERY:
             if not self._idle:
-                self._rng = self._capture()
+                self.state = self._capture()
             return
         state = self._capture()
         self._idle = self._look is not None and _same_rng(state, self._look)
-        self._rng, self._look, self._since = state, state, 0
+        self.state, self._look, self._since = state, state, 0
 
     def reset(self) -> None:
         """The RNG was set or drawn from outside the steps (a restore, an epoch's shuffle): copy
@@ -96,7 +92,7 @@ class StepRNG:
         """Whether the RNG was drawn from since the state kept for this step was taken, when it
         was not copied at the step's start: then the kept state may not be the step's, and a
         replay's random draws may differ from the step's. Copies resume at every step."""
-        if not self._idle or self._rng is None or _same_rng(self._capture(), self._rng):
+        if not self._idle or self.state is None or _same_rng(self._capture(), self.state):
             return False
         self.reset()
         return True
@@ -106,8 +102,8 @@ class StepRNG:
         """Run the block from the step's starting RNG state; every RNG stream is put back afterwards."""
         devices = list(range(torch.cuda.device_count())) if self.cuda else []
         with torch.random.fork_rng(devices=devices):
-            if self._rng is not None:
-                torch.set_rng_state(self._rng[0])
+            if self.state is not None:
+                torch.set_rng_state(self.state[0])
                 if self.cuda:
-                    torch.cuda.set_rng_state_all(self._rng[1])
+                    torch.cuda.set_rng_state_all(self.state[1])
             yield

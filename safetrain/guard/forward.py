@@ -78,7 +78,7 @@ class Forward:
     def begin(self, batch: Any, pending: Pending) -> Any:
         """A micro-batch arrives (already in ``pending.micro``): the step's first keeps the buffers
         as they were before it; returns the batch scanned (and cleaned) for the forward."""
-        if len(pending.micro) == 1:
+        if len(pending.micro) == 1 and self.buffers.enabled:  # (a model without such buffers: no call)
             self.buffers.keep()
         return self.scan(batch, pending)
 

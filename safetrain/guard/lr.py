@@ -131,7 +131,7 @@ class LRBackoff:
     # ------------------------------------------------------------------ the hold after a restore
     def mark_used(self) -> None:
         """An update is about to be applied with the LRs in force now (no copy, no sync)."""
-        self.used = self.effective()
+        self.used = self.unscaled if self.ceiling is None else self.effective()  # (no hold: no call)
 
     def read_clean(self) -> None:
         """A step read clean: the update before it (its LRs) is trusted; a hold counts toward its release."""

@@ -115,7 +115,8 @@ class Guard(Parts):
         m = self.machine
         if m.phase is Phase.CLOSED:
             raise RuntimeError("Guard.step() after close(); make a new Guard")
-        self.stepper.select(name)  # (named steps: that step's loss and optimizer)
+        if name is not None or self.stepper.named:  # named steps: that step's loss and optimizer
+            self.stepper.select(name)
         m.stepping = True
         try:
             clean = self.begin_batch(batch, indices)
@@ -331,7 +332,7 @@ class Guard(Parts):
         self.plumbing.begin_step()
         self._pending = Pending()
         self.monitor.reset()
-        self.diagnoser.begin_step()
+        self.diagnoser.rng.begin_step()  # the RNG state the step starts from, for a replay (host-side)
         steps = self.counters.optimizer_steps
         skipping = self.machine.facts.skipping
         self._pending.weights = self.weights.maybe_run(steps) if steps > 0 and not skipping else None

@@ -208,7 +208,7 @@ def test_explain_refuses_what_no_replay_explains(kind, kwargs, match):
 def test_record_update_keeps_the_step_rng_state_and_clear_lets_go():
     d, _, _ = diagnoser()
     d.weight_replay.state = SimpleNamespace(optimizer=SimpleNamespace(param_groups=[{"lr": 0.1}]))
-    d.begin_step()
+    d.rng.begin_step()
     d.record_update(1, [torch.ones(2, 4)], total=0.5)
     assert d.weight_replay.kept == 1
     d.clear(1)
