@@ -134,6 +134,7 @@ class SpikeDetector:
         self.min_ratio, self.hard_ratio = min_ratio, hard_ratio
         self.run_max = -math.inf  # the highest healthy loss of the run
         self.run_min = math.inf  # the lowest
+        self._run_range = math.inf  # run_max - run_min, at least float rounding: set where they move
         self.start: Tuple[float, ...] = ()  # the start model's losses (begin), until HARD_MIN_HISTORY healthy ones
         self._losses: deque = deque(maxlen=window)
         self._over: deque = deque(maxlen=window)  # each loss's excess over the floor it came to
@@ -143,6 +144,10 @@ class SpikeDetector:
         self._excess: deque = deque()  # of each loss's excess over the window's lowest when it came
         self._added = 0
         self._streak = 0  # healthy losses in a row above the gate below (a level rise under way)
+        #: The last healthy losses stand above the window's noise (a level rise may be under way):
+        #: the guard then takes no snapshot and lets none be vouched for until it is judged.
+        #: ``_streak > 0``, kept as a plain attribute: the guard reads it on every healthy step.
+        self.rising = False
         self._gate = math.inf  # the window's median + zscore / 2 sigmas, refreshed every LEVEL_REFRESH losses
         self._gated = -LEVEL_REFRESH  # the add count the gate was computed at
 
@@ -159,8 +164,7 @@ class SpikeDetector:
         hard = False
         if self.hard_ratio is not None and n >= HARD_MIN_HISTORY - 1:
             ratio = self.hard_ratio if n >= HARD_MIN_HISTORY else self.hard_ratio * self.hard_ratio
-            run_range = max(self.run_max - self.run_min, spread_floor(self.run_max))  # under it: float rounding
-            hard = loss - self.run_min >= ratio * run_range
+            hard = loss - self.run_min >= ratio * self._run_range
         if not hard:
             if n < self.min_history:
                 return None
@@ -178,12 +182,6 @@ class SpikeDetector:
             evidence["rule"] = "zscore"
             return evidence
         return None
-
-    @property
-    def rising(self) -> bool:
-        """The last healthy losses stand above the window's noise (a level rise may be under way):
-        the guard then takes no snapshot and lets none be vouched for until it is judged."""
-        return self._streak > 0
 
     def level(self, loss: float) -> Optional[Dict[str, Any]]:
         """The evidence when ``loss`` ends :data:`LEVEL_STEPS` losses in a row that stand above the
@@ -204,7 +202,7 @@ class SpikeDetector:
             return None
         level = statistics.median(rise)
         # Judged once: the gate moves to the new level and holds there until the window has turned over.
-        self._streak, self._gate = 0, level + self.zscore / 2 * sigma
+        self._streak, self.rising, self._gate = 0, False, level + self.zscore / 2 * sigma
         self._gated = self._added + self.window - LEVEL_REFRESH
         return {
             "loss": loss,
@@ -266,21 +264,20 @@ class SpikeDetector:
             lows, excess = self._lows, self._excess
             if (
                 not self._streak
-                and len(self._losses) >= self.min_history
                 and self._added - self._gated >= LEVEL_REFRESH
+                and len(self._losses) >= self.min_history
             ):
                 self._gate, self._gated = self._level_gate(), self._added  # (amortized: a median every 32 losses)
             self._streak = self._streak + 1 if loss > self._gate else 0  # the gate stays put during a rise
+            self.rising = self._streak > 0
             if over is None:
                 over = loss - lows[0][1] if lows else 0.0
                 if over < 0.0:
                     over = 0.0
             self._losses.append(loss)
             self._over.append(over)
-            if loss > self.run_max:
-                self.run_max = loss
-            if loss < self.run_min:
-                self.run_min = loss
+            if loss > self.run_max or loss < self.run_min:  # (seldom once a run has settled)
+                self._set_run_range(max(self.run_max, loss), min(self.run_min, loss))
             n = self._added
             while lows and lows[-1][1] >= loss:
                 lows.pop()
@@ -294,6 +291,11 @@ class SpikeDetector:
                 lows.popleft()
             if excess[0][0] < gone:
                 excess.popleft()
+
+    def _set_run_range(self, run_max: float, run_min: float) -> None:
+        """Set the run's extremes and the range the hard rule measures in (under it: float rounding)."""
+        self.run_max, self.run_min = run_max, run_min
+        self._run_range = max(run_max - run_min, spread_floor(run_max))
 
     def state_dict(self) -> Dict[str, Any]:
         """``{"losses": [...], "excess": [...], "run_max": float | None, "run_min": float | None, "start": [...]}``,
@@ -313,15 +315,16 @@ class SpikeDetector:
         self._losses, self._over = deque(maxlen=self.window), deque(maxlen=self.window)
         self._lows.clear()
         self._excess.clear()
-        self.run_max, self.run_min = -math.inf, math.inf
-        self._streak, self._gate, self._gated = 0, math.inf, -LEVEL_REFRESH
+        self._set_run_range(-math.inf, math.inf)
+        self._streak, self.rising, self._gate, self._gated = 0, False, math.inf, -LEVEL_REFRESH
         losses, excess = state["losses"], state.get("excess")
         if excess is None or len(excess) != len(losses):
             excess = [None] * len(losses)
         for x, e in zip(losses, excess):
             self.add(float(x), None if e is None else float(e))
-        if state.get("run_max") is not None:
-            self.run_max = max(self.run_max, float(state["run_max"]))
-        if state.get("run_min") is not None:
-            self.run_min = min(self.run_min, float(state["run_min"]))
+        run_max, run_min = state.get("run_max"), state.get("run_min")
+        self._set_run_range(
+            max(self.run_max, float(run_max)) if run_max is not None else self.run_max,
+            min(self.run_min, float(run_min)) if run_min is not None else self.run_min,
+        )
         self.start = tuple(float(x) for x in state.get("start", ()))  # absent from earlier snapshots
