@@ -55,7 +55,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["SpikeDetector", "HARD_MIN_HISTORY", "RESOLUTION", "LEVEL_STEPS"]
 
@@ -136,8 +136,9 @@ class SpikeDetector:
         self.run_min = math.inf  # the lowest
         self._run_range = math.inf  # run_max - run_min, at least float rounding: set where they move
         self.start: Tuple[float, ...] = ()  # the start model's losses (begin), until HARD_MIN_HISTORY healthy ones
-        self._losses: deque = deque(maxlen=window)
-        self._over: deque = deque(maxlen=window)  # each loss's excess over the floor it came to
+        # (loss, its excess over the floor it came to) per healthy loss, oldest first: one window,
+        # one append a step; the excesses are kept for state_dict() only.
+        self._window: deque = deque(maxlen=window)
         # The window's lowest loss and largest excess, kept as monotonic queues of (add count, value):
         # O(1) amortized per step. min() over the window read 128 floats scattered over the heap at every step.
         self._lows: deque = deque()
@@ -154,7 +155,7 @@ class SpikeDetector:
     def check(self, loss: float) -> Optional[Dict[str, float]]:
         """Return the evidence (median, sigma, z; ``rule``: ``zscore`` or ``hard_ratio``) when
         ``loss`` is a spike, else ``None``."""
-        n = len(self._losses)
+        n = len(self._window)
         if not self.enabled or not math.isfinite(loss):
             return None
         if self.start and n < HARD_MIN_HISTORY:
@@ -171,7 +172,7 @@ class SpikeDetector:
             floor = self._lows[0][1]  # the cheap test first (the window's largest excess): most steps end here
             if loss - floor < self.min_ratio * self._excess[0][1] or loss <= floor:
                 return None
-        median, sigma = robust_level(self._losses)
+        median, sigma = robust_level(self._window_losses())
         z = (loss - median) / sigma
         evidence = {"loss": loss, "median": median, "sigma": sigma, "z": z, "threshold": self.zscore}
         if hard:
@@ -192,7 +193,7 @@ class SpikeDetector:
         if loss <= self._gate:
             return None
         streak = self._streak
-        losses = list(self._losses)
+        losses = self._window_losses()
         before, rise = losses[:-streak], [*losses[-streak:], loss]
         if len(before) < self.min_history:
             return None
@@ -215,9 +216,13 @@ class SpikeDetector:
             "level": level,
         }
 
+    def _window_losses(self) -> List[float]:
+        """The window's healthy losses, oldest first."""
+        return [loss for loss, _ in self._window]
+
     def _level_gate(self) -> float:
         """The window's median plus ``zscore / 2`` robust sigmas: a loss above it counts toward a level rise."""
-        median, sigma = robust_level(self._losses)
+        median, sigma = robust_level(self._window_losses())
         return median + self.zscore / 2 * sigma
 
     def begin(self, losses: Sequence[float]) -> None:
@@ -236,7 +241,7 @@ class SpikeDetector:
         # highest is left out while it stands hard_ratio cubed times the others' range above them
         # (a margin that two close losses by chance do not reach; a batch measured ahead and then
         # trained by the same model, after a skipped first step, gives the same loss twice: one).
-        reference = sorted(set(self.start + tuple(self._losses)))
+        reference = sorted(set(self.start + tuple(self._window_losses())))
         while len(reference) >= 3 and reference[-1] - reference[0] >= ratio * self.hard_ratio * _spread(reference[:-1]):
             reference.pop()
         low, spread = reference[0], _spread(reference)
@@ -252,20 +257,20 @@ class SpikeDetector:
             "rule": "start",
             "ratio": (loss - low) / spread,
             "start": list(self.start),
-            "trained": len(self._losses),
+            "trained": len(self._window),
         }
 
     def add(self, loss: float, over: Optional[float] = None) -> None:
         """Record a healthy loss (``over``: its excess over the floor it came to, when put back from a state)."""
         if math.isfinite(loss):
-            if self.start and len(self._losses) + 1 >= HARD_MIN_HISTORY:
+            if self.start and len(self._window) + 1 >= HARD_MIN_HISTORY:
                 self.start = ()  # the run has a history of its own now
             loss = float(loss)
             lows, excess = self._lows, self._excess
             if (
                 not self._streak
                 and self._added - self._gated >= LEVEL_REFRESH
-                and len(self._losses) >= self.min_history
+                and len(self._window) >= self.min_history
             ):
                 self._gate, self._gated = self._level_gate(), self._added  # (amortized: a median every 32 losses)
             self._streak = self._streak + 1 if loss > self._gate else 0  # the gate stays put during a rise
@@ -274,8 +279,7 @@ class SpikeDetector:
                 over = loss - lows[0][1] if lows else 0.0
                 if over < 0.0:
                     over = 0.0
-            self._losses.append(loss)
-            self._over.append(over)
+            self._window.append((loss, over))
             if loss > self.run_max or loss < self.run_min:  # (seldom once a run has settled)
                 self._set_run_range(max(self.run_max, loss), min(self.run_min, loss))
             n = self._added
@@ -301,8 +305,8 @@ class SpikeDetector:
         """``{"losses": [...], "excess": [...], "run_max": float | None, "run_min": float | None, "start": [...]}``,
         JSON-ready."""
         return {
-            "losses": list(self._losses),
-            "excess": list(self._over),
+            "losses": self._window_losses(),
+            "excess": [over for _, over in self._window],
             "run_max": self.run_max if math.isfinite(self.run_max) else None,
             "run_min": self.run_min if math.isfinite(self.run_min) else None,
             "start": list(self.start),
@@ -312,7 +316,7 @@ class SpikeDetector:
         """Put back the window of healthy losses (``excess``, ``run_max`` and ``run_min`` are absent
         from snapshots of earlier versions: the excesses are recomputed from the window, the window's
         extremes stand in for the run's)."""
-        self._losses, self._over = deque(maxlen=self.window), deque(maxlen=self.window)
+        self._window = deque(maxlen=self.window)
         self._lows.clear()
         self._excess.clear()
         self._set_run_range(-math.inf, math.inf)
