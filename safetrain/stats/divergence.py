@@ -170,8 +170,8 @@ class DivergenceDetector:
     def check(self, loss: float) -> Optional[DivergenceFinding]:
         """Return the evidence when ``loss`` is divergence, else ``None`` (nothing is recorded)."""
         h = self._losses
-        if not self.enabled or not h or not math.isfinite(loss) or loss <= self._peaks[0][1]:
-            return None  # the cheap test first: most healthy steps are no new high of the window
+        if not self.enabled or not h or loss <= self._peaks[0][1] or not math.isfinite(loss):
+            return None  # the cheap test first: most healthy steps are no new high of the window (NaN passes it)
         # The climb: the longest tail of the window in which every loss was a new high of the
         # window before it (then ``loss``, a new high too); ``start`` is the loss just before it.
         values = list(h)
