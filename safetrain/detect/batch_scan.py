@@ -112,10 +112,6 @@ def _row_mask(sources: List[Tensor], size: Optional[int]) -> Optional[Tensor]:
     return rows
 
 
-def _lead(t: Tensor) -> Optional[int]:
-    return t.shape[0] if t.ndim > 0 else None
-
-
 def _value(d: Tensor) -> Tensor:
     """The 0-dim real sum of a floating or complex tensor: non-finite when any value (part) is."""
     if d.dtype.is_complex:  # (dtype attributes, not methods: no call a tensor on the healthy path)
@@ -222,17 +218,15 @@ def scan_batch(
         1
     """
     del path  # the hot path builds no strings; paths are for describe_rows
-    if type(batch) is Tensor and replace is None:  # the common case, without the walk
-        if not batch.dtype.is_floating_point and not batch.dtype.is_complex:
-            return BatchScan(batch, [], [], batch_size if batch_size is not None else _lead(batch))
+    if type(batch) is Tensor and replace is None:  # the common case, without the walk or a helper call
+        dtype = batch.dtype
+        if batch_size is None and batch.ndim > 0:
+            batch_size = batch.shape[0]
+        if not dtype.is_floating_point and not dtype.is_complex:
+            return BatchScan(batch, [], [], batch_size)
         d = batch.detach() if batch.requires_grad else batch
-        value = _value(d)
-        return BatchScan(
-            torch.nan_to_num(batch, 0.0, 0.0, 0.0) if clean else batch,
-            [value],
-            [batch],
-            batch_size if batch_size is not None else _lead(batch),
-        )
+        value = _value(d) if dtype is _F16 or dtype.is_complex else d.sum()  # (what _value takes)
+        return BatchScan(torch.nan_to_num(batch, 0.0, 0.0, 0.0) if clean else batch, [value], [batch], batch_size)
     items = top_items(batch) if target_keys else None
     if not items or not any(k in target_keys for k, _ in items):
         scanner = _Scanner(batch_size, replace, clean)

@@ -181,15 +181,17 @@ class StepFlags:
 
     def put_many(self, entries: Sequence[Tuple[str, Value]]) -> None:
         """:meth:`put` each ``(name, value)`` in order; a list or tuple of 0-dim tensors (the step's
-        usual value) is taken without a call of its own (the healthy path puts a handful each step)."""
+        usual value) and a lone 0-dim tensor (the loss) are taken without a call of their own: the
+        lists grow by ``+=``, not ``append`` (the healthy path puts a handful each step)."""
+        scalars, layout = self._scalars, self._layout
         for name, value in entries:
             if type(value) is list or type(value) is tuple:
                 if value:
-                    self._scalars += value
-                    self._layout.append((name, len(value), value[0].dtype is _BOOL, False))
+                    scalars += value
+                    layout += ((name, len(value), value[0].dtype is _BOOL, False),)
             elif value.__class__ is Tensor and value.ndim == 0 and not value.requires_grad:  # (the loss)
-                self._scalars.append(value)
-                self._layout.append((name, 1, value.dtype is _BOOL, False))
+                scalars += (value,)
+                layout += ((name, 1, value.dtype is _BOOL, False),)
             elif value is not None:
                 self.put(name, value)
 
@@ -306,7 +308,7 @@ def _parse(host: Sequence[float], layout: Layout, plan: Optional[Plan] = None) -
             out[name] = host[lo] if hi - lo == 1 else sum(host[lo:hi])
         elif role == _FLAG:
             bad = any(host[lo:hi]) if is_bool else not isfinite(host[lo] if hi - lo == 1 else sum(host[lo:hi]))
-            out[name] = out.get(name, False) or bad
+            out[name] = (name in out and out[name]) or bad
         elif role == _VECTOR:
             vals = tuple(host[lo:hi])
             if is_bool:
@@ -319,9 +321,12 @@ def _parse(host: Sequence[float], layout: Layout, plan: Optional[Plan] = None) -
             extra[name] = vals
             if any(vals) if is_bool else not isfinite(sum(vals)):
                 extra_tripped.append(name)
-    if "grad_norms" in out and "total_norm" not in out:
-        out["total_norm"] = math.hypot(*out["grad_norms"])
-    total = out.get("total_norm")
+    if "total_norm" in out:
+        total = out["total_norm"]
+    elif "grad_norms" in out:
+        total = out["total_norm"] = math.hypot(*out["grad_norms"])
+    else:
+        total = None
     if total is not None and not isfinite(total):
         out["gradient"] = True
     if "input_rows" in out and any(out["input_rows"]):

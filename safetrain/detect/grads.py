@@ -165,7 +165,7 @@ class GradCheck:
             grads = [grads[i] for i in keep]
         else:
             self.names, self._with_grad = self._all_names, params
-            dotted = self._dots.norms(grads)
+            dotted = self._dots.norms(grads) if self._dots.big else None  # (no large gradient: no call)
             if dotted is not None:
                 return GradNorms(dotted)
         if not grads:
@@ -175,7 +175,7 @@ class GradCheck:
         except RuntimeError:  # sparse gradients (nn.Embedding(sparse=True)) or a gradient on another device
             self._uniform = False  # than its parameter: grouped by fused_norms from now on (no raise a step)
             norms = fused_norms(grads)
-        return GradNorms(norms if isinstance(norms, list) else list(norms))
+        return GradNorms(norms if norms.__class__ is list else list(norms))
 
     def clip_(self, max_norm: float, total_norm: Union[float, Tensor]) -> None:
         """Scale the gradients so their total norm is at most ``max_norm``, reusing ``total_norm``.

@@ -194,7 +194,10 @@ def make_hook(
 
         def careful_hook(module: nn.Module, args: Any, out: Any) -> None:
             if not nan_only and out.__class__ is tensor_cls:
-                value = _reduce(out, False) if out.dtype.is_floating_point else None
+                value = None
+                if out.dtype.is_floating_point:  # (what _reduce takes, without the call)
+                    d = out.detach()
+                    value = d.sum(dtype=_F32) if d.dtype is _F16 else d.sum()
             else:
                 value = _reduce_nested(out, nan_only)
             if value is not None:

@@ -153,39 +153,34 @@ class DivergenceDetector:
         self.episode = 0
         self._since = 0  # healthy losses since the last fault
         self._highs = 0  # a run of new highs of the window, each (after the first) >= growth x the one before
+        #: Whether a climb may be under way: the last two (or more) healthy losses in a row were
+        #: each a new high of the window before them (the first loss of an empty window is one), each
+        #: increment after the first at least ``growth`` times the one before it (the second loss of a
+        #: run has no increment before it: any rise there counts, since with one loss before it no
+        #: invariant rule can tell a wobble from an LR far too high, and vouching for the snapshot
+        #: it read would let a restore land inside the climb). ``_highs >= 2``, kept as a plain
+        #: attribute: the guard reads it on every healthy step.
+        self.climbing = False
 
     @classmethod
     def from_config(cls, cfg: "DivergenceConfig", recover_after: int = 20) -> "DivergenceDetector":
         """The detector of a ``guard.divergence`` section (``recover_after``: ``recovery.reset_after``)."""
         return cls(cfg.growth, cfg.steps, cfg.ratio, cfg.enabled, recover_after=recover_after)
 
-    @property
-    def climbing(self) -> bool:
-        """Whether a climb may be under way: the last two (or more) healthy losses in a row were
-        each a new high of the window before them (the first loss of an empty window is one), each
-        increment after the first at least ``growth`` times the one before it (the second loss of a
-        run has no increment before it: any rise there counts, since with one loss before it no
-        invariant rule can tell a wobble from an LR far too high, and vouching for the snapshot
-        it read would let a restore land inside the climb).
-
-        One integer comparison: the guard asks it on every healthy step."""
-        return self._highs >= 2
-
     def check(self, loss: float) -> Optional[DivergenceFinding]:
         """Return the evidence when ``loss`` is divergence, else ``None`` (nothing is recorded)."""
         h = self._losses
-        if not self.enabled or not h or not math.isfinite(loss) or loss <= self._peaks[0][1]:
-            return None  # the cheap test first: most healthy steps are no new high of the window
+        if not self.enabled or not h or loss <= self._peaks[0][1] or not math.isfinite(loss):
+            return None  # the cheap test first: most healthy steps are no new high of the window (NaN passes it)
         # The climb: the longest tail of the window in which every loss was a new high of the
         # window before it (then ``loss``, a new high too); ``start`` is the loss just before it.
         values = list(h)
-        highs, top = [], -math.inf
-        for x in values:
-            highs.append(x > top)
-            top = max(top, x)
-        j = len(values) - 1
-        while j > 0 and highs[j]:
-            j -= 1
+        j, top = 0, -math.inf  # j: the last loss that was no new high (the first always is one)
+        for i, x in enumerate(values):  # (comparisons only: no call per loss)
+            if x > top:
+                top = x
+            else:
+                j = i
         start, rises = values[j], len(values) - 1 - j  # rises: healthy losses of the climb after its start
         chain = values[j:] + [loss]
         steps = [b - a for a, b in zip(chain, chain[1:])]  # the increments, each > 0 (new highs)
@@ -194,7 +189,7 @@ class DivergenceDetector:
         before = values[: j + 1]
         known = len(before) >= 3
         middle = statistics.median(before)
-        spread = 1.4826 * statistics.median(abs(x - middle) for x in before)
+        spread = 1.4826 * statistics.median([middle - x if x < middle else x - middle for x in before])  # (abs)
         scale = max(steps[0], spread if known else 0.0, spread_floor(loss))
         # Growth is measured from a robust level: one tiny early loss of a flat, noisy run is no base
         # a climb can be measured from (iid noise would then "diverge" in its first steps).
@@ -269,6 +264,7 @@ class DivergenceDetector:
             self._highs = self._highs + 1 if self._highs and grew else 1
         else:
             self._highs = 0
+        self.climbing = self._highs >= 2
         self._losses.append(loss)
         while peaks and peaks[-1][1] <= loss:
             peaks.pop()
@@ -280,6 +276,6 @@ class DivergenceDetector:
     def _refill(self, losses: List[float]) -> None:
         self._losses = deque(maxlen=self.window)
         self._peaks.clear()
-        self._highs = 0
+        self._highs, self.climbing = 0, False
         for x in losses:
             self._push(x)

@@ -55,7 +55,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["SpikeDetector", "HARD_MIN_HISTORY", "RESOLUTION", "LEVEL_STEPS"]
 
@@ -134,22 +134,28 @@ class SpikeDetector:
         self.min_ratio, self.hard_ratio = min_ratio, hard_ratio
         self.run_max = -math.inf  # the highest healthy loss of the run
         self.run_min = math.inf  # the lowest
+        self._run_range = math.inf  # run_max - run_min, at least float rounding: set where they move
         self.start: Tuple[float, ...] = ()  # the start model's losses (begin), until HARD_MIN_HISTORY healthy ones
-        self._losses: deque = deque(maxlen=window)
-        self._over: deque = deque(maxlen=window)  # each loss's excess over the floor it came to
+        # (loss, its excess over the floor it came to) per healthy loss, oldest first: one window,
+        # one append a step; the excesses are kept for state_dict() only.
+        self._window: deque = deque(maxlen=window)
         # The window's lowest loss and largest excess, kept as monotonic queues of (add count, value):
         # O(1) amortized per step. min() over the window read 128 floats scattered over the heap at every step.
         self._lows: deque = deque()
         self._excess: deque = deque()  # of each loss's excess over the window's lowest when it came
         self._added = 0
         self._streak = 0  # healthy losses in a row above the gate below (a level rise under way)
+        #: The last healthy losses stand above the window's noise (a level rise may be under way):
+        #: the guard then takes no snapshot and lets none be vouched for until it is judged.
+        #: ``_streak > 0``, kept as a plain attribute: the guard reads it on every healthy step.
+        self.rising = False
         self._gate = math.inf  # the window's median + zscore / 2 sigmas, refreshed every LEVEL_REFRESH losses
         self._gated = -LEVEL_REFRESH  # the add count the gate was computed at
 
     def check(self, loss: float) -> Optional[Dict[str, float]]:
         """Return the evidence (median, sigma, z; ``rule``: ``zscore`` or ``hard_ratio``) when
         ``loss`` is a spike, else ``None``."""
-        n = len(self._losses)
+        n = len(self._window)
         if not self.enabled or not math.isfinite(loss):
             return None
         if self.start and n < HARD_MIN_HISTORY:
@@ -159,15 +165,14 @@ class SpikeDetector:
         hard = False
         if self.hard_ratio is not None and n >= HARD_MIN_HISTORY - 1:
             ratio = self.hard_ratio if n >= HARD_MIN_HISTORY else self.hard_ratio * self.hard_ratio
-            run_range = max(self.run_max - self.run_min, spread_floor(self.run_max))  # under it: float rounding
-            hard = loss - self.run_min >= ratio * run_range
+            hard = loss - self.run_min >= ratio * self._run_range
         if not hard:
             if n < self.min_history:
                 return None
             floor = self._lows[0][1]  # the cheap test first (the window's largest excess): most steps end here
             if loss - floor < self.min_ratio * self._excess[0][1] or loss <= floor:
                 return None
-        median, sigma = robust_level(self._losses)
+        median, sigma = robust_level(self._window_losses())
         z = (loss - median) / sigma
         evidence = {"loss": loss, "median": median, "sigma": sigma, "z": z, "threshold": self.zscore}
         if hard:
@@ -179,12 +184,6 @@ class SpikeDetector:
             return evidence
         return None
 
-    @property
-    def rising(self) -> bool:
-        """The last healthy losses stand above the window's noise (a level rise may be under way):
-        the guard then takes no snapshot and lets none be vouched for until it is judged."""
-        return self._streak > 0
-
     def level(self, loss: float) -> Optional[Dict[str, Any]]:
         """The evidence when ``loss`` ends :data:`LEVEL_STEPS` losses in a row that stand above the
         window's noise as it was before them (rule ``level``), else ``None``; the streak starts
@@ -194,7 +193,7 @@ class SpikeDetector:
         if loss <= self._gate:
             return None
         streak = self._streak
-        losses = list(self._losses)
+        losses = self._window_losses()
         before, rise = losses[:-streak], [*losses[-streak:], loss]
         if len(before) < self.min_history:
             return None
@@ -204,7 +203,7 @@ class SpikeDetector:
             return None
         level = statistics.median(rise)
         # Judged once: the gate moves to the new level and holds there until the window has turned over.
-        self._streak, self._gate = 0, level + self.zscore / 2 * sigma
+        self._streak, self.rising, self._gate = 0, False, level + self.zscore / 2 * sigma
         self._gated = self._added + self.window - LEVEL_REFRESH
         return {
             "loss": loss,
@@ -217,9 +216,13 @@ class SpikeDetector:
             "level": level,
         }
 
+    def _window_losses(self) -> List[float]:
+        """The window's healthy losses, oldest first."""
+        return [loss for loss, _ in self._window]
+
     def _level_gate(self) -> float:
         """The window's median plus ``zscore / 2`` robust sigmas: a loss above it counts toward a level rise."""
-        median, sigma = robust_level(self._losses)
+        median, sigma = robust_level(self._window_losses())
         return median + self.zscore / 2 * sigma
 
     def begin(self, losses: Sequence[float]) -> None:
@@ -238,7 +241,7 @@ class SpikeDetector:
         # highest is left out while it stands hard_ratio cubed times the others' range above them
         # (a margin that two close losses by chance do not reach; a batch measured ahead and then
         # trained by the same model, after a skipped first step, gives the same loss twice: one).
-        reference = sorted(set(self.start + tuple(self._losses)))
+        reference = sorted(set(self.start + tuple(self._window_losses())))
         while len(reference) >= 3 and reference[-1] - reference[0] >= ratio * self.hard_ratio * _spread(reference[:-1]):
             reference.pop()
         low, spread = reference[0], _spread(reference)
@@ -254,33 +257,31 @@ class SpikeDetector:
             "rule": "start",
             "ratio": (loss - low) / spread,
             "start": list(self.start),
-            "trained": len(self._losses),
+            "trained": len(self._window),
         }
 
     def add(self, loss: float, over: Optional[float] = None) -> None:
         """Record a healthy loss (``over``: its excess over the floor it came to, when put back from a state)."""
         if math.isfinite(loss):
-            if self.start and len(self._losses) + 1 >= HARD_MIN_HISTORY:
+            if self.start and len(self._window) + 1 >= HARD_MIN_HISTORY:
                 self.start = ()  # the run has a history of its own now
             loss = float(loss)
             lows, excess = self._lows, self._excess
             if (
                 not self._streak
-                and len(self._losses) >= self.min_history
                 and self._added - self._gated >= LEVEL_REFRESH
+                and len(self._window) >= self.min_history
             ):
                 self._gate, self._gated = self._level_gate(), self._added  # (amortized: a median every 32 losses)
             self._streak = self._streak + 1 if loss > self._gate else 0  # the gate stays put during a rise
+            self.rising = self._streak > 0
             if over is None:
                 over = loss - lows[0][1] if lows else 0.0
                 if over < 0.0:
                     over = 0.0
-            self._losses.append(loss)
-            self._over.append(over)
-            if loss > self.run_max:
-                self.run_max = loss
-            if loss < self.run_min:
-                self.run_min = loss
+            self._window.append((loss, over))
+            if loss > self.run_max or loss < self.run_min:  # (seldom once a run has settled)
+                self._set_run_range(max(self.run_max, loss), min(self.run_min, loss))
             n = self._added
             while lows and lows[-1][1] >= loss:
                 lows.pop()
@@ -295,12 +296,17 @@ class SpikeDetector:
             if excess[0][0] < gone:
                 excess.popleft()
 
+    def _set_run_range(self, run_max: float, run_min: float) -> None:
+        """Set the run's extremes and the range the hard rule measures in (under it: float rounding)."""
+        self.run_max, self.run_min = run_max, run_min
+        self._run_range = max(run_max - run_min, spread_floor(run_max))
+
     def state_dict(self) -> Dict[str, Any]:
         """``{"losses": [...], "excess": [...], "run_max": float | None, "run_min": float | None, "start": [...]}``,
         JSON-ready."""
         return {
-            "losses": list(self._losses),
-            "excess": list(self._over),
+            "losses": self._window_losses(),
+            "excess": [over for _, over in self._window],
             "run_max": self.run_max if math.isfinite(self.run_max) else None,
             "run_min": self.run_min if math.isfinite(self.run_min) else None,
             "start": list(self.start),
@@ -310,18 +316,19 @@ class SpikeDetector:
         """Put back the window of healthy losses (``excess``, ``run_max`` and ``run_min`` are absent
         from snapshots of earlier versions: the excesses are recomputed from the window, the window's
         extremes stand in for the run's)."""
-        self._losses, self._over = deque(maxlen=self.window), deque(maxlen=self.window)
+        self._window = deque(maxlen=self.window)
         self._lows.clear()
         self._excess.clear()
-        self.run_max, self.run_min = -math.inf, math.inf
-        self._streak, self._gate, self._gated = 0, math.inf, -LEVEL_REFRESH
+        self._set_run_range(-math.inf, math.inf)
+        self._streak, self.rising, self._gate, self._gated = 0, False, math.inf, -LEVEL_REFRESH
         losses, excess = state["losses"], state.get("excess")
         if excess is None or len(excess) != len(losses):
             excess = [None] * len(losses)
         for x, e in zip(losses, excess):
             self.add(float(x), None if e is None else float(e))
-        if state.get("run_max") is not None:
-            self.run_max = max(self.run_max, float(state["run_max"]))
-        if state.get("run_min") is not None:
-            self.run_min = min(self.run_min, float(state["run_min"]))
+        run_max, run_min = state.get("run_max"), state.get("run_min")
+        self._set_run_range(
+            max(self.run_max, float(run_max)) if run_max is not None else self.run_max,
+            min(self.run_min, float(run_min)) if run_min is not None else self.run_min,
+        )
         self.start = tuple(float(x) for x in state.get("start", ()))  # absent from earlier snapshots
