@@ -53,7 +53,7 @@ class Decisions:
         backoff: LRBackoff,
     ) -> None:
         self.judge, self.recovery, self.diagnoser, self.store = judge, recovery, diagnoser, recovery.store
-        self.recovery_state, self.divergence = recovery_state, judge.divergence
+        self.recovery_state, self.divergence, self.spike = recovery_state, judge.divergence, judge.spike
         self.backoff, self.counters = backoff, context.counters
 
     def run(
@@ -77,7 +77,9 @@ class Decisions:
         """
         anomaly = self.judge(read, pending, loss)
         if anomaly is None:
-            if not self._unsettled:  # (mid-climb, or the loss above its level, a read vouches for nothing)
+            # Unsettled, a read vouches for nothing: a climb may be under way, or the loss stands
+            # above its level (a damaged model's loss before the cause test has spoken).
+            if not (self.divergence.climbing or self.spike.rising):
                 self.backoff.read_clean()  # the last update's LRs are trusted: a restore holds the schedule to them
                 self.recovery_state.clean_reads.append(self.counters.steps)
             return Verdict(read, []) if so_far is None else Verdict(read, so_far.events, so_far.rerun_action)
@@ -104,12 +106,6 @@ class Decisions:
             return Verdict(read, events, rerun_action, outcome)
         retried = retried or decision.action is Action.RETRY
         return Verdict(read, events, str(outcome.action), rerun=outcome.rerun, retried=retried)
-
-    @property
-    def _unsettled(self) -> bool:
-        """A climb may be under way, or the loss stands above its level (a damaged model's loss
-        before the cause test has spoken): no snapshot is taken or vouched for."""
-        return self.divergence.climbing or self.judge.spike.rising
 
     def _tests_cause(self, anomaly: Anomaly, rules: Rules) -> bool:
         """Whether the cause test runs: a finite loss far above its level (a spike) that the ladder
@@ -190,7 +186,7 @@ class Decisions:
         events: List[Event] = []  # (those this adds to the decided step's)
         rs.count_loss(loss)  # before the snapshot below, which keeps the epoch's losses
         self.judge.observe(loss)
-        # Mid-climb, or the loss above its level (_unsettled), a read vouches for no snapshot (run()
+        # Mid-climb, or the loss above its level (unsettled), a read vouches for no snapshot (run()
         # keeps it out of clean_reads) and none is taken.
         if verdict.rerun_action:
             rs.history = read_clean(rs.history)  # vouches for the newest snapshot, ends an fp16 overflow run
@@ -200,7 +196,7 @@ class Decisions:
             if new_scale is not None:  # the climb is an event at its step
                 events.append(self.recovery.lr_changed(new_scale, "healthy run: LR scale climbs back one notch"))
         rs.since_snapshot += 1
-        unsettled = self._unsettled
+        unsettled = self.divergence.climbing or self.spike.rising
         if unsettled is (rs.left_level is None):  # the loss left its level here, or came back to it
             rs.left_level = self.counters.steps if unsettled else None
         if cadence.due(rs.since_snapshot) and not unsettled:

@@ -94,7 +94,7 @@ class Forward:
     def loss(self, clean: Any, pending: Pending) -> Tensor:
         """The forward of a scanned micro-batch (under autocast): its loss, as the model computes it."""
         # Every forward starts with empty record lists (a compiled graph depends on their length).
-        held = self.monitor.set_aside() if len(pending.micro) > 1 and self.monitor.enabled else None
+        held = self.monitor.set_aside() if self.monitor.enabled and len(pending.micro) > 1 else None
         try:
             if self.plumbing.amp_dtype is None:  # no context to enter and leave: cheaper in a small step
                 return compute_loss(self.model, clean, self.loss_fn, self.step_fn)
