@@ -151,7 +151,8 @@ class Decisions:
         """An anomaly found inside the update itself, after the step was judged (an evaluation of a
         closure optimizer's line search went non-finite): decided and carried out as one turn of the
         loop (no replay, no re-run: the update has already moved the state; the ladder restores).
-        A step that read clean vouched for the state it started from: the newest snapshot is kept."""
+        A step that read clean vouched for the state it started from (its clean read is recorded):
+        the newest snapshot is kept."""
         rs = self.recovery_state
         if verdict.outcome is None and not verdict.rerun_action:
             rs.history = read_clean(rs.history)
@@ -189,10 +190,10 @@ class Decisions:
         # Mid-climb, or the loss above its level (unsettled), a read vouches for no snapshot (run()
         # keeps it out of clean_reads) and none is taken.
         if verdict.rerun_action:
-            rs.history = read_clean(rs.history)  # vouches for the newest snapshot, ends an fp16 overflow run
+            rs.history = read_clean(rs.history)  # ends an fp16 overflow run (run() recorded the clean read)
         else:
             self.counters.healthy_steps += 1
-            new_scale = rs.healthy()  # also vouches for the newest snapshot
+            new_scale = rs.healthy()  # (vouching is run()'s record of the clean read)
             if new_scale is not None:  # the climb is an event at its step
                 events.append(self.recovery.lr_changed(new_scale, "healthy run: LR scale climbs back one notch"))
         rs.since_snapshot += 1

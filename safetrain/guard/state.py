@@ -95,7 +95,7 @@ class RecoveryState:
 
     def _owed(self, step: int) -> int:
         """Clean reads a snapshot of ``step`` still needs before it is vouched for."""
-        if self.newest is not None and self.newest == (step, True):
+        if self.newest == (step, True):
             return 0  # sound as taken: the run's start, a resumed state, a snapshot put back
         return max(0, VOUCH_READS - sum(1 for read in self.clean_reads if read > step))
 
@@ -169,7 +169,7 @@ class RecoveryState:
         stands at an older snapshot's level, anywhere between its start and where it stood before
         its last fault, so that level is no bound; a run left there is no worse than it started.
         """
-        return self.worse(list(self.last_losses), margin)
+        return self.worse(self.last_losses, margin)
 
     def worse(self, tail: Sequence[float], margin: Optional[float]) -> Optional[str]:
         """:meth:`ended_worse` for another ``tail`` of trained losses than the run's last ones:
