@@ -9,7 +9,6 @@ ranks' results).
 
 from __future__ import annotations
 
-import datetime
 import gc
 import hashlib
 import json
@@ -19,6 +18,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Sequence
 
 import torch
+
+from tests.helpers.processes import join_gloo_group
 
 Body = Callable[[int, str, str], Dict[str, Any]]  # (rank, tmp, phase) -> the rank's JSON result
 
@@ -62,14 +63,7 @@ def run_rank(rank: int, world: int, tmp: str, phase: str, body: Body, timeout: f
     ``body(rank, tmp, phase)`` and write its result to ``{tmp}/{phase}-rank{rank}.json``."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/rendezvous-{phase}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=timeout),
-    )
+    join_gloo_group(rank, world, tmp, timeout, rendezvous=f"rendezvous-{phase}")
     out = body(rank, tmp, phase)
     with open(os.path.join(tmp, f"{phase}-rank{rank}.json"), "w") as f:
         json.dump(out, f)

@@ -59,10 +59,10 @@ def run_two_ranks(script: str, tmp: Path, timeout: float, what: str) -> None:
     run_session([sys.executable, script, str(tmp)], timeout, what)
 
 
-def join_gloo_group(rank: int, world: int, tmp: str, timeout_s: float) -> None:
+def join_gloo_group(rank: int, world: int, tmp: str, timeout_s: float, rendezvous: str = "rendezvous") -> None:
     """In a rank spawned by a script that :func:`run_two_ranks` runs: one CPU thread, and the gloo
-    group met through a file in ``tmp``, its collectives failing after ``timeout_s`` (a hang turns
-    into an error the test can name)."""
+    group met through the file ``rendezvous`` in ``tmp`` (one per launch when a test launches
+    several), its collectives failing after ``timeout_s`` (a hang turns into an error the test can name)."""
     import datetime
 
     import torch
@@ -71,7 +71,7 @@ def join_gloo_group(rank: int, world: int, tmp: str, timeout_s: float) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
-        init_method=f"file://{tmp}/rendezvous",
+        init_method=f"file://{tmp}/{rendezvous}",
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=timeout_s),

@@ -9,7 +9,6 @@ combination rules are tested directly, without processes.
 
 from __future__ import annotations
 
-import datetime
 import gc
 import json
 import math
@@ -22,6 +21,7 @@ from typing import Any, Callable, Dict, List, Sequence
 import pytest
 import torch
 
+from tests.helpers.processes import join_gloo_group
 from tests.helpers.ranks import decisions, digest, poisoned_batches
 
 pytestmark = pytest.mark.slow
@@ -263,14 +263,7 @@ SCENARIOS = {
 def _worker(rank: int, world: int, tmp: str) -> None:
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/rendezvous",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    join_gloo_group(rank, world, tmp, 60)
     results: Dict[str, Any] = {}
     for name, scenario in SCENARIOS.items():
         results[name] = scenario(rank, tmp)
