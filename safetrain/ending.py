@@ -51,12 +51,9 @@ class SignalStop:
             raise ValueError(f"log.signals: got {which!r}; expected one of {sorted(_CAUGHT)}")
         self.signals = [getattr(signal, n) for n in _CAUGHT[which] if hasattr(signal, n)]
         self.signum: Optional[int] = None
+        #: Whether a signal asked the run to stop (``signum`` is set): a plain attribute, read after every step.
+        self.requested = False
         self._previous: Dict[int, Any] = {}
-
-    @property
-    def requested(self) -> bool:
-        """Whether a signal asked the run to stop."""
-        return self.signum is not None
 
     @property
     def name(self) -> str:
@@ -66,7 +63,7 @@ class SignalStop:
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signum is not None:
             raise interruption(f"{signal.Signals(signum).name} again: stopped at once, mid-step", signum)
-        self.signum = signum
+        self.signum, self.requested = signum, True
         logger.warning("%s: stopping after the current step", signal.Signals(signum).name)
 
     def __enter__(self) -> "SignalStop":

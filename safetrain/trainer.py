@@ -209,14 +209,10 @@ class SafeTrainer:
     def _epochs(
         self, guard: Guard, run: "_Loop", start_epoch: int, skip: int, epoch_rng: Optional[torch.Tensor]
     ) -> None:
-        cfg, keeper, max_steps = self.cfg, run.keeper, run.max_steps
+        cfg, keeper = self.cfg, run.keeper
         sampler = getattr(run.loader, "sampler", None)
-
-        def over() -> bool:  # checked after each step: a caught signal stops within one step
-            return run.stop.requested or (max_steps is not None and guard.steps >= max_steps)
-
         for epoch in range(start_epoch, run.epochs):
-            if over():
+            if run.over(guard):
                 return
             if hasattr(sampler, "set_epoch"):  # DistributedSampler: a new shuffle each epoch, the same on resume
                 sampler.set_epoch(epoch)
@@ -241,10 +237,7 @@ class SafeTrainer:
                 if keeper.sampler is not None:
                     indices = keeper.indices_for(batch, (epoch, guard.position[1] + 1))  # (its place, once it arrives)
                 step = guard.step(batch, indices)
-                if step is None:
-                    continue
-                run.record(guard, step)
-                if over():
+                if step is not None and run.record(guard, step):  # over: a caught signal stops within one step
                     return
             step = guard.flush()  # a partial accumulation does not leak into the next epoch
             if step is not None:
@@ -278,11 +271,18 @@ class _Loop:
     keeper: QuarantineKeeper
     stop: SignalStop
 
-    def record(self, guard: Guard, step: StepResult) -> None:
-        """One decided step into the quarantine and the run's record (metrics, result, progress)."""
+    def record(self, guard: Guard, step: StepResult) -> bool:
+        """One decided step into the quarantine and the run's record (metrics, result, progress);
+        returns whether the run is over after it (:meth:`over`)."""
         if self.keeper.sampler is not None:  # (no quarantine sampler: nothing to quarantine, no call)
             self.keeper.after_step(step.events)
         self.run.record(step)
+        # over(), without a call of its own: read after every step
+        return self.stop.requested or (self.max_steps is not None and guard.steps >= self.max_steps)
+
+    def over(self, guard: Guard) -> bool:
+        """Whether the run is over: a caught signal asked it to stop, or it took ``max_steps`` steps."""
+        return self.stop.requested or (self.max_steps is not None and guard.steps >= self.max_steps)
 
 
 def _check_counts(epochs: Any, max_steps: Any) -> None:

@@ -194,7 +194,9 @@ def compute_loss(
             f"batch tensors {', '.join(meta[:4])} are on the 'meta' device (shapes only, no data); expected "
             "tensors with data, on the model's device or the CPU"
         ) from exc
-    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+    if (
+        not (loss.__class__ is torch.Tensor or isinstance(loss, torch.Tensor)) or loss.ndim != 0
+    ):  # (a plain tensor: no call)
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise BatchError(f"the loss must be a scalar tensor; got {shape} (use reduction='mean' or 'sum')")
     if loss.is_meta:
@@ -224,7 +226,8 @@ def _forward(
 ) -> Any:
     if step_fn is not None:
         return step_fn(model, batch)
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:  # first: the common case, before the ABC check
+    plain = batch.__class__ is tuple or batch.__class__ is list  # (no call for the common case)
+    if (plain or isinstance(batch, (tuple, list))) and len(batch) == 2:  # first: the common case, before the ABC check
         if loss_fn is None:
             raise BatchError("batch is an (inputs, targets) pair but no loss_fn was given; pass loss_fn= or step_fn=")
         return loss_fn(model(batch[0]), batch[1])

@@ -66,16 +66,12 @@ class Cadence:
     ) -> None:
         self.auto = every == "auto"
         self.overhead, self.min_every, self.max_every = float(overhead), int(min_every), int(max_every)
-        #: the healthy steps between two snapshots now
+        #: the healthy steps between two snapshots now: one is due after this many since the last
         self.every = self.min_every if self.auto else int(every)
         self._clock = clock
         self._costs: Deque[float] = deque(maxlen=_KEPT)
         self._steps: Deque[float] = deque(maxlen=_KEPT)
         self._last: Optional[float] = None  # when the last healthy step finished (None: after anything else)
-
-    def due(self, since: int) -> bool:
-        """Whether a snapshot is due after ``since`` healthy steps since the last one."""
-        return since >= self.every
 
     def healthy(self) -> None:
         """A healthy step finished: the time since the one before is a healthy step's (host clock only)."""

@@ -200,7 +200,7 @@ class Decisions:
         unsettled = self.divergence.climbing or self.spike.rising
         if unsettled is (rs.left_level is None):  # the loss left its level here, or came back to it
             rs.left_level = self.counters.steps if unsettled else None
-        if cadence.due(rs.since_snapshot) and not unsettled:
+        if rs.since_snapshot >= cadence.every and not unsettled:  # a snapshot is due
             events.append(snapshot())
         return dataclasses.replace(decided, events=decided.events + tuple(events)) if events else decided
 

@@ -78,7 +78,7 @@ class Forward:
     def begin(self, batch: Any, pending: Pending) -> Any:
         """A micro-batch arrives (already in ``pending.micro``): the step's first keeps the buffers
         as they were before it; returns the batch scanned (and cleaned) for the forward."""
-        if len(pending.micro) == 1 and self.buffers.enabled:  # (a model without such buffers: no call)
+        if self.buffers.enabled and len(pending.micro) == 1:  # (a model without such buffers: no call)
             self.buffers.keep()
         return self.scan(batch, pending)
 
@@ -87,7 +87,8 @@ class Forward:
         for the backward; its loss and scan values go to ``pending``."""
         clean = self.begin(batch, pending)
         loss = self.loss(clean, pending)
-        pending.calls.append(self.monitor.recorded)  # which micro-batch a forward finding is in
+        if self.monitor.enabled:  # (lazy mode: no hooks, nothing recorded)
+            pending.calls.append(self.monitor.recorded)  # which micro-batch a forward finding is in
         self.add_loss(loss, pending)
         self.backward(loss, divide)
 
@@ -129,7 +130,7 @@ class Forward:
                 ("grad_norms", grads.norm_list if grads is not None else None),
                 ("input", pending.input_values),
                 ("target", pending.target_values),
-                ("forward", self.monitor.records),
+                ("forward", self.monitor.records if self.monitor.enabled else None),
                 ("weights", pending.weights),
             )
         )

@@ -10,9 +10,11 @@ A step moves through five states (and a guard ends in a sixth)::
     any state --close()--> CLOSED (every verb refused)
 
 :data:`MOVES` is the whole table: ``(phase, verb) -> the phase after it``, or the sentence an
-illegal call raises (the fix named in it). Each verb asks for its move
-(:meth:`Machine.claim`, then :meth:`Machine.move`) before it touches anything, so a refused call
-changes nothing; the verb sets the phase once its work is done. The per-step facts that are not a
+illegal call raises (the fix named in it). Each verb asks for its move before it touches
+anything, so a refused call changes nothing; the verb sets the phase once its work is done. The
+healthy path asks :attr:`Machine.legal`, the legal moves of the guard's driver (one dict lookup,
+no call); anything else (the first verb, another driver, an illegal move) goes through
+:meth:`Machine.claim` and :meth:`Machine.move`, which fix the driver or raise. The per-step facts that are not a
 phase (how many micro-batches began, whether the step's data is skipped, ``decide()``'s verdict
 while ``finish_step()`` is due) are one :class:`StepFacts`, renewed with each step the way
 :class:`~safetrain.steps.Pending` is. The model is ``torch.amp.GradScaler``'s per-optimizer
@@ -139,6 +141,9 @@ class Machine:
         stepping: inside ``Guard.step``: the verbs called are the guard's own.
         started: a batch has arrived (the first checks that the run does not start broken).
         facts: the step under way's :class:`StepFacts`.
+        legal: the moves the driver may make, ``(phase, verb, stepping) -> the phase after it``
+            (:data:`MOVES`' legal entries, ``stepping`` the driver's); empty until the first verb
+            fixes the driver. A key missing is a call to refuse, or the first.
     """
 
     def __init__(self) -> None:
@@ -147,6 +152,7 @@ class Machine:
         self.stepping = False
         self.started = False
         self.facts = StepFacts()
+        self.legal: Dict[Tuple[Phase, Verb, bool], Phase] = {}
 
     def driver_now(self) -> Driver:
         """Who is calling now: the guard itself (inside ``Guard.step``) or the caller's loop."""
@@ -164,6 +170,10 @@ class Machine:
         who = self.driver_now()
         if self.driver is None:
             self.driver = who
+            stepping = who is Driver.GUARD
+            self.legal = {
+                (phase, verb, stepping): after for (phase, verb), after in MOVES.items() if type(after) is Phase
+            }
             return True
         if self.driver is not who:
             raise RuntimeError(
@@ -183,8 +193,3 @@ class Machine:
         if isinstance(after, str):
             raise RuntimeError(f"Guard.{verb.value}() {after}")
         return after
-
-    def new_step(self, skipping: bool) -> StepFacts:
-        """A step begins: its facts start afresh."""
-        self.facts = StepFacts(skipping=skipping)
-        return self.facts

@@ -125,11 +125,6 @@ class Plumbing:
         """How the scaler lowers its scale after an overflow."""
         return self.scaler.backoff_factor()
 
-    def update_scaler(self) -> None:
-        """The scaler's ``update`` after a step it read (fp16): a step that overflowed lowers the
-        scale, a run of good ones raises it. Nothing when no read unscaled this step (its data was skipped)."""
-        self.scaler.update_if_read()
-
     def unscaled_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """A loss as it went to the backward, multiplied by the fp16 loss scale, divided back (on the device)."""
         scale = self.scaler.loss_scale

@@ -27,7 +27,7 @@ from ..steps import Pending, StepResult
 from . import start
 from .batches import batch_rows
 from .decisions import nan_result
-from .machine import MOVES, Driver, Phase, Verb
+from .machine import Driver, Phase, StepFacts, Verb
 from .outcomes import Rerun, Verdict
 from .parts import Parts
 from .stepping import after_fault
@@ -164,7 +164,9 @@ class Guard(Parts):
                 facts.decided = after_fault(
                     fault, facts.decided, self.decisions, self._pending, self.rules, self.optimizer
                 )  # type: ignore[arg-type]
-        self.plumbing.update_scaler()  # fp16: as after any step the scaler read (a skipped one lowers the scale)
+        # fp16: the scaler's update after a step it read (a skipped one lowers the scale); none when no read
+        # unscaled this step (its data was skipped)
+        self.plumbing.scaler.update_if_read()
         return self.finish_step()
 
     # ----------------------------------------------------------------- the four verbs
@@ -181,12 +183,15 @@ class Guard(Parts):
             TrainingAborted: the run starts with non-finite parameters or optimizer state.
         """
         m = self.machine
-        self._enter(Verb.BEGIN)
+        if (m.phase, Verb.BEGIN, m.stepping) not in m.legal:
+            self._enter(Verb.BEGIN)  # (the first verb, or refused)
         if m.phase is Phase.BEGUN:  # the last batch gave no loss (Lightning: training_step
             self._leave_out_last()  # returned None): it is no part of the step
-        self._arrive(batch)
+        if not m.started or self.counters.steps == 0 or self.lazy.pending:  # (a step under way: nothing to see)
+            self._arrive(batch)
+        self.counters.batch += 1
         if m.phase is Phase.READY:  # a new step
-            m.new_step(skipping=self.recovery_state.skip_after_restore > 0)
+            m.facts = StepFacts(skipping=self.recovery_state.skip_after_restore > 0)  # the step's facts start afresh
             self._start_step()
         m.phase, facts = Phase.BEGUN, m.facts
         if self.plumbing.moves and not (facts.skipping and m.stepping):  # (Guard.step runs no skipped batch)
@@ -217,13 +222,15 @@ class Guard(Parts):
             RuntimeError: no batch begun since the last loss (call :meth:`begin_batch` first).
         """
         m = self.machine
-        m.phase, skipped = self._enter(Verb.RECORD), m.phase is Phase.SKIPPED
+        key, skipped = (m.phase, Verb.RECORD, m.stepping), m.phase is Phase.SKIPPED
+        m.phase = m.legal[key] if key in m.legal else self._enter(Verb.RECORD)
         if skipped:  # a skipped or empty micro-batch: its loss is no part of the step
             m.facts.forwarded = m.facts.forwarded or m.facts.skipping
             return
         if scaled:
             loss = self.plumbing.unscaled_loss(loss.detach())
-        self._pending.calls.append(self.monitor.recorded)  # which micro-batch a forward finding is in
+        if self.monitor.enabled:  # (lazy mode: no hooks, nothing recorded)
+            self._pending.calls.append(self.monitor.recorded)  # which micro-batch a forward finding is in
         self.forward.add_loss(loss, self._pending)
 
     def decide(self, window: Optional[int] = None) -> StepResult:
@@ -244,7 +251,8 @@ class Guard(Parts):
             TrainingAborted: the policy aborted; the model and optimizer are at the last good snapshot.
         """
         m = self.machine
-        after = self._enter(Verb.DECIDE)
+        key = m.phase, Verb.DECIDE, m.stepping
+        after = m.legal[key] if key in m.legal else self._enter(Verb.DECIDE)
         try:
             verdict, result = self._decide(window)
         except BaseException:
@@ -262,7 +270,8 @@ class Guard(Parts):
             RuntimeError: no step decided (call :meth:`decide` first).
         """
         m = self.machine
-        after = self._enter(Verb.FINISH)
+        key = m.phase, Verb.FINISH, m.stepping
+        after = m.legal[key] if key in m.legal else self._enter(Verb.FINISH)
         (verdict, result), m.facts.decided = m.facts.decided, None  # type: ignore[misc]
         try:
             if verdict is None:  # the step's data was skipped, or it was empty: nothing more to do
@@ -275,16 +284,14 @@ class Guard(Parts):
 
     # ----------------------------------------------------------------- the step, inside
     def _enter(self, verb: Verb) -> Phase:
-        """The phase ``verb`` moves the step to (:mod:`.machine`'s table); the verb sets it once
-        its work is done. The first verb fixes the driver (``Guard.step`` or the caller's loop).
+        """The phase ``verb`` moves the step to, for a move not in ``machine.legal`` (each verb
+        looks there first: the healthy path, one lookup and no call): the first verb fixes the
+        driver (``Guard.step`` or the caller's loop); the verb sets the phase once its work is done.
 
         Raises:
             RuntimeError: closed, another driver's guard, or the move illegal now (the fix named).
         """
         m = self.machine
-        after = MOVES[m.phase, verb]
-        if after.__class__ is Phase and m.driver is (Driver.GUARD if m.stepping else Driver.CALLER):
-            return after  # type: ignore[return-value]  # (the healthy path: one lookup, two tests)
         if m.claim(verb) and m.driver is Driver.CALLER:
             self._caller_drives()
         return m.move(verb)
@@ -307,10 +314,11 @@ class Guard(Parts):
         logger.debug("a batch begun without a loss recorded is left out of step %d", self.counters.steps + 1)
 
     def _arrive(self, batch: Any) -> None:
-        """A (micro-)batch arrives: the run's first takes the forced snapshot (sound by definition),
-        and a run whose parameters or optimizer state are non-finite already stops (:mod:`.start`):
-        the snapshot's own check says so (no read of its own). A resumed run's state comes from a
-        snapshot, which is never taken of a non-finite state."""
+        """A batch arrives before the run's first step is counted (or a lazy model's parameters are
+        still to be made; later batches skip this): the run's first takes the forced snapshot (sound
+        by definition), and a run whose parameters or optimizer state are non-finite already stops
+        (:mod:`.start`): the snapshot's own check says so (no read of its own). A resumed run's
+        state comes from a snapshot, which is never taken of a non-finite state."""
         m = self.machine
         first, m.started = not m.started, True
         if self.lazy.pending:  # a lazy model's parameters exist before its first snapshot (a dry run: :mod:`.lazy`)
@@ -318,7 +326,6 @@ class Guard(Parts):
         if self.counters.steps == 0 and m.phase is Phase.READY and len(self.store) == 0:
             if self.snapshot(force=True).action == "refused" and first and self.store.refused:
                 self._broken_start(list(self.store.refused), batch)
-        self.counters.batch += 1
 
     def _broken_start(self, bad: List[str], batch: Any) -> None:
         """Stop a run that starts with non-finite state: nothing could restore it (slow path)."""
@@ -331,7 +338,8 @@ class Guard(Parts):
     def _start_step(self) -> None:
         self.plumbing.begin_step()
         self._pending = Pending()
-        self.monitor.reset()
+        if self.monitor.enabled:
+            self.monitor.reset()
         self.diagnoser.rng.begin_step()  # the RNG state the step starts from, for a replay (host-side)
         steps = self.counters.optimizer_steps
         skipping = self.machine.facts.skipping

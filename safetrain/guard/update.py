@@ -53,7 +53,9 @@ class Updates:
         diagnoser: Diagnoser,
     ) -> None:
         self.plumbing, self.grads, self.counters = plumbing, detectors.grads, context.counters
-        self.scheduler, self.backoff, self.record = scheduler, backoff, diagnoser.record_update
+        self.scheduler, self.backoff = scheduler, backoff
+        # (Diagnoser.record_update's two parts, held: the healthy path calls the replay's record directly)
+        self.replay, self.rng = diagnoser.weight_replay, diagnoser.rng
         self.clip = cfg.clip_grad_norm
         self.adaptive = cfg.clip.mode == "adaptive"
         # The statistics run when adaptive clipping or the adaptive grad_norm anomaly reads them.
@@ -93,7 +95,7 @@ class Updates:
         clipped = limit is not None and total is not None and math.isfinite(total) and limit / (total + 1e-6) < 1.0
         if limit is not None and total is not None:
             self.grads.clip_(limit, total)
-        self.record(self.counters.steps, micro, total, clip=limit)  # references only
+        self.replay.record(self.counters.steps, micro, total, self.rng.state, clip=limit)  # references only
         if not clipped:
             self.episode = False
             return math.nan, None
