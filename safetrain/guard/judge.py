@@ -151,9 +151,10 @@ class Judge:
             lrs = tuple(float(x) for x in self.lrs())
             detail = {"finding": diverged, "episode": diverged.episode, "lr": list(lrs)}  # (the journal's)
             return Anomaly(Kind.DIVERGENCE, detail, episode=diverged.episode, lrs=lrs)
-        evidence = self.spike.check(loss)
-        if evidence is None and self.levels:  # a loss that jumped and stays, no step of it a spike
-            evidence = self.spike.level(loss)
+        spike = self.spike
+        evidence = spike.check(loss)
+        if evidence is None and self.levels and spike.rising:  # a loss that jumped and stays, no step of it a spike
+            evidence = spike.level(loss)  # (asked only during a rise: level() ends none before one)
         if evidence is not None:
             return Anomaly(Kind.SPIKE, evidence)
         return None
