@@ -64,12 +64,12 @@ class StepRead:
     @property
     def forward_tripped(self) -> bool:
         """Some monitored module's value is NaN/Inf."""
-        return bool(self.forward) and not math.isfinite(sum(self.forward))
+        return bool(self.forward) and not -_INF < sum(self.forward) < _INF  # (finite: see _parse)
 
     @property
     def loss_tripped(self) -> bool:
         """The loss is NaN or Inf."""
-        return self.loss is not None and not math.isfinite(self.loss)
+        return self.loss is not None and not -_INF < self.loss < _INF  # (finite: see _parse)
 
     def tripped(self) -> Tuple[str, ...]:
         """The kinds that tripped, in step order (input, target, forward, loss, gradient, weights),
