@@ -145,7 +145,9 @@ class Judge:
             # norm, whatever the threshold; only NaN/Inf elements are GRADIENT.
             finding = self.sync.agree_gradient(self.grads.finding(read.grad_norms, threshold, **self.where()))
             return Anomaly(Kind.GRADIENT if finding.kind == "gradient" else Kind.GRAD_NORM, {"finding": finding})
-        diverged = self.divergence.check(loss)  # a climb over steps; a single jump is a spike, below
+        # A climb over steps, each loss a new high of the window (a single jump is a spike, below):
+        # check() finds none in a loss no higher than the window's highest, so it is asked only above it.
+        diverged = self.divergence.check(loss) if loss > self.divergence.high else None
         if diverged is not None:
             self.divergence.fault(diverged)  # its climb leaves the window; the level before it is kept
             lrs = tuple(float(x) for x in self.lrs())
