@@ -148,7 +148,7 @@ class DivergenceDetector:
         self.reference_scale = 0.0  # the scale of the divergence that set the reference
         self.episode = 0
         self._since = 0  # healthy losses since the last fault
-        self.highs = 0  # a run of new highs of the window, each (after the first) >= growth x the one before
+        self._highs = 0  # a run of new highs of the window, each (after the first) >= growth x the one before
         #: Whether a climb may be under way: the last two (or more) healthy losses in a row were
         #: each a new high of the window before them (the first loss of an empty window is one), each
         #: increment after the first at least ``growth`` times the one before it (the second loss of a
@@ -230,20 +230,20 @@ class DivergenceDetector:
             # climb (an LR far too high: 669, then 9.2e4), so no snapshot is vouched for by it
             # (ring[pos - 1]: the last loss, ring[pos - 2] the one before; negative slots wrap around)
             grew = count < 2 or loss - ring[pos - 1] >= self.growth * (ring[pos - 1] - ring[pos - 2])
-            self.highs = self.highs + 1 if self.highs and grew else 1
+            self._highs = self._highs + 1 if self._highs and grew else 1
         else:
-            self.highs = 0
-        self.climbing = self.highs >= 2
+            self._highs = 0
+        self.climbing = self._highs >= 2
         # The ring's slot `pos` takes the loss; the window's high is that of the last finished
         # block's slots after `pos` and of this block's so far (spike.tail_extremes: no call here).
         if pos == 0:  # a block begins: the last one, if any, is finished
             if count:
-                self.highs_after = tail_extremes(ring, max, -_INF)
+                self._highs_after = tail_extremes(ring, max, -_INF)
             top = loss
         else:
-            top = loss if loss >= self._top else self._top
-        ring[pos], self._top = loss, top
-        after = self.highs_after[pos + 1]
+            top = loss if loss >= self._block_high else self._block_high
+        ring[pos], self._block_high = loss, top
+        after = self._highs_after[pos + 1]
         self.high = after if after > top else top
         self._pos = pos + 1 if pos + 1 < self.window else 0
         if count < self.window:
@@ -284,12 +284,12 @@ class DivergenceDetector:
         self._losses: List[float] = [0.0] * self.window  # the healthy losses, slot by slot
         self._count = 0  # losses in the window
         self._pos = 0  # the slot the next loss takes
-        self.highs_after = [-_INF] * (self.window + 1)  # tail_extremes of the last finished block (none yet)
-        self._top = -_INF  # this block's highest loss so far
+        self._highs_after = [-_INF] * (self.window + 1)  # tail_extremes of the last finished block (none yet)
+        self._block_high = -_INF  # this block's highest loss so far
         #: The window's highest loss (``-inf`` while it is empty). Only a loss above it can be
         #: divergence: the guard asks :meth:`check` only then (a plain attribute, read every step).
         self.high = -_INF
-        self.highs, self.climbing = 0, False
+        self._highs, self.climbing = 0, False
 
     def _refill(self, losses: List[float]) -> None:
         """The window of ``losses`` (oldest first), added again; the episode is left as it stands."""

@@ -309,10 +309,11 @@ class SpikeDetector:
                 self._overs_after = tail_extremes(self._overs, max, -_INF)
             low, top = loss, over
         else:
-            low = loss if loss <= self._low else self._low  # (of equal ones the newest, as in tail_extremes)
-            top = over if over >= self._top else self._top
+            # (of equal values the newest, as in tail_extremes)
+            low = loss if loss <= self._block_low else self._block_low
+            top = over if over >= self._block_top else self._block_top
         self._losses[pos], self._overs[pos] = loss, over
-        self._low, self._top = low, top
+        self._block_low, self._block_top = low, top
         after = self._lows_after[pos + 1]
         self._floor = after if after < low else low
         after = self._overs_after[pos + 1]
@@ -330,7 +331,7 @@ class SpikeDetector:
         self._pos = 0  # the slot the next loss takes
         self._lows_after = [_INF] * (w + 1)  # tail_extremes of the last finished block (none yet)
         self._overs_after = [-_INF] * (w + 1)
-        self._low, self._top = _INF, -_INF  # this block's lowest loss and largest excess so far
+        self._block_low, self._block_top = _INF, -_INF  # this block's lowest loss and largest excess so far
         self._floor = _INF  # the window's lowest loss
         self._top_over = -_INF  # the window's largest excess
 
