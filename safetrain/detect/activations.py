@@ -173,6 +173,10 @@ class ActivationMonitor:
         self._last: Optional[List[Any]] = [None] if self._blocks else None
         self._ids: List[int] = []
         self._vals: List[Tensor] = []
+        #: This step's per-call 0-dim values, live (aligned with :attr:`calls`); put this list on
+        #: :class:`~safetrain.detect.flags.StepFlags` as ``forward``: it joins the read's single stack.
+        #: The hooks' own list, emptied in place and never replaced: a plain attribute (read every step).
+        self.records: List[Tensor] = self._vals
         self._order: Optional[Tuple[str, ...]] = None
         self._handle: Optional[HookHandle] = None
 
@@ -260,8 +264,7 @@ class ActivationMonitor:
         call order is kept as :attr:`order`."""
         if self._order is None and self._ids:
             self._order = self._order_of(self._ids)
-        self._ids.clear()
-        self._vals.clear()
+        del self._ids[:], self._vals[:]  # emptied in place (the hooks append to them): a statement, no call
         if self._last is not None:
             self._last[0] = None
 
@@ -308,12 +311,6 @@ class ActivationMonitor:
     def recorded(self) -> int:
         """How many calls were recorded so far this step (a host-side count: no sync)."""
         return len(self._ids)
-
-    @property
-    def records(self) -> List[Tensor]:
-        """This step's per-call 0-dim values, live (aligned with :attr:`calls`); put this list on
-        :class:`~safetrain.detect.flags.StepFlags` as ``forward``: it joins the read's single stack."""
-        return self._vals
 
     def values(self) -> Optional[Tensor]:
         """This step's per-call values as one device vector (one ``stack``, no sync).

@@ -25,6 +25,7 @@ _NUMBERS = ("loss", "total_norm")
 _VECTORS = ("forward", "grad_norms")
 _ROWS = ("input_rows", "target_rows")
 _BOOL = torch.bool
+_INF = math.inf
 _FLOATS = (torch.float32, torch.float64)
 
 
@@ -63,12 +64,12 @@ class StepRead:
     @property
     def forward_tripped(self) -> bool:
         """Some monitored module's value is NaN/Inf."""
-        return bool(self.forward) and not math.isfinite(sum(self.forward))
+        return bool(self.forward) and not -_INF < sum(self.forward) < _INF  # (finite: see _parse)
 
     @property
     def loss_tripped(self) -> bool:
         """The loss is NaN or Inf."""
-        return self.loss is not None and not math.isfinite(self.loss)
+        return self.loss is not None and not -_INF < self.loss < _INF  # (finite: see _parse)
 
     def tripped(self) -> Tuple[str, ...]:
         """The kinds that tripped, in step order (input, target, forward, loss, gradient, weights),
@@ -302,12 +303,17 @@ def _parse(host: Sequence[float], layout: Layout, plan: Optional[Plan] = None) -
     out: Dict[str, Any] = {}
     extra: Dict[str, Tuple[float, ...]] = {}
     extra_tripped: List[str] = []
-    isfinite = math.isfinite
+    # A value v is finite when -_INF < v < _INF (NaN fails both comparisons): a test with no call,
+    # made for every flag of every step's read.
     for name, lo, hi, role, is_bool in plan if plan is not None else _plan(layout):
         if role == _NUMBER:
             out[name] = host[lo] if hi - lo == 1 else sum(host[lo:hi])
         elif role == _FLAG:
-            bad = any(host[lo:hi]) if is_bool else not isfinite(host[lo] if hi - lo == 1 else sum(host[lo:hi]))
+            if is_bool:
+                bad = any(host[lo:hi])
+            else:
+                value = host[lo] if hi - lo == 1 else sum(host[lo:hi])
+                bad = not -_INF < value < _INF
             out[name] = (name in out and out[name]) or bad
         elif role == _VECTOR:
             vals = tuple(host[lo:hi])
@@ -319,7 +325,7 @@ def _parse(host: Sequence[float], layout: Layout, plan: Optional[Plan] = None) -
         else:
             vals = tuple(host[lo:hi])
             extra[name] = vals
-            if any(vals) if is_bool else not isfinite(sum(vals)):
+            if any(vals) if is_bool else not -_INF < sum(vals) < _INF:
                 extra_tripped.append(name)
     if "total_norm" in out:
         total = out["total_norm"]
@@ -327,7 +333,7 @@ def _parse(host: Sequence[float], layout: Layout, plan: Optional[Plan] = None) -
         total = out["total_norm"] = math.hypot(*out["grad_norms"])
     else:
         total = None
-    if total is not None and not isfinite(total):
+    if total is not None and not -_INF < total < _INF:
         out["gradient"] = True
     if "input_rows" in out and any(out["input_rows"]):
         out["input"] = True

@@ -145,15 +145,18 @@ class Judge:
             # norm, whatever the threshold; only NaN/Inf elements are GRADIENT.
             finding = self.sync.agree_gradient(self.grads.finding(read.grad_norms, threshold, **self.where()))
             return Anomaly(Kind.GRADIENT if finding.kind == "gradient" else Kind.GRAD_NORM, {"finding": finding})
-        diverged = self.divergence.check(loss)  # a climb over steps; a single jump is a spike, below
+        # A climb over steps, each loss a new high of the window (a single jump is a spike, below):
+        # check() finds none in a loss no higher than the window's highest, so it is asked only above it.
+        diverged = self.divergence.check(loss) if loss > self.divergence.high else None
         if diverged is not None:
             self.divergence.fault(diverged)  # its climb leaves the window; the level before it is kept
             lrs = tuple(float(x) for x in self.lrs())
             detail = {"finding": diverged, "episode": diverged.episode, "lr": list(lrs)}  # (the journal's)
             return Anomaly(Kind.DIVERGENCE, detail, episode=diverged.episode, lrs=lrs)
-        evidence = self.spike.check(loss)
-        if evidence is None and self.levels:  # a loss that jumped and stays, no step of it a spike
-            evidence = self.spike.level(loss)
+        spike = self.spike
+        evidence = spike.check(loss)
+        if evidence is None and self.levels and spike.rising:  # a loss that jumped and stays, no step of it a spike
+            evidence = spike.level(loss)  # (asked only during a rise: level() ends none before one)
         if evidence is not None:
             return Anomaly(Kind.SPIKE, evidence)
         return None

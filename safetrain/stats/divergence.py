@@ -52,16 +52,17 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
-from .spike import spread_floor
+from .spike import oldest_first, spread_floor, tail_extremes
 
 if TYPE_CHECKING:
     from ..config import DivergenceConfig
 
 __all__ = ["DivergenceDetector", "DivergenceFinding"]
+
+_INF = math.inf
 
 
 @dataclass(frozen=True)
@@ -143,11 +144,6 @@ class DivergenceDetector:
             )
         self.growth, self.steps, self.ratio, self.enabled = growth, steps, ratio, enabled
         self.window, self.recover_after = window, recover_after
-        self._losses: deque = deque(maxlen=window)
-        # The window's maximum as a decreasing queue of (add count, loss), as in SpikeDetector:
-        # the healthy path reads one float instead of scanning the window.
-        self._peaks: deque = deque()
-        self._added = 0
         self.reference: Optional[float] = None
         self.reference_scale = 0.0  # the scale of the divergence that set the reference
         self.episode = 0
@@ -161,6 +157,7 @@ class DivergenceDetector:
         #: it read would let a restore land inside the climb). ``_highs >= 2``, kept as a plain
         #: attribute: the guard reads it on every healthy step.
         self.climbing = False
+        self._clear_window()
 
     @classmethod
     def from_config(cls, cfg: "DivergenceConfig", recover_after: int = 20) -> "DivergenceDetector":
@@ -169,12 +166,11 @@ class DivergenceDetector:
 
     def check(self, loss: float) -> Optional[DivergenceFinding]:
         """Return the evidence when ``loss`` is divergence, else ``None`` (nothing is recorded)."""
-        h = self._losses
-        if not self.enabled or not h or loss <= self._peaks[0][1] or not math.isfinite(loss):
+        if not self.enabled or not self._count or loss <= self.high or not math.isfinite(loss):
             return None  # the cheap test first: most healthy steps are no new high of the window (NaN passes it)
         # The climb: the longest tail of the window in which every loss was a new high of the
         # window before it (then ``loss``, a new high too); ``start`` is the loss just before it.
-        values = list(h)
+        values = self._window_losses()
         j, top = 0, -math.inf  # j: the last loss that was no new high (the first always is one)
         for i, x in enumerate(values):  # (comparisons only: no call per loss)
             if x > top:
@@ -213,7 +209,7 @@ class DivergenceDetector:
 
     def fault(self, finding: DivergenceFinding) -> None:
         """Record a divergence acted on: drop its climb from the window, keep the level before it."""
-        kept = list(self._losses)[: len(self._losses) - finding.rises]
+        kept = self._window_losses()[: self._count - finding.rises]
         self._refill(kept)
         level = max(finding.start, statistics.median(kept)) if kept else finding.start  # as in check()
         if self.reference is None:
@@ -225,9 +221,33 @@ class DivergenceDetector:
 
     def add(self, loss: float) -> None:
         """Record a healthy (trained) loss; a recovered episode closes here."""
-        if not math.isfinite(loss):
+        if not -_INF < loss < _INF:  # (not finite, by comparisons: NaN fails both)
             return
-        self._push(float(loss))
+        loss = float(loss)
+        ring, count, pos = self._losses, self._count, self._pos
+        if loss > self.high:  # a new high of the window (an empty one's high is -inf)
+            # the increment grew; the second loss of a run has none before it: a rise there may be a
+            # climb (an LR far too high: 669, then 9.2e4), so no snapshot is vouched for by it
+            # (ring[pos - 1]: the last loss, ring[pos - 2] the one before; negative slots wrap around)
+            grew = count < 2 or loss - ring[pos - 1] >= self.growth * (ring[pos - 1] - ring[pos - 2])
+            self._highs = self._highs + 1 if self._highs and grew else 1
+        else:
+            self._highs = 0
+        self.climbing = self._highs >= 2
+        # The ring's slot `pos` takes the loss; the window's high is that of the last finished
+        # block's slots after `pos` and of this block's so far (spike.tail_extremes: no call here).
+        if pos == 0:  # a block begins: the last one, if any, is finished
+            if count:
+                self._highs_after = tail_extremes(ring, max, -_INF)
+            top = loss
+        else:
+            top = loss if loss >= self._block_high else self._block_high
+        ring[pos], self._block_high = loss, top
+        after = self._highs_after[pos + 1]
+        self.high = after if after > top else top
+        self._pos = pos + 1 if pos + 1 < self.window else 0
+        if count < self.window:
+            self._count = count + 1
         if self.reference is not None:
             self._since += 1
             if self._since >= self.recover_after and loss - self.reference <= self.growth * self.reference_scale:
@@ -237,7 +257,7 @@ class DivergenceDetector:
         """``{"losses": [...], "reference": float | None, "reference_scale": float, "episode": int,
         "since": int}``, JSON-ready."""
         return {
-            "losses": list(self._losses),
+            "losses": self._window_losses(),
             "reference": self.reference,
             "reference_scale": self.reference_scale,
             "episode": self.episode,
@@ -255,27 +275,26 @@ class DivergenceDetector:
         self.reference_scale = float(scale) if scale is not None else abs(self.reference or 0.0)
         self.episode, self._since = int(state.get("episode", 0)), int(state.get("since", 0))
 
-    def _push(self, loss: float) -> None:
-        peaks, h = self._peaks, self._losses
-        if not peaks or loss > peaks[0][1]:  # a new high of the window (peaks[0]: its max)
-            # the increment grew; the second loss of a run has none before it: a rise there may be a
-            # climb (an LR far too high: 669, then 9.2e4), so no snapshot is vouched for by it
-            grew = len(h) < 2 or loss - h[-1] >= self.growth * (h[-1] - h[-2])
-            self._highs = self._highs + 1 if self._highs and grew else 1
-        else:
-            self._highs = 0
-        self.climbing = self._highs >= 2
-        self._losses.append(loss)
-        while peaks and peaks[-1][1] <= loss:
-            peaks.pop()
-        peaks.append((self._added, loss))
-        self._added += 1
-        if peaks[0][0] < self._added - self.window:  # left the window
-            peaks.popleft()
+    def _window_losses(self) -> List[float]:
+        """The window's healthy losses, oldest first."""
+        return oldest_first(self._losses, self._count, self._pos)
+
+    def _clear_window(self) -> None:
+        """Empty the window (a ring of ``window`` slots) and the climb it held."""
+        self._losses: List[float] = [0.0] * self.window  # the healthy losses, slot by slot
+        self._count = 0  # losses in the window
+        self._pos = 0  # the slot the next loss takes
+        self._highs_after = [-_INF] * (self.window + 1)  # tail_extremes of the last finished block (none yet)
+        self._block_high = -_INF  # this block's highest loss so far
+        #: The window's highest loss (``-inf`` while it is empty). Only a loss above it can be
+        #: divergence: the guard asks :meth:`check` only then (a plain attribute, read every step).
+        self.high = -_INF
+        self._highs, self.climbing = 0, False
 
     def _refill(self, losses: List[float]) -> None:
-        self._losses = deque(maxlen=self.window)
-        self._peaks.clear()
-        self._highs, self.climbing = 0, False
+        """The window of ``losses`` (oldest first), added again; the episode is left as it stands."""
+        self._clear_window()
+        reference, self.reference = self.reference, None  # (put back, not trained now: no recovery counted)
         for x in losses:
-            self._push(x)
+            self.add(x)
+        self.reference = reference

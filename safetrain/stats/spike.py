@@ -46,16 +46,17 @@ median and sigma the healthy path compares with are refreshed every :data:`LEVEL
 (amortized O(1)); the call that finds a rise checks it exactly against the window before it. The
 guard then asks the cause test (issue 32).
 
-The healthy path is O(1) amortized: the window's lowest and highest losses are kept as monotonic
-queues, and the median and MAD are computed only for a loss that passed the cheap gates.
+The healthy path is O(1) amortized and calls nothing: the window is a ring of ``window`` slots
+written by index, its lowest loss and largest excess are kept block by block (:func:`tail_extremes`),
+and the median and MAD are computed only for a loss that passed the cheap gates.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections import deque
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from itertools import accumulate
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["SpikeDetector", "HARD_MIN_HISTORY", "RESOLUTION", "LEVEL_STEPS"]
 
@@ -69,6 +70,8 @@ RESOLUTION = 1e-6
 LEVEL_STEPS = 4
 #: The window's median and sigma that a level rise is measured from are refreshed this often.
 LEVEL_REFRESH = 32
+
+_INF = math.inf
 
 
 def robust_level(losses: Sequence[float]) -> Tuple[float, float]:
@@ -92,6 +95,29 @@ def _median(ordered: Sequence[float]) -> float:
 def spread_floor(level: float) -> float:
     """The smallest spread the rules take as real at a loss ``level``: float rounding (``RESOLUTION``)."""
     return max(RESOLUTION * abs(level), 1e-12)
+
+
+def tail_extremes(block: List[float], pick: Callable[[float, float], float], empty: float) -> List[float]:
+    """``out[i] = pick(block[i:])`` for every ``i``, and ``out[len(block)] = empty``.
+
+    A ring of ``W`` slots written in turn holds, when its write position comes back to 0, the
+    last ``W`` values in slot order: one finished block. The window of the last ``W`` values
+    after slot ``p`` of the next block is written is that block's slots ``p + 1 ...`` and the new
+    block's slots ``0 ... p``, so its extreme is ``pick(out[p + 1], extreme of the new block so
+    far)``: O(1) a value and no call, with this O(W) pass once every ``W`` values (the sliding
+    extreme of van Herk and Gil-Werman). It replaced monotonic deques (an append and a pop a value).
+    Of equal values the newest is kept, as the deques did (``0.0`` and ``-0.0`` are equal; a
+    difference taken from them is not): ``pick`` is ``min`` or ``max``, which keep their first argument.
+    """
+    out = list(accumulate(reversed(block), pick))
+    out.reverse()
+    out.append(empty)
+    return out
+
+
+def oldest_first(ring: List[float], count: int, pos: int) -> List[float]:
+    """The values of a ring holding ``count`` values, the next to be written at ``pos``, oldest first."""
+    return ring[:count] if count < len(ring) else ring[pos:] + ring[:pos]
 
 
 def _spread(ordered: Sequence[float]) -> float:
@@ -136,14 +162,8 @@ class SpikeDetector:
         self.run_min = math.inf  # the lowest
         self._run_range = math.inf  # run_max - run_min, at least float rounding: set where they move
         self.start: Tuple[float, ...] = ()  # the start model's losses (begin), until HARD_MIN_HISTORY healthy ones
-        # (loss, its excess over the floor it came to) per healthy loss, oldest first: one window,
-        # one append a step; the excesses are kept for state_dict() only.
-        self._window: deque = deque(maxlen=window)
-        # The window's lowest loss and largest excess, kept as monotonic queues of (add count, value):
-        # O(1) amortized per step. min() over the window read 128 floats scattered over the heap at every step.
-        self._lows: deque = deque()
-        self._excess: deque = deque()  # of each loss's excess over the window's lowest when it came
-        self._added = 0
+        self._clear_window()
+        self._added = 0  # healthy losses added since the start (the level gate's clock)
         self._streak = 0  # healthy losses in a row above the gate below (a level rise under way)
         #: The last healthy losses stand above the window's noise (a level rise may be under way):
         #: the guard then takes no snapshot and lets none be vouched for until it is judged.
@@ -155,8 +175,8 @@ class SpikeDetector:
     def check(self, loss: float) -> Optional[Dict[str, float]]:
         """Return the evidence (median, sigma, z; ``rule``: ``zscore`` or ``hard_ratio``) when
         ``loss`` is a spike, else ``None``."""
-        n = len(self._window)
-        if not self.enabled or not math.isfinite(loss):
+        n = self._count
+        if not self.enabled or not -_INF < loss < _INF:  # (not finite, by comparisons: NaN fails both)
             return None
         if self.start and n < HARD_MIN_HISTORY:
             return self._early(loss)
@@ -169,8 +189,8 @@ class SpikeDetector:
         if not hard:
             if n < self.min_history:
                 return None
-            floor = self._lows[0][1]  # the cheap test first (the window's largest excess): most steps end here
-            if loss - floor < self.min_ratio * self._excess[0][1] or loss <= floor:
+            floor = self._floor  # the cheap test first (the window's largest excess): most steps end here
+            if loss - floor < self.min_ratio * self._top_over or loss <= floor:
                 return None
         median, sigma = robust_level(self._window_losses())
         z = (loss - median) / sigma
@@ -218,11 +238,11 @@ class SpikeDetector:
 
     def _window_losses(self) -> List[float]:
         """The window's healthy losses, oldest first."""
-        return [loss for loss, _ in self._window]
+        return oldest_first(self._losses, self._count, self._pos)
 
     def _level_gate(self) -> float:
         """The window's median plus ``zscore / 2`` robust sigmas: a loss above it counts toward a level rise."""
-        median, sigma = robust_level(self._window_losses())
+        median, sigma = robust_level(self._window_losses())  # (the order does not matter to it)
         return median + self.zscore / 2 * sigma
 
     def begin(self, losses: Sequence[float]) -> None:
@@ -257,44 +277,63 @@ class SpikeDetector:
             "rule": "start",
             "ratio": (loss - low) / spread,
             "start": list(self.start),
-            "trained": len(self._window),
+            "trained": self._count,
         }
 
     def add(self, loss: float, over: Optional[float] = None) -> None:
         """Record a healthy loss (``over``: its excess over the floor it came to, when put back from a state)."""
-        if math.isfinite(loss):
-            if self.start and len(self._window) + 1 >= HARD_MIN_HISTORY:
-                self.start = ()  # the run has a history of its own now
-            loss = float(loss)
-            lows, excess = self._lows, self._excess
-            if (
-                not self._streak
-                and self._added - self._gated >= LEVEL_REFRESH
-                and len(self._window) >= self.min_history
-            ):
-                self._gate, self._gated = self._level_gate(), self._added  # (amortized: a median every 32 losses)
-            self._streak = self._streak + 1 if loss > self._gate else 0  # the gate stays put during a rise
-            self.rising = self._streak > 0
-            if over is None:
-                over = loss - lows[0][1] if lows else 0.0
-                if over < 0.0:
-                    over = 0.0
-            self._window.append((loss, over))
-            if loss > self.run_max or loss < self.run_min:  # (seldom once a run has settled)
-                self._set_run_range(max(self.run_max, loss), min(self.run_min, loss))
-            n = self._added
-            while lows and lows[-1][1] >= loss:
-                lows.pop()
-            lows.append((n, loss))
-            while excess and excess[-1][1] <= over:
-                excess.pop()
-            excess.append((n, over))
-            self._added = n = n + 1
-            gone = n - self.window  # entries added before this left the window
-            if lows[0][0] < gone:
-                lows.popleft()
-            if excess[0][0] < gone:
-                excess.popleft()
+        if not -_INF < loss < _INF:  # (not finite, by comparisons: NaN fails both)
+            return
+        count = self._count  # the window's losses before this one
+        if self.start and count + 1 >= HARD_MIN_HISTORY:
+            self.start = ()  # the run has a history of its own now
+        loss = float(loss)
+        if not self._streak and self._added - self._gated >= LEVEL_REFRESH and count >= self.min_history:
+            self._gate, self._gated = self._level_gate(), self._added  # (amortized: a median every 32 losses)
+        self._streak = self._streak + 1 if loss > self._gate else 0  # the gate stays put during a rise
+        self.rising = self._streak > 0
+        if over is None:
+            over = loss - self._floor  # (an empty window's floor is +inf: no excess)
+            if over < 0.0:
+                over = 0.0
+        if loss > self.run_max or loss < self.run_min:  # (seldom once a run has settled)
+            self._set_run_range(max(self.run_max, loss), min(self.run_min, loss))
+        self._added += 1
+        # The ring: slot `pos` takes the loss and its excess. The window's floor and largest excess
+        # are those of the last finished block's slots after `pos` and of this block's so far
+        # (tail_extremes: no call here, and an O(window) pass once every `window` losses).
+        pos = self._pos
+        if pos == 0:  # a block begins: the last one, if any, is finished
+            if count:
+                self._lows_after = tail_extremes(self._losses, min, _INF)
+                self._overs_after = tail_extremes(self._overs, max, -_INF)
+            low, top = loss, over
+        else:
+            # (of equal values the newest, as in tail_extremes)
+            low = loss if loss <= self._block_low else self._block_low
+            top = over if over >= self._block_top else self._block_top
+        self._losses[pos], self._overs[pos] = loss, over
+        self._block_low, self._block_top = low, top
+        after = self._lows_after[pos + 1]
+        self._floor = after if after < low else low
+        after = self._overs_after[pos + 1]
+        self._top_over = after if after > top else top
+        self._pos = pos + 1 if pos + 1 < self.window else 0
+        if count < self.window:
+            self._count = count + 1
+
+    def _clear_window(self) -> None:
+        """Empty the window (a ring of ``window`` slots of losses and of their excesses)."""
+        w = self.window
+        self._losses: List[float] = [0.0] * w  # the healthy losses, slot by slot
+        self._overs: List[float] = [0.0] * w  # each one's excess over the floor it came to (for state_dict)
+        self._count = 0  # losses in the window
+        self._pos = 0  # the slot the next loss takes
+        self._lows_after = [_INF] * (w + 1)  # tail_extremes of the last finished block (none yet)
+        self._overs_after = [-_INF] * (w + 1)
+        self._block_low, self._block_top = _INF, -_INF  # this block's lowest loss and largest excess so far
+        self._floor = _INF  # the window's lowest loss
+        self._top_over = -_INF  # the window's largest excess
 
     def _set_run_range(self, run_max: float, run_min: float) -> None:
         """Set the run's extremes and the range the hard rule measures in (under it: float rounding)."""
@@ -306,7 +345,7 @@ class SpikeDetector:
         JSON-ready."""
         return {
             "losses": self._window_losses(),
-            "excess": [over for _, over in self._window],
+            "excess": oldest_first(self._overs, self._count, self._pos),
             "run_max": self.run_max if math.isfinite(self.run_max) else None,
             "run_min": self.run_min if math.isfinite(self.run_min) else None,
             "start": list(self.start),
@@ -316,9 +355,7 @@ class SpikeDetector:
         """Put back the window of healthy losses (``excess``, ``run_max`` and ``run_min`` are absent
         from snapshots of earlier versions: the excesses are recomputed from the window, the window's
         extremes stand in for the run's)."""
-        self._window = deque(maxlen=self.window)
-        self._lows.clear()
-        self._excess.clear()
+        self._clear_window()
         self._set_run_range(-math.inf, math.inf)
         self._streak, self.rising, self._gate, self._gated = 0, False, math.inf, -LEVEL_REFRESH
         losses, excess = state["losses"], state.get("excess")
