@@ -26,8 +26,12 @@ __all__ = ["capture_optimizer", "check_optimizer", "restore_optimizer", "is_stat
 def is_state_tensor(name: str) -> bool:
     """Whether a snapshot tensor is per-parameter optimizer state: ``optim/state/...``, or
     ``optim/{name}/state/...`` for one of several optimizers (whose finiteness gates a snapshot)."""
-    parts = name.split("/", 3)
-    return parts[0] == "optim" and len(parts) > 2 and (parts[1] == "state" or parts[2] == "state")
+    if name[:12] == "optim/state/":  # (slices, not a split: every tensor of every snapshot is asked)
+        return True
+    if name[:6] != "optim/":
+        return False
+    member = name[6:].partition("/")[2]  # ("{name}/state/...": one of several optimizers)
+    return member == "state" or member[:6] == "state/"
 
 
 def _type_name(obj: Any) -> str:

@@ -401,9 +401,11 @@ def validate_meta(meta: Any, where: str) -> None:
 def _check_counters(counters: Mapping[str, int]) -> Dict[str, int]:
     out: Dict[str, int] = {}
     for key, value in counters.items():
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise SnapshotError(f"counters[{key!r}]: got {value!r}; expected an int")
-        out[str(key)] = int(value)
+        if type(value) is not int:  # (an exact int, the usual counter, is taken without a call)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise SnapshotError(f"counters[{key!r}]: got {value!r}; expected an int")
+            value = int(value)
+        out[str(key)] = value
     if "step" not in out:
         raise SnapshotError(f"counters: 'step' is required (got keys {sorted(out)})")
     return out
