@@ -149,6 +149,7 @@ class MemoryStore(SnapshotStore):
         slot.meta_json, slot.seq = None, -1  # not restorable while its buffers are overwritten
         plan = slot.plan
         if plan is None or plan.layout != layout or plan.streamed != streamed:
+            slot.plan = None  # (until the buffers fit again: a failed reallocation leaves no stale plan)
             plan = slot.plan = self._plan(slot, tensors, layout, streamed)
         copy_all_(plan.dst, [tensors[n] for n in plan.copied])
         if plan.checked:
