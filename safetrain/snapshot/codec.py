@@ -55,6 +55,11 @@ def encode(obj: Any, path: str, sink: Callable[[str, torch.Tensor], None]) -> An
             k: v if type(v) in _AS_IS or (type(v) is float and v - v == 0.0) else encode(v, f"{path}/{k}", sink)
             for k, v in obj.items()
         }
+    if kind is torch.Tensor or kind is torch.nn.Parameter:  # (optimizer state: no isinstance chain)
+        sink(path, obj)
+        return {_TENSOR: path}
+    if kind is list:
+        return _encode_items(obj, path, sink)
     if isinstance(obj, (np.number, np.bool_)):  # before float: np.float64 subclasses float
         return {_NUMPY: [obj.dtype.str, encode(obj.item(), path, sink)]}
     if obj is None or isinstance(obj, (bool, str)):
@@ -103,9 +108,10 @@ def decode(obj: Any, tensors: Mapping[str, torch.Tensor], where: str = "snapshot
     Raises:
         SnapshotError: a reference names a missing tensor, or a tag is malformed.
     """
-    if isinstance(obj, list):  # (a plain number or string item as it is: no call per item)
+    kind = type(obj)  # (exact types first, without a call: JSON gives exact lists and dicts)
+    if kind is list or (kind is not dict and isinstance(obj, list)):  # (a plain item as it is: no call per item)
         return [v if type(v) in _LEAVES else decode(v, tensors, where) for v in obj]
-    if not isinstance(obj, dict):
+    if kind is not dict and not isinstance(obj, dict):
         return obj
     if len(obj) == 1:
         ((tag, value),) = obj.items()

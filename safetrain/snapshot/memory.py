@@ -13,14 +13,23 @@ import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Literal, Optional
+from typing import Any, Dict, Iterable, List, Literal, Optional, Set
 
 import torch
 
 from ..errors import SnapshotError
 from .state import Captured, TrainState
 from .store import SnapshotInfo, SnapshotStore, make_info
-from .tensors import alloc_like, copy_all_, copy_checked_, layout_of, streamable
+from .tensors import (
+    Chunks,
+    alloc_like,
+    chunks_of,
+    copy_all_,
+    copy_chunks_checked_,
+    layout_of,
+    streamable,
+    unpinned_array,
+)
 
 __all__ = ["MemoryStore"]
 
@@ -29,6 +38,20 @@ log = logging.getLogger(__name__)
 # Threads for the one-pass copy and check: torch's intra-op thread count, at most this many.
 # Memory bandwidth is usually saturated well before; more threads would queue on the GIL.
 _MAX_THREADS = 8
+
+
+@dataclass
+class _Plan:
+    """How a capture of one layout is copied into a slot, kept while the layout holds: the fit of
+    each buffer and the route of each tensor are then worked out once, not at every snapshot."""
+
+    layout: List[Any]  # (name, shape, dtype, device, stride) of each tensor captured
+    streamed: Set[str]  # the names copied and checked in one pass (``copy_chunks_checked_``)
+    checked: List[str] = field(default_factory=list)  # those names, in capture order
+    copied: List[str] = field(default_factory=list)  # the others, copied by ``copy_all_`` ...
+    dst: List[torch.Tensor] = field(default_factory=list)  # ... into these buffers
+    sources: List[int] = field(default_factory=list)  # data_ptr of each live tensor ``chunks`` reads
+    chunks: Optional[Chunks] = None
 
 
 @dataclass
@@ -41,6 +64,7 @@ class _Slot:
     meta_json: Optional[str] = None
     seq: int = -1
     step: Any = "?"  # the step of the snapshot it holds or last held, for messages
+    plan: Optional[_Plan] = None  # how the last capture was copied in (None: none since the buffers were cleared)
 
     def meta(self) -> Dict[str, Any]:
         return json.loads(self.meta_json or "{}")
@@ -97,6 +121,8 @@ class MemoryStore(SnapshotStore):
         self._slots: List[_Slot] = [_Slot(i) for i in range(keep)]
         self._seq = 0
         self._pool: Optional[ThreadPoolExecutor] = None  # started by the first one-pass copy, if threads > 1
+        self._layout: List[Any] = []  # the last capture's layout (see _Plan) and its streamable names
+        self._streamable: Set[str] = set()
 
     def _target(self, t: torch.Tensor) -> torch.device:
         return torch.device("cpu") if self.device == "cpu" else t.device
@@ -109,43 +135,58 @@ class MemoryStore(SnapshotStore):
         # Another snapshot survives whatever happens to this slot: check while copying (see the class docstring).
         fallback = any(s.meta_json is not None for s in self._slots if s is not slot)
         tensors = captured.tensors
-        streamed = {
-            n
-            for n in captured.checked
-            if fallback and n not in captured.accepted and streamable(tensors[n], self._target(tensors[n]))
-        }
+        layout = [(n, t.shape, t.dtype, t.device, t.stride()) for n, t in tensors.items()]
+        if layout != self._layout:  # (what streamable says depends on the layout only: asked once per layout)
+            self._layout = layout
+            self._streamable = {n for n, t in tensors.items() if streamable(t, self._target(t))}
+        streamed = {n for n in captured.checked if n not in captured.accepted and n in self._streamable}
+        if not fallback:
+            streamed.clear()
         if self._refused(captured, [n for n in captured.checked if n not in streamed]):
             return None  # before any buffer is touched: older snapshots stay intact
         lost = f"; {self._slot_name(slot)} was being overwritten and is dropped" if slot.meta_json else ""
         step = captured.meta["counters"]["step"]
         slot.meta_json, slot.seq = None, -1  # not restorable while its buffers are overwritten
-        dst, src, checked_copies = [], [], []
-        for name, t in captured.tensors.items():
+        plan = slot.plan
+        if plan is None or plan.layout != layout or plan.streamed != streamed:
+            slot.plan = None  # (until the buffers fit again: a failed reallocation leaves no stale plan)
+            plan = slot.plan = self._plan(slot, tensors, layout, streamed)
+        copy_all_(plan.dst, [tensors[n] for n in plan.copied])
+        if plan.checked:
+            sources = [tensors[n].data_ptr() for n in plan.checked]
+            if plan.chunks is None or sources != plan.sources:  # (first copy, or a live tensor moved)
+                pairs = [(slot.buffers[n].view(-1).numpy(), unpinned_array(tensors[n])) for n in plan.checked]
+                plan.chunks, plan.sources = chunks_of(pairs), sources
+            threads = min(torch.get_num_threads(), _MAX_THREADS)
+            if threads > 1 and self._pool is None:
+                self._pool = ThreadPoolExecutor(_MAX_THREADS - 1, thread_name_prefix="safetrain-memory-snapshot")
+            bad = copy_chunks_checked_(plan.chunks, self._pool, threads)
+            if bad:
+                self._warn_refused(captured, [plan.checked[i] for i in bad], lost)
+                return None  # the slot stays empty: its buffers hold the non-finite copy
+        slot.meta_json, slot.seq, slot.step = meta_json, self._seq, step
+        self._seq += 1
+        log.debug("memory snapshot at step %d in slot %d", step, slot.index)
+        return self._info(slot, captured.meta)  # what meta_json holds, without parsing it back
+
+    def _plan(self, slot: _Slot, tensors: Dict[str, torch.Tensor], layout: List[Any], streamed: Set[str]) -> _Plan:
+        """Fit the slot's buffers to a new layout (reallocating those that no longer fit) and route
+        each tensor: copied and checked in one pass when streamed, else copied by ``copy_all_``."""
+        plan = _Plan(layout, set(streamed))
+        for name, t in tensors.items():
             target = self._target(t)
             buf = slot.buffers.get(name)
             if buf is None or not _fits(buf, t, target):
                 buf = slot.buffers[name] = alloc_like(t, target)
             slot.homes[name] = t.device
             if name in streamed:
-                checked_copies.append((name, buf, t))
+                plan.checked.append(name)
             else:
-                dst.append(buf)
-                src.append(t)
-        for name in set(slot.buffers) - set(captured.tensors):
+                plan.copied.append(name)
+                plan.dst.append(buf)
+        for name in set(slot.buffers) - set(tensors):
             del slot.buffers[name], slot.homes[name]
-        copy_all_(dst, src)
-        if checked_copies:
-            threads = min(torch.get_num_threads(), _MAX_THREADS)
-            if threads > 1 and self._pool is None:
-                self._pool = ThreadPoolExecutor(_MAX_THREADS - 1, thread_name_prefix="safetrain-memory-snapshot")
-            bad = copy_checked_(checked_copies, self._pool, threads)
-            if bad:
-                self._warn_refused(captured, bad, lost)
-                return None  # the slot stays empty: its buffers hold the non-finite copy
-        slot.meta_json, slot.seq, slot.step = meta_json, self._seq, step
-        self._seq += 1
-        log.debug("memory snapshot at step %d in slot %d", step, slot.index)
-        return self._info(slot, captured.meta)  # what meta_json holds, without parsing it back
+        return plan
 
     def _candidates(self) -> Iterable[_Slot]:
         return sorted((s for s in self._slots if s.meta_json is not None), key=lambda s: -s.seq)
@@ -189,6 +230,7 @@ class MemoryStore(SnapshotStore):
         for slot in self._slots:
             slot.buffers.clear()
             slot.homes.clear()
+            slot.plan = None
             slot.meta_json = None
 
     def nbytes(self) -> int:

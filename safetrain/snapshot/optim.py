@@ -11,7 +11,7 @@ under ``optim/{name}/...``, their JSON under ``{"type": "safetrain.Optimizers", 
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -20,14 +20,24 @@ from ..optimizers import SEVERAL, members
 from .codec import decode, encode
 from .tensors import copy_all_
 
-__all__ = ["capture_optimizer", "check_optimizer", "restore_optimizer", "is_state_tensor"]
+__all__ = ["capture_optimizer", "check_optimizer", "restore_optimizer", "is_state_tensor", "state_tensor_names"]
 
 
 def is_state_tensor(name: str) -> bool:
     """Whether a snapshot tensor is per-parameter optimizer state: ``optim/state/...``, or
     ``optim/{name}/state/...`` for one of several optimizers (whose finiteness gates a snapshot)."""
-    parts = name.split("/", 3)
-    return parts[0] == "optim" and len(parts) > 2 and (parts[1] == "state" or parts[2] == "state")
+    if name[:12] == "optim/state/":  # (slices, not a split: every tensor of every snapshot is asked)
+        return True
+    if name[:6] != "optim/":
+        return False
+    member = name[6:].partition("/")[2]  # ("{name}/state/...": one of several optimizers)
+    return member == "state" or member[:6] == "state/"
+
+
+def state_tensor_names(names: Iterable[str]) -> List[str]:
+    """The names among ``names`` that :func:`is_state_tensor` accepts, in order: one call for a
+    whole capture, a single optimizer's ``optim/state/`` names matched without a call each."""
+    return [n for n in names if n[:12] == "optim/state/" or (n[:6] == "optim/" and is_state_tensor(n))]
 
 
 def _type_name(obj: Any) -> str:

@@ -18,7 +18,7 @@ from ..adapters.compiled import plain_namer
 from ..errors import SafetrainError, SnapshotError
 from .accepted import Pattern, check_patterns, patterns_of
 from .codec import decode, encode, tensor_refs
-from .optim import capture_optimizer, check_optimizer, is_state_tensor, restore_optimizer
+from .optim import capture_optimizer, check_optimizer, restore_optimizer, state_tensor_names
 from .rng import capture_rng, restore_rng
 from .store import CorruptSnapshotError
 from .tensors import copy_all_, put_buffer_
@@ -153,7 +153,7 @@ class TrainState:
         checked = list(tensors)
         accepted = {n: p for n, p in self.accepted.items() if n in tensors}
         optim = capture_optimizer(self.optimizer, sink)
-        checked += [n for n in tensors if is_state_tensor(n)]
+        checked += state_tensor_names(tensors)
         meta: Dict[str, Any] = {
             "format": FORMAT,
             "version": VERSION,
@@ -203,13 +203,13 @@ class TrainState:
         aliases: Dict[str, str] = {}
         seen: Dict[tuple, str] = {}
         for name, t in self._model_state().items():
-            if not isinstance(t, torch.Tensor):
+            if type(t) is not torch.Tensor and not isinstance(t, torch.Tensor):  # (exact type first: no call)
                 raise SnapshotError(
                     f"model.state_dict()[{name!r}]: is a {type(t).__name__}, not a tensor; "
                     "snapshots hold tensors only (extra module state cannot be stored without pickle)"
                 )
             key = (t.device, t.dtype, t.data_ptr(), tuple(t.shape), tuple(t.stride()))
-            if t.numel() and key in seen:  # tied weights: store once
+            if key in seen and t.numel():  # tied weights: store once
                 aliases[name] = seen[key]
                 continue
             seen[key] = name
@@ -401,9 +401,11 @@ def validate_meta(meta: Any, where: str) -> None:
 def _check_counters(counters: Mapping[str, int]) -> Dict[str, int]:
     out: Dict[str, int] = {}
     for key, value in counters.items():
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise SnapshotError(f"counters[{key!r}]: got {value!r}; expected an int")
-        out[str(key)] = int(value)
+        if type(value) is not int:  # (an exact int, the usual counter, is taken without a call)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise SnapshotError(f"counters[{key!r}]: got {value!r}; expected an int")
+            value = int(value)
+        out[str(key)] = value
     if "step" not in out:
         raise SnapshotError(f"counters: 'step' is required (got keys {sorted(out)})")
     return out

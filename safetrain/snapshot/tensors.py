@@ -19,7 +19,7 @@ import ctypes
 import math
 from collections import defaultdict
 from concurrent.futures import Executor
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -33,6 +33,9 @@ __all__ = [
     "copy_all_",
     "put_buffer_",
     "copy_checked_",
+    "Chunks",
+    "chunks_of",
+    "copy_chunks_checked_",
     "streamable",
     "byte_view",
     "unpinned_array",
@@ -145,14 +148,38 @@ def copy_checked_(
         >>> dst
         tensor([1., inf])
     """
+    pairs = [(dst.detach().view(-1).numpy(), unpinned_array(src)) for _, dst, src in named]  # (buffer; live tensor)
+    return [named[i][0] for i in copy_chunks_checked_(chunks_of(pairs), pool, threads)]
+
+
+class Chunks(NamedTuple):
+    """Flat ``(dst, src)`` arrays cut into the chunks :func:`copy_chunks_checked_` deals to its threads.
+
+    Valid while every array's memory is: a store that keeps its buffers and sees the same live
+    tensors at the same addresses reuses one instead of cutting the arrays again at each copy.
+    """
+
+    tasks: List[Tuple[int, np.ndarray, np.ndarray, int, int]]  # (pair index, dst, src, lo, hi)
+    nbytes: int
+
+
+def chunks_of(pairs: Sequence[Tuple[np.ndarray, np.ndarray]]) -> Chunks:
+    """Cut each ``(dst, src)`` pair of flat float32/float64 arrays of one size into chunks."""
     tasks: List[Tuple[int, np.ndarray, np.ndarray, int, int]] = []
     total = 0
-    for i, (_, dst, src) in enumerate(named):
-        d, s = dst.detach().view(-1).numpy(), unpinned_array(src)  # (the store's buffer; the live tensor)
-        step = max(1, _CHUNK_BYTES // d.itemsize)
-        tasks.extend((i, d, s, lo, lo + step) for lo in range(0, d.size, step))
+    for i, (d, s) in enumerate(pairs):
+        step = _CHUNK_BYTES // d.itemsize  # (itemsize 4 or 8: thousands of elements a chunk)
+        for lo in range(0, d.size, step):
+            tasks.append((i, d, s, lo, lo + step))
         total += d.nbytes
-    threads = max(1, min(threads, total // _BYTES_PER_THREAD)) if pool is not None else 1
+    return Chunks(tasks, total)
+
+
+def copy_chunks_checked_(chunks: Chunks, pool: Optional[Executor] = None, threads: int = 1) -> List[int]:
+    """Copy and check ``chunks`` as :func:`copy_checked_` does; the indices of the pairs whose
+    source holds a NaN or an Inf, in order."""
+    tasks = chunks.tasks
+    threads = max(1, min(threads, chunks.nbytes // _BYTES_PER_THREAD)) if pool is not None else 1
     futures = [pool.submit(_copy_check, tasks[k::threads]) for k in range(1, threads)]
     try:
         flagged = _copy_check(tasks[::threads])
@@ -161,8 +188,7 @@ def copy_checked_(
     for more in flagged_elsewhere:
         flagged += more
     # Only flagged chunks get the exact (allocating) check; an overflowed dot is not a NaN.
-    bad = {i for i, d, lo, hi in flagged if not np.isfinite(d[lo:hi]).all()}
-    return [named[i][0] for i in sorted(bad)]
+    return sorted({i for i, d, lo, hi in flagged if not np.isfinite(d[lo:hi]).all()})
 
 
 def _copy_check(

@@ -159,6 +159,29 @@ def test_memory_store_reuses_buffers():
     assert len(store) == 2
 
 
+def test_memory_store_reads_a_live_tensor_where_it_is_now():
+    """The one-pass copy keeps its plan while the layout holds; a parameter given new memory of
+    the same layout (``.data =``) is then copied and checked from its new memory, not the old."""
+    state = _setup("adam", False, "none")
+    _train(state, 1)
+    weight = state.model[0].weight
+    with MemoryStore(keep=2) as store:
+        for step in range(4):  # both slots copied in one pass at least once: their plans are kept
+            store.save(state, {"step": step})
+            _train(state, 1)
+        old = weight.data
+        weight.data = old.clone() + 1.0  # same shape and strides, other memory
+        old.fill_(float("nan"))  # what a stale read would copy
+        rec = _record(state)
+        assert store.save(state, {"step": 4}) is not None, "the old memory is not read"
+        _train(state, 1)
+        assert store.restore(state).step == 4
+        assert_state_equal(state, rec, "restored from the moved weight")
+        weight.data = weight.data.clone()
+        _poison_at(weight, "last", float("nan"))
+        assert store.save(state, {"step": 5}) is None, "a NaN in the moved weight is found"
+
+
 def test_memory_store_device_model_keeps_copies_on_the_model_device():
     state = _setup("sgd_momentum", False, "none")
     store = MemoryStore(keep=1, device="model")
@@ -301,7 +324,7 @@ def test_refused_one_pass_snapshot_keeps_the_newer_one(what, monkeypatch, caplog
 @pytest.mark.parametrize("keep,saves", [(1, 1), (2, 0)])
 def test_without_a_fallback_the_check_comes_before_the_copy(keep, saves, monkeypatch):
     """keep=1, or the first save: nothing else would survive, so nothing is overwritten."""
-    monkeypatch.setattr(snapshot_memory, "copy_checked_", None)  # this path must not use it
+    monkeypatch.setattr(snapshot_memory, "copy_chunks_checked_", None)  # this path must not use it
     state = _setup("adam", False, "none")
     _train(state, 1)
     with MemoryStore(keep=keep) as store:
