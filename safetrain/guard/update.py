@@ -91,7 +91,7 @@ class Updates:
                 # (before this step joins them: for the event)
                 seen = {"mean": stats.mean, "std": math.sqrt(stats.var), "zscore": stats.zscore_of(total)}
             if clean:
-                stats.update(total if adaptive is None else adaptive)  # the norm as the clip leaves it
+                stats.update(total, adaptive)  # as read, and as the clip leaves it
         clipped = limit is not None and total is not None and math.isfinite(total) and limit / (total + 1e-6) < 1.0
         if limit is not None and total is not None:
             self.grads.clip_(limit, total)

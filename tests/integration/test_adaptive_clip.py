@@ -45,7 +45,7 @@ def reference(results: List[Any], cfg_warmup: int = 5) -> NormStats:
     for r in results:
         if r.trained:
             limit = ref.limit(r.grad_norm)
-            ref.update(r.grad_norm if limit is None else limit)
+            ref.update(r.grad_norm, limit)
     return ref
 
 
