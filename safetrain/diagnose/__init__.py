@@ -5,7 +5,9 @@
 (:mod:`.weight_replay`, kind ``weights``) and spends the run's replay budget
 (``detect.replay.max_per_run``); nothing else spends it. On a healthy step only
 :meth:`StepRNG.begin_step <.rng.StepRNG.begin_step>` runs (``diagnoser.rng``: a host-side RNG copy) and
-:meth:`Diagnoser.record_update` keeps references to the update's batches. Row bisection
+the weight replay's :meth:`~.weight_replay.WeightReplay.record` keeps references to the update's
+batches (the guard calls ``diagnoser.weight_replay.record`` with ``diagnoser.rng.state``;
+:meth:`Diagnoser.record_update` does the same for a caller that holds the diagnoser only). Row bisection
 (:mod:`.bisect`) and the quarantine of isolated samples (:mod:`.quarantine`) sit beside them, and
 the cause test (:mod:`.cause_test`: the batch under the current model and the snapshots').
 """
